@@ -1,0 +1,126 @@
+"""Probes of the Intel Gaudi software stack that are safe to call on any machine.
+
+Nothing here imports ``habana_frameworks`` at module import time: the package must import cleanly on machines
+without Gaudi software (CI, laptops, CUDA clusters). Every probe imports the bridge on demand and treats an
+``ImportError`` as "no Gaudi software". Other errors from a present but broken installation propagate, so a
+damaged install is reported instead of silently falling back to another device.
+"""
+
+import importlib
+import os
+from types import ModuleType
+from typing import Any, Optional, Union
+
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+__all__ = [
+    "check_eager_mode",
+    "hpu_device_count",
+    "hpu_memory_stats",
+    "is_hpu_available",
+    "is_test_double",
+]
+
+_HPU_MODULE = "habana_frameworks.torch.hpu"
+_LAZY_MODE_VARIABLE = "PT_HPU_LAZY_MODE"
+
+_INSTALL_HINT = (
+    "Install the Intel Gaudi software stack and its PyTorch bridge (see "
+    "https://docs.habana.ai/en/latest/Installation_Guide/index.html), or choose another accelerator, "
+    "e.g. `Trainer(accelerator='cpu')` or `Trainer(accelerator='cuda')`."
+)
+
+
+def _import_hpu_module() -> Optional[ModuleType]:
+    """Return ``habana_frameworks.torch.hpu``, or ``None`` when the Gaudi software is not installed."""
+    # Deliberately not cached: `sys.modules` already makes repeated imports cheap, and a cache would freeze the
+    # first answer even after a test double is put on `sys.path`.
+    try:
+        return importlib.import_module(_HPU_MODULE)
+    except ImportError:
+        return None
+
+
+def _require_hpu_module(*, requested: Any = None) -> ModuleType:
+    """Return ``habana_frameworks.torch.hpu`` or raise a clear error saying how to get it or avoid it."""
+    module = _import_hpu_module()
+    if module is None:
+        asked = "" if requested is None else f"You asked for HPU devices={requested!r}, but "
+        raise MisconfigurationException(
+            f"{asked}Intel Gaudi software was not found: `{_HPU_MODULE}` cannot be imported, so HPU devices "
+            f"cannot be used. {_INSTALL_HINT}"
+        )
+    return module
+
+
+def is_hpu_available() -> bool:
+    """Whether the Gaudi software is installed and reports at least one usable HPU."""
+    module = _import_hpu_module()
+    return module is not None and bool(module.is_available())
+
+
+def hpu_device_count() -> int:
+    """Number of HPUs visible to this process; 0 without Gaudi software."""
+    module = _import_hpu_module()
+    if module is None or not module.is_available():
+        return 0
+    return int(module.device_count())
+
+
+def hpu_memory_stats(device: Union[torch.device, str, int, None] = None) -> dict[str, Any]:
+    """Memory statistics of one HPU from ``habana_frameworks.torch.hpu.memory_stats``; ``{}`` when unavailable.
+
+    The keys are the bridge's own (``Limit``, ``InUse``, ``MaxInUse``, ``NumAllocs``, ...), values in bytes or counts.
+    """
+    module = _import_hpu_module()
+    if module is None:
+        return {}
+    memory_stats = getattr(module, "memory_stats", None)
+    if memory_stats is None:
+        # Older bridges lack memory_stats; device stats are optional telemetry, never a reason to fail training.
+        return {}
+    return dict(memory_stats(device))
+
+
+def is_test_double() -> bool:
+    """Whether the importable ``habana_frameworks`` is this project's CPU test double (``tests/fakes``).
+
+    The double sets ``habana_frameworks.IS_TEST_DOUBLE = True``; the strategy uses this to run the compute of
+    ``hpu`` devices on CPU tensors, since a CPU build of torch cannot allocate real HPU tensors.
+    """
+    try:
+        package = importlib.import_module("habana_frameworks")
+    except ImportError:
+        return False
+    return getattr(package, "IS_TEST_DOUBLE", False) is True
+
+
+def check_eager_mode() -> None:
+    """Raise unless the Gaudi bridge is configured for eager mode (``PT_HPU_LAZY_MODE=0``).
+
+    The FSDP engine frees gathered parameters and issues collectives from hooks as it goes, which assumes every
+    operation runs when it is issued. Gaudi's lazy mode instead accumulates operations into graphs that run at
+    ``mark_step()`` boundaries, so FSDP is only supported in eager mode. The variable is read by the bridge when
+    ``habana_frameworks`` is first imported, so it has to be set in the environment before the process starts;
+    an unset variable counts as lazy because that is the default of many Gaudi releases.
+
+    If eager mode itself shows stability problems (hangs or wrong results), also set
+    ``PT_HPU_EAGER_PIPELINE_ENABLE=0`` to turn off the eager pipeline.
+
+    Both the accelerator's ``setup_device`` and the strategy call this, so the check runs before any collective.
+
+    Raises:
+        MisconfigurationException: if ``PT_HPU_LAZY_MODE`` is unset or not ``"0"``.
+    """
+    value = os.environ.get(_LAZY_MODE_VARIABLE)
+    if value is not None and value.strip() == "0":
+        return
+    shown = "unset (lazy mode on many Gaudi releases)" if value is None else f"{value!r}"
+    raise MisconfigurationException(
+        f"FSDP cannot run in Intel Gaudi lazy mode, but {_LAZY_MODE_VARIABLE} is {shown}. Lazy mode defers operations "
+        "to graph boundaries, while FSDP frees gathered parameters and runs collectives as it goes. Set "
+        f"`{_LAZY_MODE_VARIABLE}=0` in the environment before the process starts (before `habana_frameworks` is "
+        f"imported), e.g. `{_LAZY_MODE_VARIABLE}=0 python train.py`. If eager mode then shows stability problems, "
+        "also set `PT_HPU_EAGER_PIPELINE_ENABLE=0`."
+    )

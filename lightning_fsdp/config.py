@@ -1,0 +1,142 @@
+"""User-facing option types and their validation.
+
+Every public option is parsed here, once, on every rank, before any collective runs: a bad value raises
+the same ``ValueError``/``TypeError`` everywhere instead of leaving one rank waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+
+class ShardingStrategy(enum.Enum):
+    """How parameters, gradients and optimizer state are split across the ranks of the shard group.
+
+    FULL_SHARD: parameters are gathered for each unit's forward, freed, and gathered again for its backward.
+    SHARD_GRAD_OP: parameters stay gathered from a unit's forward until its backward has finished.
+    NO_SHARD: every rank keeps the whole model and gradients are all-reduced, as with DDP.
+    """
+
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+
+
+class BackwardPrefetch(enum.Enum):
+    """When the next unit's all-gather is issued during backward."""
+
+    BACKWARD_PRE = "BACKWARD_PRE"
+    BACKWARD_POST = "BACKWARD_POST"
+
+
+class StateDictType(enum.Enum):
+    """The checkpoint format written by the strategy."""
+
+    FULL = "full"
+    SHARDED = "sharded"
+    LOCAL = "local"
+
+
+def _parse_enum(value: Any, enum_cls: type[enum.Enum], option: str) -> enum.Enum:
+    if isinstance(value, enum_cls):
+        return value
+    if isinstance(value, str):
+        for member in enum_cls:
+            if value.upper() == member.name or value == member.value:
+                return member
+    choices = ", ".join(repr(m.value) for m in enum_cls)
+    raise ValueError(f"{option}={value!r} is not valid; choose one of {choices}.")
+
+
+def parse_sharding_strategy(value: Any) -> ShardingStrategy:
+    return _parse_enum(value, ShardingStrategy, "sharding_strategy")  # type: ignore[return-value]
+
+
+def parse_backward_prefetch(value: Any) -> BackwardPrefetch | None:
+    if value is None:
+        return None
+    return _parse_enum(value, BackwardPrefetch, "backward_prefetch")  # type: ignore[return-value]
+
+
+def parse_state_dict_type(value: Any) -> StateDictType:
+    return _parse_enum(value, StateDictType, "state_dict_type")  # type: ignore[return-value]
+
+
+WrapPolicyCallable = Callable[[nn.Module, bool, int], bool]
+AutoWrapPolicy = Union[set[type[nn.Module]], WrapPolicyCallable, int, None]
+
+
+@dataclass(frozen=True)
+class WrapPolicy:
+    """A normalised auto-wrap policy: decides which modules become their own sharded unit.
+
+    ``classes``: modules of these types are units. ``fn``: a callable ``(module, recurse, nonwrapped_numel)``
+    with the meaning torch's FSDP gives it. ``min_num_params``: a module with at least this many parameters
+    not already inside a unit becomes a unit.
+    """
+
+    classes: tuple[type[nn.Module], ...] = ()
+    fn: WrapPolicyCallable | None = None
+    min_num_params: int | None = None
+
+    def is_empty(self) -> bool:
+        return not self.classes and self.fn is None and self.min_num_params is None
+
+
+def parse_module_classes(value: Any, option: str) -> tuple[type[nn.Module], ...]:
+    """Accepts a set/list/tuple of ``nn.Module`` subclasses, or their import paths as strings."""
+    if isinstance(value, (str, type)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{option}={value!r} is not valid; expected a set of nn.Module subclasses (or their import paths)."
+        )
+    classes = []
+    for item in value:
+        if isinstance(item, str):
+            item = _import_class(item, option)
+        if not (isinstance(item, type) and issubclass(item, nn.Module)):
+            raise TypeError(f"{option} contains {item!r}, which is not an nn.Module subclass.")
+        classes.append(item)
+    return tuple(classes)
+
+
+def _import_class(path: str, option: str) -> type:
+    import importlib
+
+    module_name, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"{option} names {path!r}, which cannot be imported: {err}") from err
+
+
+def parse_auto_wrap_policy(value: Any) -> WrapPolicy:
+    """Normalises ``auto_wrap_policy``: a set of module classes, a callable, an int minimum parameter count or None."""
+    if value is None:
+        return WrapPolicy()
+    if isinstance(value, bool):
+        raise TypeError(_wrap_policy_error(value))
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"auto_wrap_policy={value!r}: a minimum parameter count must be a positive int.")
+        return WrapPolicy(min_num_params=value)
+    if isinstance(value, type) and issubclass(value, nn.Module):
+        return WrapPolicy(classes=(value,))
+    if isinstance(value, (set, frozenset, list, tuple)):
+        return WrapPolicy(classes=parse_module_classes(value, "auto_wrap_policy"))
+    if callable(value):
+        return WrapPolicy(fn=value)
+    raise TypeError(_wrap_policy_error(value))
+
+
+def _wrap_policy_error(value: Any) -> str:
+    return (
+        f"auto_wrap_policy={value!r} ({type(value).__name__}) is not valid; expected a set of nn.Module "
+        "classes, a callable (module, recurse, nonwrapped_numel) -> bool, a positive int minimum parameter "
+        "count, or None."
+    )

@@ -1,0 +1,73 @@
+"""The collectives the engine uses, behind one small interface that also counts the bytes it moves.
+
+Only ``all_gather``/``reduce_scatter``/``all_reduce``/``broadcast`` on flat tensors are used, because those exist on
+gloo, NCCL and HCCL alike. Reductions are always SUM followed by an explicit division: ``ReduceOp.AVG`` and
+``PREMUL_SUM`` are missing on some backends, and gloo on older torch returned SUM for them without a word.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the flat collectives; older releases only have the *_tensor names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank sent into each kind of collective since the last ``reset`` (input sizes)."""
+
+    all_gather_bytes: int = 0
+    reduce_scatter_bytes: int = 0
+    all_reduce_bytes: int = 0
+    all_gather_calls: int = 0
+    reduce_scatter_calls: int = 0
+    all_reduce_calls: int = 0
+    # The largest number of units whose full parameters were alive at the same time.
+    peak_gathered_units: int = 0
+
+    def reset(self) -> None:
+        self.__init__()  # type: ignore[misc]
+
+
+class Communicator:
+    """Collectives over one process group (the shard group), with byte accounting."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.stats = CommStats()
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
+        """``output`` (N * shard.numel(),) receives every rank's ``shard`` in rank order."""
+        self.stats.all_gather_bytes += shard.numel() * shard.element_size()
+        self.stats.all_gather_calls += 1
+        if self.world_size == 1:
+            output.copy_(shard)
+            return
+        _all_gather_flat(output, shard, group=self.group)
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> None:
+        """SUM-reduce ``full`` (N * output.numel(),) across ranks; this rank receives its slice in ``output``."""
+        self.stats.reduce_scatter_bytes += full.numel() * full.element_size()
+        self.stats.reduce_scatter_calls += 1
+        if self.world_size == 1:
+            output.copy_(full)
+            return
+        _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group)
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        self.stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
+        self.stats.all_reduce_calls += 1
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=op, group=self.group)
+
+    def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
+        if self.world_size > 1:
+            dist.broadcast(tensor, group=self.group, group_src=src_rank)

@@ -1,0 +1,67 @@
+"""One parameter's shard layout: ``torch.chunk`` semantics on dim 0 over the shard group.
+
+Rank ``r`` of ``N`` holds rows ``[r*c, min((r+1)*c, d0))`` with ``c = ceil(d0 / N)``; ranks past the end hold zero
+rows. Communication buffers give every rank ``c`` rows so that one flat collective serves a whole unit; the
+padding rows are zero and never reach a user-visible tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    shape: torch.Size
+    world_size: int
+    rank: int
+
+    @property
+    def rows(self) -> int:
+        # A 0-dim parameter is laid out as one row of one element.
+        return self.shape[0] if len(self.shape) > 0 else 1
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
+
+    @property
+    def chunk_rows(self) -> int:
+        return -(-self.rows // self.world_size)
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements each rank contributes to a flat collective buffer."""
+        return self.chunk_rows * self.row_numel
+
+    def rows_of(self, rank: int) -> tuple[int, int]:
+        start = min(rank * self.chunk_rows, self.rows)
+        end = min(start + self.chunk_rows, self.rows)
+        return start, end
+
+    @property
+    def local_rows(self) -> int:
+        start, end = self.rows_of(self.rank)
+        return end - start
+
+    @property
+    def local_numel(self) -> int:
+        return self.local_rows * self.row_numel
+
+    @property
+    def local_shape(self) -> torch.Size:
+        tail = tuple(self.shape[1:]) if len(self.shape) > 0 else ()
+        return torch.Size((self.local_rows, *tail))
+
+    @property
+    def padded_full_shape(self) -> torch.Size:
+        tail = tuple(self.shape[1:]) if len(self.shape) > 0 else ()
+        return torch.Size((self.chunk_rows * self.world_size, *tail))
+
+    def local_slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full (unpadded) tensor of ``shape``."""
+        start, end = self.rows_of(self.rank)
+        return full.reshape(self.rows, self.row_numel)[start:end].reshape(self.local_shape)

@@ -1,0 +1,150 @@
+"""``fully_shard``: turn a module into a sharded model in place and return the engine that drives it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fsdp.config import ShardingStrategy, parse_auto_wrap_policy, parse_sharding_strategy
+from lightning_fsdp.engine.comm import Communicator
+from lightning_fsdp.engine.shard import ShardLayout
+from lightning_fsdp.engine.state import ShardingEngine
+from lightning_fsdp.engine.unit import FlatUnit, ParamSlot
+from lightning_fsdp.engine.wrap import assign_owners, ignored_module_set, select_unit_modules
+
+_ENGINE_ATTR = "_lightning_fsdp_engine"
+
+
+def get_engine(module: nn.Module) -> ShardingEngine | None:
+    """The engine that sharded ``module``, if any."""
+    return module.__dict__.get(_ENGINE_ATTR)
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    replicate_group: dist.ProcessGroup | None = None,
+    sharding_strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
+    auto_wrap_policy: Any = None,
+    ignored_modules: Iterable[nn.Module] | None = None,
+    device: torch.device | str = "cpu",
+    sync_module_states: bool = False,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+) -> ShardingEngine:
+    """Shard ``module``'s parameters in place across ``process_group`` (default: the whole world).
+
+    Parameters keep their identity and names: each ``nn.Parameter`` afterwards holds this rank's rows, and the
+    optimizer built over ``module.parameters()`` sees only shards. Modules still on the meta device are
+    materialised one unit at a time (``param_init_fn`` or each module's ``reset_parameters``) and sharded at
+    once, so no rank ever holds more than one unit in full.
+    """
+    strategy = parse_sharding_strategy(sharding_strategy)
+    policy = parse_auto_wrap_policy(auto_wrap_policy)
+    if get_engine(module) is not None:
+        raise ValueError(f"{type(module).__name__} is already sharded; call fully_shard once per module.")
+    device = torch.device(device)
+    ignored = list(ignored_modules or ())
+    ignored_ids = ignored_module_set(module, ignored)
+
+    shard_comm = Communicator(process_group)
+    replicate_comm = Communicator(replicate_group) if replicate_group is not None else None
+    sharded = strategy is not ShardingStrategy.NO_SHARD
+    world, rank = (shard_comm.world_size, shard_comm.rank) if sharded else (1, 0)
+
+    unit_modules = select_unit_modules(module, policy, ignored)
+    owners = assign_owners(module, unit_modules, ignored_ids)
+    owned: dict[int, list[int]] = {id(m): [] for m in unit_modules}
+    params_by_id = {id(p): p for p in module.parameters()}
+    for pid, (owner, _uses, _name) in owners.items():
+        owned[id(owner)].append(pid)
+    unit_of_module = _innermost_units(module, unit_modules, ignored_ids)
+
+    units = []
+    for unit_module in unit_modules:
+        own_modules = [m for m in unit_module.modules() if unit_of_module.get(id(m)) is unit_module]
+        _materialize(own_modules, device, param_init_fn)
+        if sync_module_states:
+            _broadcast_from_rank0(own_modules, [params_by_id[pid] for pid in owned[id(unit_module)]])
+        slots = []
+        for pid in owned[id(unit_module)]:
+            _owner, uses, name = owners[pid]
+            param = params_by_id[pid]
+            slots.append(ParamSlot(fqn=name, param=param, uses=uses,
+                                   layout=ShardLayout(param.shape, world, rank)))
+        units.append(FlatUnit(
+            name=_module_name(module, unit_module),
+            module=unit_module,
+            slots=slots,
+            shard_comm=shard_comm,
+            replicate_comm=replicate_comm,
+            sharded=sharded,
+            reshard_after_forward=strategy is ShardingStrategy.FULL_SHARD,
+        ))
+    engine = ShardingEngine(module, units, shard_comm, replicate_comm, strategy)
+    module.__dict__[_ENGINE_ATTR] = engine
+    return engine
+
+
+def _module_name(root: nn.Module, target: nn.Module) -> str:
+    if target is root:
+        return "<root>"
+    return next(name for name, m in root.named_modules() if m is target)
+
+
+def _innermost_units(root: nn.Module, unit_modules: list[nn.Module], ignored_ids: set[int]) -> dict[int, nn.Module]:
+    unit_ids = {id(m) for m in unit_modules}
+    result: dict[int, nn.Module] = {}
+
+    def walk(module: nn.Module, current: nn.Module) -> None:
+        if id(module) in ignored_ids or id(module) in result:
+            return
+        if id(module) in unit_ids:
+            current = module
+        result[id(module)] = current
+        for child in module.children():
+            walk(child, current)
+
+    walk(root, root)
+    return result
+
+
+def _has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)))
+
+
+def _materialize(modules: list[nn.Module], device: torch.device, param_init_fn: Callable | None) -> None:
+    """Allocate and initialise this unit's meta-device tensors on ``device``, keeping Parameter identity (ties)."""
+    meta_modules = [m for m in modules if _has_meta(m)]
+    if not meta_modules:
+        return
+    for module in meta_modules:
+        for param in module.parameters(recurse=False):
+            if param.is_meta:
+                param.data = torch.empty_like(param, device=device)
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_meta:
+                module._buffers[name] = torch.empty_like(buf, device=device)
+    for module in meta_modules:
+        if param_init_fn is not None:
+            param_init_fn(module)
+        elif callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+        elif any(True for _ in module.parameters(recurse=False)):
+            raise ValueError(
+                f"{type(module).__name__} has parameters on the meta device but no reset_parameters(); define "
+                "reset_parameters() on it or pass param_init_fn so they can be initialised after sharding starts."
+            )
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(modules: list[nn.Module], params: list[nn.Parameter]) -> None:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    tensors = params + [b for m in modules for b in m.buffers(recurse=False)]
+    for tensor in tensors:
+        dist.broadcast(tensor.data, src=0)

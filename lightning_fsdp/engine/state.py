@@ -1,0 +1,200 @@
+"""The runtime of a sharded model: forward/backward hooks, per-step state, gradient norm and accounting.
+
+Per unit and step: gather before forward; free after forward (FULL_SHARD, except the root, whose parameters are
+needed again as soon as backward starts); gather again when the gradient of the unit's output arrives; reduce the
+gradients once every trainable parameter of the unit has received its gradient; free. A callback queued on the
+autograd engine finishes whatever a step left open (units whose parameters were unused), in a fixed unit order so
+every rank issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_fsdp.config import ShardingStrategy
+from lightning_fsdp.engine.comm import Communicator
+from lightning_fsdp.engine.unit import FlatUnit
+
+
+class ShardingEngine:
+    """Owns the units of one root module and drives them from module hooks."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        units: list[FlatUnit],
+        shard_comm: Communicator,
+        replicate_comm: Communicator | None,
+        sharding_strategy: ShardingStrategy,
+    ) -> None:
+        self.root = root
+        self.units = units  # root unit first, then module pre-order: the fixed order for leftover reductions
+        self.root_unit = units[0]
+        self.shard_comm = shard_comm
+        self.replicate_comm = replicate_comm
+        self.sharding_strategy = sharding_strategy
+        self._in_backward = False
+        self._handles: list[Any] = []
+        self._slot_by_param = {id(s.param): s for u in units for s in u.slots}
+        for unit in units:
+            unit.forward_depth = 0
+            unit.grads_ready = 0
+            unit.reduced = False
+            self._register_hooks(unit)
+
+    # ------------------------------------------------------------------------------------------------ hooks
+    def _register_hooks(self, unit: FlatUnit) -> None:
+        self._handles.append(
+            unit.module.register_forward_pre_hook(
+                lambda module, args, kwargs: self._pre_forward(unit), with_kwargs=True, prepend=True
+            )
+        )
+        self._handles.append(
+            unit.module.register_forward_hook(lambda module, args, output: self._post_forward(unit, output))
+        )
+        for slot in unit.trainable_slots:
+            self._handles.append(slot.full.register_post_accumulate_grad_hook(lambda _p: self._on_grad_ready(unit)))
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _pre_forward(self, unit: FlatUnit) -> None:
+        if unit.forward_depth == 0:
+            if unit is self.root_unit and torch.is_grad_enabled() and not self._in_backward:
+                self._begin_step()
+            self._update_peak()
+            unit.gather()
+        unit.forward_depth += 1
+
+    def _post_forward(self, unit: FlatUnit, output: Any) -> None:
+        unit.forward_depth -= 1
+        if unit.forward_depth > 0 or self._in_backward:
+            # Nested call of the same unit, or a recompute inside backward (activation checkpointing): the unit
+            # must stay gathered until its gradients are reduced.
+            return
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if torch.is_grad_enabled() and tensors:
+            for tensor in tensors:
+                tensor.register_hook(lambda _grad: self._pre_backward(unit))
+            if unit.reshard_after_forward and unit is not self.root_unit:
+                unit.reshard()
+        else:
+            # No backward will come through this forward (eval, no_grad, or nothing requires grad).
+            unit.reshard()
+
+    def _pre_backward(self, unit: FlatUnit) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._update_peak()
+        unit.gather()
+
+    def _on_grad_ready(self, unit: FlatUnit) -> None:
+        unit.grads_ready += 1
+        if unit.grads_ready == len(unit.trainable_slots):
+            unit.reduce_grads()
+            unit.reduced = True
+            unit.reshard()
+
+    def _finish_backward(self) -> None:
+        for unit in reversed(self.units):
+            if unit.trainable_slots and not unit.reduced:
+                unit.reduce_grads()
+            unit.reshard()
+            unit.reduced = False
+            unit.grads_ready = 0
+        self._in_backward = False
+
+    def _begin_step(self) -> None:
+        for unit in self.units:
+            unit.grads_ready = 0
+            unit.reduced = False
+
+    def _update_peak(self) -> None:
+        alive = 1 + sum(1 for u in self.units if u.sharded and u.is_gathered)
+        stats = self.shard_comm.stats
+        stats.peak_gathered_units = max(stats.peak_gathered_units, alive)
+
+    # ------------------------------------------------------------------------------------- user utilities
+    @contextmanager
+    def gathered(self, units: Iterable[FlatUnit] | None = None) -> Iterator[None]:
+        """Hold full parameters of ``units`` (default: all) in their modules, e.g. for inspection; no autograd."""
+        units = list(self.units if units is None else units)
+        was = [u.is_gathered for u in units]
+        try:
+            with torch.no_grad():
+                for unit in units:
+                    unit.gather()
+            yield
+        finally:
+            for unit, keep in zip(units, was):
+                if not keep:
+                    unit.reshard()
+
+    def is_managed(self, param: nn.Parameter) -> bool:
+        return id(param) in self._slot_by_param
+
+    def is_sharded(self, param: nn.Parameter) -> bool:
+        slot = self._slot_by_param.get(id(param))
+        return slot is not None and slot.layout.world_size > 1
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by the global norm over all shards: the value an unsharded run computes.
+
+        Must be called on every rank of the shard group with the same parameters (it all-reduces one scalar).
+        """
+        norm_type = float(norm_type)
+        params = [p for p in parameters if p.grad is not None]
+        sharded = [p.grad for p in params if self.is_sharded(p)]
+        replicated = [p.grad for p in params if not self.is_sharded(p)]
+        device = self.root_unit.device
+        if math.isinf(norm_type):
+            local = _max_abs(sharded, device)
+            self.shard_comm.all_reduce(local, op=dist.ReduceOp.MAX)
+            total = torch.maximum(local, _max_abs(replicated, device))
+        else:
+            local = _pow_sum(sharded, norm_type, device)
+            self.shard_comm.all_reduce(local)
+            total = (local + _pow_sum(replicated, norm_type, device)) ** (1.0 / norm_type)
+        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        grads = sharded + replicated
+        if grads:
+            torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))
+        return total
+
+    # ------------------------------------------------------------------------------------------ accounting
+    def local_param_bytes(self) -> int:
+        """Bytes of parameter data this rank holds between steps (its shards, padding excluded)."""
+        return sum(u.local_param_bytes() for u in self.units)
+
+    def full_param_bytes(self) -> int:
+        """Bytes of the unsharded model's managed parameters."""
+        return sum(u.full_param_bytes() for u in self.units)
+
+    def local_grad_bytes(self) -> int:
+        return sum(s.param.grad.numel() * s.param.grad.element_size()
+                   for u in self.units for s in u.slots if s.param.grad is not None)
+
+
+def _pow_sum(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(grads, norm_type)
+    return torch.stack([n.float() for n in norms]).pow(norm_type).sum()
+
+
+def _max_abs(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([g.detach().abs().max().float() if g.numel() else g.new_zeros(()).float() for g in grads]).max()

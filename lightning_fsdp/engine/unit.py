@@ -1,0 +1,200 @@
+"""One sharded unit: a module chosen by the wrap policy and the parameters it owns.
+
+Between steps a unit holds one contiguous flat shard buffer; every managed parameter's ``.data`` is a view into it,
+so the optimizer updates the buffer in place and the all-gather input needs no copy. While the unit computes, each
+parameter is replaced in its module(s) by a full-size ``nn.Parameter`` whose data lives in the unit's full buffer.
+Freeing a unit shrinks that buffer's storage to zero bytes; gathering again grows it back and refills it. Autograd
+keeps references to the same tensor objects, so tensors it saved stay valid after a re-gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_fsdp.engine.comm import Communicator
+from lightning_fsdp.engine.shard import ShardLayout
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """One managed parameter: the user's Parameter object (holds the local shard) and where modules use it."""
+
+    fqn: str
+    param: nn.Parameter
+    uses: list[tuple[nn.Module, str]]
+    layout: ShardLayout
+    offset: int = 0  # element offset of this parameter's padded chunk in the flat shard buffer
+    full: nn.Parameter | None = None
+
+    @property
+    def trainable(self) -> bool:
+        return self.param.requires_grad
+
+
+class FlatUnit:
+    """Gather, free and gradient reduction for one unit's parameters, one flat collective each."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        module: nn.Module,
+        slots: list[ParamSlot],
+        shard_comm: Communicator,
+        replicate_comm: Communicator | None,
+        sharded: bool,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.name = name
+        self.module = module
+        self.shard_comm = shard_comm
+        self.replicate_comm = replicate_comm
+        self.sharded = sharded
+        self.reshard_after_forward = reshard_after_forward
+        # Trainable parameters first: the gradient buffer is then a prefix of the shard buffer's layout.
+        self.slots = sorted(slots, key=lambda s: not s.trainable)
+        self.trainable_slots = [s for s in self.slots if s.trainable]
+        self.is_gathered = False
+        self._check_uniform_dtype()
+        self._build_buffers()
+
+    # ----------------------------------------------------------------------------------------------- layout
+    def _check_uniform_dtype(self) -> None:
+        kinds = {(s.param.dtype, s.param.device) for s in self.slots}
+        if len(kinds) > 1:
+            listing = ", ".join(f"{s.fqn}: {s.param.dtype} on {s.param.device}" for s in self.slots)
+            raise ValueError(
+                f"Unit {self.name!r} mixes parameter dtypes or devices ({listing}); one flat buffer needs one "
+                "dtype and device. Wrap the differing modules as their own units or cast the model first."
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.shard_comm.world_size if self.sharded else 1
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.slots[0].param.dtype if self.slots else torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.slots[0].param.device if self.slots else torch.device("cpu")
+
+    def _build_buffers(self) -> None:
+        offset = 0
+        for slot in self.slots:
+            slot.offset = offset
+            offset += slot.layout.padded_numel
+        self.shard_numel = offset
+        self.grad_numel = sum(s.layout.padded_numel for s in self.trainable_slots)
+        n = self.world_size
+        self.flat_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        # Unsharded units compute on the shard buffer itself and need no second copy of their parameters.
+        full_numel = n * self.shard_numel if self.sharded else 0
+        self.full_flat = torch.empty(full_numel, dtype=self.dtype, device=self.device)
+        self._split_sizes = [s.layout.padded_numel for s in self.slots]
+        self._full_regions = []
+        with torch.no_grad():
+            for slot in self.slots:
+                layout = slot.layout
+                shard_view = self.flat_shard[slot.offset : slot.offset + layout.local_numel].view(layout.local_shape)
+                shard_view.copy_(layout.local_slice(slot.param.data))
+                full = nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device),
+                                    requires_grad=slot.param.requires_grad)
+                if self.sharded:
+                    region = self.full_flat[n * slot.offset : n * (slot.offset + layout.padded_numel)]
+                    self._full_regions.append(region.view(n, layout.padded_numel))
+                    full.data = region.view(layout.padded_full_shape)[: layout.rows].view(layout.shape)
+                else:
+                    # Unsharded: the full parameter aliases the shard, so the optimizer's update is seen directly.
+                    full.data = shard_view.view(layout.shape)
+                slot.full = full
+                slot.param.data = shard_view
+        if self.sharded:
+            self._free_full()
+
+    # --------------------------------------------------------------------------------------- gather / free
+    def _free_full(self) -> None:
+        self.full_flat.untyped_storage().resize_(0)
+
+    def gather(self) -> None:
+        """Make every parameter of the unit full-size in its modules (one all-gather when sharded)."""
+        if self.is_gathered:
+            return
+        if self.sharded and self.slots:
+            storage = self.full_flat.untyped_storage()
+            storage.resize_(self.full_flat.numel() * self.full_flat.element_size())
+            n = self.world_size
+            if len(self.slots) == 1:
+                # One parameter: rank-major and parameter-major layouts coincide, so gather in place.
+                self.shard_comm.all_gather(self.full_flat, self.flat_shard)
+            else:
+                gathered = torch.empty(n * self.shard_numel, dtype=self.dtype, device=self.device)
+                self.shard_comm.all_gather(gathered, self.flat_shard)
+                with torch.no_grad():
+                    torch.split_with_sizes_copy(gathered.view(n, self.shard_numel), self._split_sizes, dim=1,
+                                                out=self._full_regions)
+        self._install(full=True)
+        self.is_gathered = True
+
+    def reshard(self) -> None:
+        """Put the shards back into the modules and release the full parameters' memory."""
+        if not self.is_gathered:
+            return
+        self._install(full=False)
+        if self.sharded:
+            self._free_full()
+        self.is_gathered = False
+
+    def _install(self, *, full: bool) -> None:
+        for slot in self.slots:
+            tensor = slot.full if full else slot.param
+            for module, attr in slot.uses:
+                module._parameters[attr] = tensor
+
+    # ------------------------------------------------------------------------------------------ gradients
+    def reduce_grads(self) -> None:
+        """Average this step's full gradients across ranks into the shards' ``.grad`` (accumulating)."""
+        if not self.trainable_slots:
+            return
+        grads = []
+        for slot in self.trainable_slots:
+            grad = slot.full.grad
+            if grad is None:
+                # Unused in this step on this rank; another rank may have used it, so it still takes part.
+                grad = torch.zeros(slot.layout.shape, dtype=self.dtype, device=self.device)
+            grads.append(grad.reshape(slot.layout.rows, -1) if grad.dim() == 0 else grad)
+            slot.full.grad = None
+        n = self.world_size
+        if self.sharded:
+            # _chunk_cat pads each gradient to ceil(d0/N) rows per rank and lays the ranks out one after another.
+            flat_in = torch._chunk_cat(grads, dim=0, num_chunks=n).view(-1)
+            reduced = torch.empty(self.grad_numel, dtype=self.dtype, device=self.device)
+            self.shard_comm.reduce_scatter(reduced, flat_in)
+            divisor = n
+        else:
+            reduced = torch.cat([g.reshape(-1) for g in grads])
+            self.shard_comm.all_reduce(reduced)
+            divisor = self.shard_comm.world_size
+        if self.replicate_comm is not None and self.replicate_comm.world_size > 1:
+            self.replicate_comm.all_reduce(reduced)
+            divisor *= self.replicate_comm.world_size
+        reduced.div_(divisor)
+        for slot in self.trainable_slots:
+            layout = slot.layout
+            grad = reduced[slot.offset : slot.offset + layout.local_numel].view(layout.local_shape)
+            if slot.param.grad is None:
+                slot.param.grad = grad
+            else:
+                slot.param.grad += grad
+
+    # ------------------------------------------------------------------------------------------- accounting
+    def local_param_bytes(self) -> int:
+        """Bytes of parameter data this rank holds between steps (its shards, padding excluded)."""
+        return sum(s.layout.local_numel for s in self.slots) * self.flat_shard.element_size()
+
+    def full_param_bytes(self) -> int:
+        return sum(s.param.element_size() * s.layout.rows * s.layout.row_numel for s in self.slots)

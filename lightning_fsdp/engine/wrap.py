@@ -1,0 +1,108 @@
+"""Choosing the units: which modules get their own flat buffer, and which unit owns each parameter."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+from lightning_fsdp.config import WrapPolicy
+
+
+def _wants_descend(policy: WrapPolicy, module: nn.Module, numel: int) -> bool:
+    if policy.fn is not None:
+        return bool(policy.fn(module, True, numel))
+    return True
+
+
+def _wants_wrap(policy: WrapPolicy, module: nn.Module, nonwrapped_numel: int) -> bool:
+    if policy.classes and isinstance(module, policy.classes):
+        return True
+    if policy.fn is not None and policy.fn(module, False, nonwrapped_numel):
+        return True
+    return policy.min_num_params is not None and nonwrapped_numel >= policy.min_num_params
+
+
+def select_unit_modules(root: nn.Module, policy: WrapPolicy, ignored: Iterable[nn.Module] = ()) -> list[nn.Module]:
+    """Modules that become units, root first, then in module registration (pre-)order.
+
+    Follows torch FSDP's recursive wrapping: children are decided before their parent, and a parent's
+    ``nonwrapped_numel`` counts only the parameters not already inside a wrapped descendant.
+    """
+    ignored_ids = {id(m) for m in ignored}
+    wrapped: set[int] = set()
+    seen_params: set[int] = set()
+
+    def visit(module: nn.Module) -> int:
+        if id(module) in ignored_ids:
+            return 0
+        own = 0
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen_params:
+                seen_params.add(id(p))
+                own += p.numel()
+        total = own + sum(p.numel() for c in module.children() for p in c.parameters())
+        remainder = own
+        if _wants_descend(policy, module, total):
+            for child in module.children():
+                remainder += visit(child)
+        else:
+            remainder = total
+        if module is not root and _wants_wrap(policy, module, remainder):
+            wrapped.add(id(module))
+            return 0
+        return remainder
+
+    visit(root)
+    return [root] + [m for m in root.modules() if id(m) in wrapped and m is not root]
+
+
+def ignored_module_set(root: nn.Module, ignored: Iterable[nn.Module]) -> set[int]:
+    """Ids of the ignored modules and everything below them."""
+    ids: set[int] = set()
+    for module in ignored:
+        ids.update(id(m) for m in module.modules())
+    return ids
+
+
+def assign_owners(
+    root: nn.Module, unit_modules: list[nn.Module], ignored_ids: set[int]
+) -> dict[int, tuple[nn.Module, list[tuple[nn.Module, str]], str]]:
+    """Map each managed parameter (by id) to (owning unit module, its uses, its fully qualified name).
+
+    A parameter used by several modules (tied weights) belongs to the innermost unit that encloses all its uses.
+    """
+    unit_ids = {id(m) for m in unit_modules}
+    # For every module: the chain of enclosing units, outermost first.
+    chains: dict[int, list[nn.Module]] = {}
+
+    def walk(module: nn.Module, chain: list[nn.Module]) -> None:
+        if id(module) in ignored_ids or id(module) in chains:
+            return
+        if id(module) in unit_ids:
+            chain = chain + [module]
+        chains[id(module)] = chain
+        for child in module.children():
+            walk(child, chain)
+
+    walk(root, [])
+    names = {id(p): name for name, p in root.named_parameters()}
+    uses: dict[int, list[tuple[nn.Module, str]]] = {}
+    owners: dict[int, list[nn.Module]] = {}
+    for module in root.modules():
+        if id(module) not in chains:
+            continue
+        for attr, param in module._parameters.items():
+            if param is None or id(param) not in names:
+                continue
+            uses.setdefault(id(param), []).append((module, attr))
+            chain = chains[id(module)]
+            common = owners.get(id(param))
+            if common is None:
+                owners[id(param)] = chain
+            else:
+                k = 0
+                while k < min(len(common), len(chain)) and common[k] is chain[k]:
+                    k += 1
+                owners[id(param)] = common[:k]
+    return {pid: (owners[pid][-1], uses[pid], names[pid]) for pid in uses}
