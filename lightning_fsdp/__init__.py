@@ -1,1 +1,26 @@
-"""lightning-fsdp."""
+"""lightning-fsdp: Fully Sharded Data Parallel for PyTorch Lightning, on CPU, CUDA and Intel Gaudi.
+
+Importing the package registers the ``"fsdp_custom"`` strategy (and its variants) and the ``"hpu"`` accelerator.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from accelerators import HPUAccelerator, register_hpu_accelerator
+from lightning_fsdp.config import BackwardPrefetch, ShardingStrategy, StateDictType
+from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
+from lightning_fsdp.strategy import FSDPStrategy
+
+__version__ = "0.1.0"
+__all__ = [
+    "BackwardPrefetch",
+    "FSDPStrategy",
+    "HPUAccelerator",
+    "ShardingEngine",
+    "ShardingStrategy",
+    "StateDictType",
+    "fully_shard",
+    "get_engine",
+]
+
+FSDPStrategy.register_strategies(StrategyRegistry)
+register_hpu_accelerator()

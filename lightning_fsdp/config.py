@@ -119,6 +119,8 @@ def parse_auto_wrap_policy(value: Any) -> WrapPolicy:
     """Normalises ``auto_wrap_policy``: a set of module classes, a callable, an int minimum parameter count or None."""
     if value is None:
         return WrapPolicy()
+    if isinstance(value, WrapPolicy):
+        return value
     if isinstance(value, bool):
         raise TypeError(_wrap_policy_error(value))
     if isinstance(value, int):

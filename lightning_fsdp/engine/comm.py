@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 # torch 2.13 renamed the flat collectives; older releases only have the *_tensor names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Communicator:
         if self.world_size == 1:
             output.copy_(shard)
             return
-        _all_gather_flat(output, shard, group=self.group)
+        all_gather_flat(output, shard, group=self.group)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> None:
         """SUM-reduce ``full`` (N * output.numel(),) across ranks; this rank receives its slice in ``output``."""
@@ -60,7 +60,7 @@ class Communicator:
         if self.world_size == 1:
             output.copy_(full)
             return
-        _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group)
+        reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         self.stats.all_reduce_bytes += tensor.numel() * tensor.element_size()

@@ -1,0 +1,1 @@
+"""Checkpoint state for sharded models: full, sharded and local formats."""

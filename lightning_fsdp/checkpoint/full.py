@@ -1,0 +1,141 @@
+"""Full (unsharded) state dicts for a sharded model and its optimizers.
+
+Gathering happens one unit at a time with the result moved to host memory on rank 0, so no rank holds more than
+one unit's full parameters beyond its shards, apart from rank 0's host copy being assembled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_fsdp.engine import ShardingEngine
+from lightning_fsdp.engine.comm import all_gather_flat
+from lightning_fsdp.engine.shard import ShardLayout
+
+
+def _param_keys(module: nn.Module) -> dict[int, list[str]]:
+    keys: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        keys.setdefault(id(param), []).append(name)
+    return keys
+
+
+@torch.no_grad()
+def full_model_state_dict(engine: ShardingEngine, *, rank0_only: bool = True) -> dict[str, Any]:
+    """The unwrapped model's ``state_dict()`` with full tensors on CPU (empty on other ranks if ``rank0_only``)."""
+    module = engine.root
+    keep = not rank0_only or engine.shard_comm.rank == 0
+    state = module.state_dict()  # shards for managed parameters; buffers and unmanaged parameters as they are
+    keys = _param_keys(module)
+    for unit in engine.units:
+        with engine.gathered([unit]):
+            for slot in unit.slots:
+                if keep:
+                    full = slot.full.detach().to("cpu", copy=True)
+                    for key in keys.get(id(slot.param), []):
+                        if key in state:
+                            state[key] = full
+    if not keep:
+        return {}
+    return {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+
+
+@torch.no_grad()
+def load_full_model_state_dict(engine: ShardingEngine, state: Mapping[str, Any], *, strict: bool = True) -> None:
+    """Load a full state dict (same on every rank): each rank copies its own rows into its shards."""
+    module = engine.root
+    keys = _param_keys(module)
+    managed = {}
+    for unit in engine.units:
+        for slot in unit.slots:
+            for key in keys.get(id(slot.param), []):
+                managed[key] = slot
+    rest = {k: v for k, v in state.items() if k not in managed}
+    for key, slot in managed.items():
+        if key not in state:
+            continue
+        value = state[key]
+        if tuple(value.shape) != tuple(slot.layout.shape):
+            raise ValueError(
+                f"Checkpoint tensor {key!r} has shape {tuple(value.shape)}, the model's parameter has "
+                f"{tuple(slot.layout.shape)}."
+            )
+        slot.param.data.copy_(slot.layout.local_slice(value.to(slot.param.device, slot.param.dtype)))
+    # Let nn.Module handle buffers, unmanaged parameters and strictness; managed parameters are already loaded,
+    # so hand it their current shards to compare against themselves.
+    own = module.state_dict()
+    for key in managed:
+        if key in own:
+            rest[key] = own[key]
+    missing_managed = [k for k in managed if k not in state]
+    result = module.load_state_dict(rest, strict=False)
+    missing = [k for k in result.missing_keys if k not in managed] + missing_managed
+    if strict and (missing or result.unexpected_keys):
+        raise RuntimeError(
+            f"Error loading state dict into {type(module).__name__}: missing keys {missing}, "
+            f"unexpected keys {list(result.unexpected_keys)}."
+        )
+
+
+def _gather_rows(local: torch.Tensor, layout: ShardLayout, engine: ShardingEngine) -> torch.Tensor:
+    """All-gather one sharded tensor (this rank's rows) into its full shape."""
+    comm = engine.shard_comm
+    padded = torch.zeros((layout.chunk_rows, layout.row_numel), dtype=local.dtype, device=local.device)
+    padded[: layout.local_rows] = local.reshape(layout.local_rows, layout.row_numel)
+    out = torch.empty((comm.world_size * layout.chunk_rows, layout.row_numel), dtype=local.dtype, device=local.device)
+    if comm.world_size == 1:
+        out.copy_(padded)
+    else:
+        all_gather_flat(out, padded, group=comm.group)
+    return out[: layout.rows].reshape(layout.shape)
+
+
+def _sharded_state_tensor(value: Any, layout: ShardLayout) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(layout.local_shape)
+
+
+@torch.no_grad()
+def full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer, *, rank0_only: bool = True) -> dict:
+    """``optimizer.state_dict()`` in plain ``torch.optim`` layout for the unwrapped model (full tensors, CPU)."""
+    state_dict = optimizer.state_dict()
+    keep = not rank0_only or engine.shard_comm.rank == 0
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    full_state: dict[int, dict[str, Any]] = {}
+    # Parameter order is the same on every rank, so every rank issues the same gathers in the same order.
+    for index, param in enumerate(params):
+        slot = engine._slot_by_param.get(id(param))
+        entry = state_dict["state"].get(index, {})
+        new_entry = {}
+        for name in sorted(entry):
+            value = entry[name]
+            if slot is not None and slot.layout.world_size > 1 and _sharded_state_tensor(value, slot.layout):
+                value = _gather_rows(value, slot.layout, engine)
+            if keep:
+                new_entry[name] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+        if keep and entry:
+            full_state[index] = new_entry
+    if not keep:
+        return {}
+    return {"state": full_state, "param_groups": state_dict["param_groups"]}
+
+
+def load_full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer, state_dict: Mapping) -> None:
+    """Load a plain ``torch.optim`` state dict (same on every rank) into an optimizer over shards."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    local_state = {}
+    for index, entry in state_dict["state"].items():
+        param = params[int(index)]
+        slot = engine._slot_by_param.get(id(param))
+        new_entry = {}
+        for name, value in entry.items():
+            if (slot is not None and isinstance(value, torch.Tensor) and value.dim() > 0
+                    and tuple(value.shape) == tuple(slot.layout.shape)):
+                value = slot.layout.local_slice(value).clone()
+            new_entry[name] = value
+        local_state[index] = new_entry
+    optimizer.load_state_dict({"state": local_state, "param_groups": state_dict["param_groups"]})

@@ -1,0 +1,244 @@
+"""A small GPT-style character language model in plain PyTorch.
+
+The model is the workload of the demo, the benchmark and the tests. It knows nothing about Lightning or
+sharding; it is written so that a sharding engine can handle it the way it would handle a real model:
+
+- ``Block`` (pre-LayerNorm transformer block) is the natural wrap unit: ``auto_wrap_policy={Block}``.
+- ``lm_head.weight`` *is* ``wte.weight`` when ``tie_weights`` (a shared ``nn.Parameter``, as in GPT-2), so
+  tied parameters are exercised.
+- Initialisation lives in each parameter-owning leaf module's ``reset_parameters()`` (GPT-2's N(0, 0.02),
+  residual projections scaled by 1/sqrt(2 * n_layer)), never in a loop over the whole model. A model built
+  on ``torch.device("meta")`` is therefore materialised correctly by ``to_empty()`` followed by calling
+  ``reset_parameters()`` on each module, in any order. Walking ``model.modules()`` in its (pre-)order
+  reproduces a normal construction bit for bit under the same seed.
+
+Parameter count (``tie_weights=True``, ``bias=True``; V = vocab_size, T = block_size, d = n_embd,
+L = n_layer)::
+
+    V*d + T*d                 token + position embeddings (lm_head shares the token embedding)
+    + L * (12*d*d + 13*d)     per block: qkv 3d*d+3d, proj d*d+d, fc 4d*d+4d, proj 4d*d+d, 2 LayerNorms 4d
+    + 2*d                     final LayerNorm
+
+With ``bias=False`` a block has ``12*d*d + 2*d`` and the final LayerNorm ``d``; with ``tie_weights=False``
+add ``V*d`` for the separate lm_head. ``n_head`` does not change the count (it must divide ``n_embd``).
+
+======= ====== =========== ============ ============
+n_layer n_embd V=65, T=64  V=65, T=128  V=65, T=256
+======= ====== =========== ============ ============
+2       64     108,352     112,448      120,640
+4       128    809,856     818,048      834,432
+6       256    4,772,096   4,788,480    4,821,248
+6       384    10,697,088  10,721,664   10,770,816
+6       512    18,981,376  19,014,144   19,079,680
+8       512    25,286,144  25,318,912   25,384,448
+12      768    85,155,072  85,204,224   85,302,528
+======= ====== =========== ============ ============
+
+The demo's default (4 x 128) is about 0.8M parameters; the benchmark's default (6 x 512) about 19M.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT"]
+
+# GPT-2's initialisation scale for linear and embedding weights.
+_INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a :class:`GPT`.
+
+    Args:
+        vocab_size: number of distinct tokens (characters).
+        block_size: longest sequence the model accepts (size of the position embedding).
+        n_layer: number of transformer blocks.
+        n_head: attention heads per block; must divide ``n_embd``.
+        n_embd: width of the residual stream.
+        dropout: dropout probability on attention weights and residual branches.
+        bias: whether Linear and LayerNorm layers have biases.
+        tie_weights: share the token embedding with the output projection (GPT-2 style).
+    """
+
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+
+class _Linear(nn.Linear):
+    """``nn.Linear`` whose ``reset_parameters`` applies GPT-2's init: N(0, std) weight, zero bias.
+
+    The init is a property of the leaf module (not applied by a parent) so that a parent's
+    ``reset_parameters`` can never be overwritten by, or overwrite, a child's when a strategy walks the
+    modules in an order we do not control.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, std: float = _INIT_STD) -> None:
+        # Set before nn.Linear.__init__, which calls reset_parameters().
+        self.init_std = std
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class _Embedding(nn.Embedding):
+    """``nn.Embedding`` initialised N(0, 0.02) (GPT-2) instead of torch's N(0, 1)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=_INIT_STD)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused qkv projection."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.c_attn = _Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        # Residual projections are scaled down so the residual stream's variance does not grow with depth.
+        self.c_proj = _Linear(config.n_embd, config.n_embd, bias=config.bias, std=_residual_std(config))
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network: n_embd -> 4*n_embd -> GELU -> n_embd."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = _Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = _Linear(4 * config.n_embd, config.n_embd, bias=config.bias, std=_residual_std(config))
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``.
+
+    Holds ``12*n_embd**2 + 13*n_embd`` parameters (with biases): the unit to wrap for sharding.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT language model: embeddings, ``n_layer`` :class:`Block` s, final LayerNorm, output projection.
+
+    Submodules (and so parameter names): ``wte``, ``wpe``, ``drop``, ``blocks.<i>``, ``ln_f``,
+    ``lm_head``. With ``tie_weights`` the shared parameter is listed once by ``named_parameters()``, as
+    ``wte.weight``.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        # Registration order = construction order = the order reset_parameters() draws random numbers in
+        # when the modules are walked, which keeps meta-device materialisation equal to a normal init.
+        self.wte = _Embedding(config.vocab_size, config.n_embd)
+        self.wpe = _Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        # No bias on the output projection: it would be the one untied piece of a tied head.
+        self.lm_head = _Linear(config.n_embd, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make ``wte.weight`` the very Parameter of ``lm_head.weight`` (no-op unless ``tie_weights``).
+
+        The direction (embedding takes the head's parameter) matters for reproducibility: lm_head is
+        reset last in module order, so the shared weight ends with lm_head's draw both in a normal
+        construction and after a meta-device materialisation.
+        """
+        if self.config.tie_weights:
+            self.wte.weight = self.lm_head.weight
+
+    def reset_parameters(self) -> None:
+        """Restore the weight tie; GPT owns no parameters of its own to initialise.
+
+        ``Module.to_empty()`` gives each module a new Parameter and so silently unties shared weights; a
+        strategy that materialises a meta-device model by calling ``reset_parameters()`` on every module
+        therefore gets the tie back here. The submodules initialise themselves in their own
+        ``reset_parameters()``; this method does not recurse, like torch's built-in modules.
+        """
+        self.tie_weights()
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next-token logits for ``idx`` (B, T) of token ids, and the loss if ``targets`` (B, T) is given.
+
+        Returns ``(logits, loss)``: logits (B, T, vocab_size); loss is the mean cross entropy over all
+        positions, computed in float32, or ``None`` without targets.
+        """
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            # float32 loss: under a low-precision param dtype a bf16 log-softmax loses too much.
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    def num_parameters(self) -> int:
+        """Number of parameter elements, counting a tied weight once (see the module docstring)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def _residual_std(config: GPTConfig) -> float:
+    # Two residual branches (attention, MLP) per block add to the stream: GPT-2 scales their output
+    # projections by 1/sqrt(2 * n_layer).
+    return _INIT_STD / math.sqrt(2 * config.n_layer)

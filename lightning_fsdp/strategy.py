@@ -1,0 +1,383 @@
+"""``FSDPStrategy``: the Lightning glue around the sharding engine. Registered as ``"fsdp_custom"``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_fsdp.checkpoint.full import (
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    load_full_model_state_dict,
+    load_full_optimizer_state_dict,
+)
+from lightning_fsdp.config import (
+    StateDictType,
+    parse_auto_wrap_policy,
+    parse_backward_prefetch,
+    parse_sharding_strategy,
+    parse_state_dict_type,
+)
+from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
+from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
+
+log = logging.getLogger(__name__)
+
+_BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "hpu": "hccl"}
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+class FSDPStrategy(ParallelStrategy):
+    """Fully Sharded Data Parallel training with this project's own sharding engine.
+
+    Each rank keeps only its rows of every parameter, gradient and optimizer state; a unit's full parameters exist
+    only while it computes. Works on CPU (gloo), CUDA (NCCL) and HPU (HCCL).
+
+    Args:
+        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"``.
+        auto_wrap_policy: which modules become units: a set of module classes, a callable
+            ``(module, recurse, nonwrapped_numel) -> bool``, or an int minimum parameter count. The root takes the rest.
+        state_dict_type: checkpoint format; ``"full"`` (one file in Lightning's usual layout).
+        sync_module_states: broadcast rank 0's initial parameters and buffers before sharding.
+        param_init_fn: called on each meta-device module to materialise it (default: its ``reset_parameters``).
+        backward_prefetch, forward_prefetch, limit_all_gathers: accepted and validated for compatibility with torch's
+            FSDP; they only affect speed and memory, and this release issues collectives without prefetching.
+        cpu_offload: accepted on CPU, where shards already live in host memory.
+        process_group_backend: overrides the backend chosen from the accelerator (gloo/nccl/hccl).
+        start_method: ``"popen"`` (re-run the script per rank, the default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+    """
+
+    strategy_name = "fsdp_custom"
+
+    def __init__(
+        self,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        *,
+        sharding_strategy: str = "FULL_SHARD",
+        auto_wrap_policy: Any = None,
+        state_dict_type: str = "full",
+        sync_module_states: bool = False,
+        param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+        backward_prefetch: Optional[str] = "BACKWARD_PRE",
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        cpu_offload: bool = False,
+        use_orig_params: bool = True,
+    ) -> None:
+        # Validate everything first: this runs on every rank before any process group exists, so a bad value
+        # raises the same error everywhere instead of leaving a rank waiting in a collective.
+        self.sharding_strategy = parse_sharding_strategy(sharding_strategy)
+        self.auto_wrap_policy = parse_auto_wrap_policy(auto_wrap_policy)
+        self.state_dict_type = parse_state_dict_type(state_dict_type)
+        if self.state_dict_type is not StateDictType.FULL:
+            raise NotImplementedError(
+                f"state_dict_type={state_dict_type!r} is not available yet; valid choices in this release: 'full'."
+            )
+        self.backward_prefetch = parse_backward_prefetch(backward_prefetch)
+        for name, value in (("forward_prefetch", forward_prefetch), ("limit_all_gathers", limit_all_gathers),
+                            ("sync_module_states", sync_module_states), ("cpu_offload", cpu_offload),
+                            ("use_orig_params", use_orig_params)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}={value!r} is not valid; expected True or False.")
+        if not use_orig_params:
+            raise ValueError(
+                "use_orig_params=False is not supported: this strategy always keeps the original parameters "
+                "(named_parameters() gives the unwrapped model's names); pass use_orig_params=True."
+            )
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise TypeError(f"param_init_fn={param_init_fn!r} is not callable.")
+        if start_method not in _START_METHODS:
+            raise ValueError(f"start_method={start_method!r} is not valid; choose one of {_START_METHODS}.")
+        self.forward_prefetch = forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
+        self.sync_module_states = sync_module_states
+        self.param_init_fn = param_init_fn
+        self.cpu_offload = cpu_offload
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self.engine: Optional[ShardingEngine] = None
+
+    # --------------------------------------------------------------------------------------------- properties
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    @override
+    def precision_plugin(self) -> FSDPPrecision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else FSDPPrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = to_fsdp_precision(plugin) if plugin is not None else None
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Checkpoints hold full tensors; they can only be split into shards once the model is sharded.
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------------------------ processes, groups
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.setup_distributed()
+
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type == "cuda":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or _BACKEND_FOR_DEVICE.get(self.root_device.type, "gloo")
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------------------------------ model setup
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # With empty_init the model is created on the meta device and materialised unit by unit when sharded,
+        # so no rank ever holds the whole model.
+        device_context = torch.device("meta") if empty_init else self.root_device
+        with device_context, self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None
+        assert self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and not any(p.requires_grad for p in self.lightning_module.parameters()):
+            raise ValueError(
+                f"{type(self.lightning_module).__name__} has no trainable parameters (all have requires_grad=False); "
+                "trainer.fit needs at least one. validate, test and predict work with a frozen model."
+            )
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.engine = self._shard(self.lightning_module)
+        self.precision_plugin.engine = self.engine
+        if fitting:
+            self.setup_optimizers(trainer)
+            self._check_optimizers()
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard(self, module: pl.LightningModule) -> ShardingEngine:
+        engine = get_engine(module)
+        if engine is not None:  # fit, then validate/test/predict on the same module
+            return engine
+        if not any(t.is_meta for t in module.parameters()):
+            module.to(self.root_device)
+        return fully_shard(
+            module,
+            sharding_strategy=self.sharding_strategy,
+            auto_wrap_policy=self.auto_wrap_policy,
+            device=self.root_device,
+            sync_module_states=self.sync_module_states,
+            param_init_fn=self.param_init_fn,
+        )
+
+    def _check_optimizers(self) -> None:
+        assert self.engine is not None and self.lightning_module is not None
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if not self.engine.is_managed(param):
+                        raise ValueError(
+                            f"{type(optimizer).__name__} holds a parameter of shape {tuple(param.shape)} "
+                            f"({names.get(id(param), 'not a parameter of the LightningModule')}) that the "
+                            "fsdp_custom strategy does not manage. Build the optimizer in configure_optimizers "
+                            "from self.parameters() or self.named_parameters()."
+                        )
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------------------------------- the steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # Route through the LightningModule's __call__ so the root unit's hooks see the step.
+        with self.precision_plugin.train_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.engine is not None
+        return full_model_state_dict(self.engine)
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        assert self.engine is not None
+        load_full_model_state_dict(self.engine, checkpoint["state_dict"], strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        assert self.engine is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return full_optimizer_state_dict(self.engine, optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        assert self.engine is not None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            load_full_optimizer_state_dict(self.engine, optimizer, state)
+
+    # ------------------------------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries = (
+            ("fsdp_custom", "popen", {}),
+            ("fsdp_custom_spawn", "spawn", {}),
+            ("fsdp_custom_fork", "fork", {}),
+            ("fsdp_custom_notebook", "fork", {}),
+            ("fsdp_custom_shard_grad_op", "popen", {"sharding_strategy": "SHARD_GRAD_OP"}),
+            ("fsdp_custom_no_shard", "popen", {"sharding_strategy": "NO_SHARD"}),
+        )
+        for name, start_method, extra in entries:
+            if name in strategy_registry:
+                continue
+            strategy_registry.register(
+                name, cls, description=f"lightning-fsdp's FSDP strategy ({name})", start_method=start_method, **extra
+            )
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()

@@ -1,0 +1,49 @@
+"""Tiny models for the tests: uneven shapes, a tied weight, a parameter with fewer rows than ranks, a frozen layer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB = 7
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class ToyLM(nn.Module):
+    """Embedding (7 rows: uneven over 2 or 3 ranks) tied to the output head; ``tiny`` has one row."""
+
+    def __init__(self, dim: int = 5) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.tiny = nn.Parameter(torch.randn(1, dim) * 0.1)
+        self.block1 = Block(dim, 6)
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.block2 = Block(dim, 3)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids) + self.tiny
+        h = self.block2(self.frozen(self.block1(h)))
+        return self.head(self.norm(h))
+
+
+def batch(step: int, size: int = 6, length: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch for ``step`` (identical in every process)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (size, length), generator=g), torch.randint(0, VOCAB, (size, length), generator=g)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -1,0 +1,134 @@
+"""Train ToyLM with Lightning, as a user's script would, and write losses and final parameters to --out.
+
+Run with ``--devices 2 --strategy fsdp_custom`` (Lightning's launcher re-runs this script per rank) or with
+``--devices 1 --strategy auto`` for the single-process reference on the same global batches.
+"""
+
+import argparse
+import os
+import sys
+
+import lightning as L
+import torch
+import torchmetrics
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
+from lightning_fsdp import FSDPStrategy  # noqa: E402
+from tests.models import ToyLM, batch, loss_fn, Block  # noqa: E402
+
+GLOBAL_BATCH = 6
+SAMPLES = 48
+
+
+class Samples(Dataset):
+    def __init__(self) -> None:
+        self.x, self.y = batch(0, size=SAMPLES)
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class Module(L.LightningModule):
+    def __init__(self, optimizer: str, meta: bool) -> None:
+        super().__init__()
+        self.optimizer_name = optimizer
+        self.meta = meta
+        self.step_losses = []
+        self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=7)
+        if not meta:
+            torch.manual_seed(0)
+            self.model = ToyLM()
+
+    def configure_model(self):
+        if self.meta and not hasattr(self, "model"):
+            self.model = ToyLM()
+
+    def training_step(self, b, i):
+        x, y = b
+        loss = loss_fn(self.model(x), y)
+        self.step_losses.append(self.all_gather(loss.detach()).mean().item())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, b, i):
+        x, y = b
+        logits = self.model(x)
+        self.val_acc(logits.flatten(0, 1), y.flatten())
+        self.log("val_loss", loss_fn(logits, y), sync_dist=True)
+        self.log("val_acc", self.val_acc)
+
+    def test_step(self, b, i):
+        x, y = b
+        self.log("test_loss", loss_fn(self.model(x), y), sync_dist=True)
+
+    def predict_step(self, b, i):
+        return self.model(b[0]).argmax(-1)
+
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if p.requires_grad and not n.endswith("bias")]
+        no_decay = [p for n, p in self.named_parameters() if p.requires_grad and n.endswith("bias")]
+        groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+        if self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+        else:
+            opt = torch.optim.AdamW(groups, lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--strategy", default="fsdp_custom")
+    parser.add_argument("--sharding", default="FULL_SHARD")
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--clip", default="none")  # none | norm | value
+    parser.add_argument("--meta", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    strategy = args.strategy
+    if strategy == "fsdp_custom" and (args.sharding != "FULL_SHARD"):
+        strategy = FSDPStrategy(sharding_strategy=args.sharding, auto_wrap_policy={Block})
+    elif strategy == "fsdp_custom_blocks":
+        strategy = FSDPStrategy(auto_wrap_policy={Block})
+    clip = {} if args.clip == "none" else {"gradient_clip_val": 0.05, "gradient_clip_algorithm": args.clip}
+    trainer = L.Trainer(
+        accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=1, limit_train_batches=6,
+        limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2, accumulate_grad_batches=args.accumulate,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, use_distributed_sampler=False, **clip,
+    )
+    with trainer.init_module(empty_init=args.meta):
+        module = Module(args.optimizer, meta=args.meta)
+    per_rank = GLOBAL_BATCH // args.devices
+    # Rank r takes samples r, r+N, ...: every step's global batch is the reference's batch.
+    sampler = DistributedSampler(Samples(), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
+    loader = DataLoader(Samples(), batch_size=per_rank, sampler=sampler)
+    if args.meta:
+        torch.manual_seed(0)
+    trainer.fit(module, loader, loader)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    val = trainer.validate(module, loader, verbose=False)[0]
+    test = trainer.test(module, loader, verbose=False)[0]
+    preds = trainer.predict(module, loader)
+    engine = getattr(trainer.strategy, "engine", None)
+    if engine is not None:
+        full = lightning_fsdp.checkpoint.full.full_model_state_dict(engine)
+    else:
+        full = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    if trainer.is_global_zero:
+        torch.save({"losses": module.step_losses, "state": full, "val": val, "test": test, "fit_metrics": metrics,
+                    "preds": torch.cat(preds), "names": [n for n, _ in module.named_parameters()]}, args.out)
+
+
+if __name__ == "__main__":
+    main()
