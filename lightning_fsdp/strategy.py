@@ -53,6 +53,13 @@ _BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "hpu": "hccl"}
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
+def _has_meta_tensors(module: nn.Module) -> bool:
+    # Parameters, buffers, and plain tensor attributes such as torchmetrics states.
+    tensors = [*module.parameters(), *module.buffers()]
+    tensors += [v for m in module.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    return any(t.is_meta for t in tensors)
+
+
 class FSDPStrategy(ParallelStrategy):
     """Fully Sharded Data Parallel training with this project's own sharding engine.
 
@@ -261,7 +268,7 @@ class FSDPStrategy(ParallelStrategy):
         engine = get_engine(module)
         if engine is not None:  # fit, then validate/test/predict on the same module
             return engine
-        if not any(t.is_meta for t in module.parameters()):
+        if not _has_meta_tensors(module):
             module.to(self.root_device)
         return fully_shard(
             module,

@@ -85,6 +85,7 @@ def fully_shard(
             sharded=sharded,
             reshard_after_forward=strategy is ShardingStrategy.FULL_SHARD,
         ))
+    _materialize_leftovers(module, device)
     engine = ShardingEngine(module, units, shard_comm, replicate_comm, strategy)
     module.__dict__[_ENGINE_ATTR] = engine
     return engine
@@ -139,6 +140,23 @@ def _materialize(modules: list[nn.Module], device: torch.device, param_init_fn: 
                 f"{type(module).__name__} has parameters on the meta device but no reset_parameters(); define "
                 "reset_parameters() on it or pass param_init_fn so they can be initialised after sharding starts."
             )
+
+
+def _materialize_leftovers(root: nn.Module, device: torch.device) -> None:
+    """Meta tensors that are neither parameters nor buffers (e.g. torchmetrics states) still need real memory.
+
+    They are zero-filled (deterministic, unlike ``empty``), then the module's own ``reset()`` or
+    ``reset_parameters()`` gets the chance to set its real defaults.
+    """
+    for module in root.modules():
+        states = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        states += [v for v in getattr(module, "_defaults", {}).values() if isinstance(v, torch.Tensor)]
+        if not any(t.is_meta for t in states):
+            continue
+        module._apply(lambda t: torch.zeros_like(t, device=device) if t.is_meta else t)
+        reset = getattr(module, "reset", None) or getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
 
 
 @torch.no_grad()
