@@ -1,0 +1,29 @@
+# Two commands do everything on a fresh clone: `make demo` and `make test`.
+# Both create .venv/ on first use. torch is pinned to the CPU build first, so that resolving lightning does not
+# pull a multi-GB CUDA build; a later `pip install -e .` accepts the torch already there.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: demo test setup clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+setup: $(BIN)/.installed
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) lightning_logs .pytest_cache
