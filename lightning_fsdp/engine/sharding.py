@@ -126,7 +126,9 @@ def _materialize(modules: list[nn.Module], device: torch.device, param_init_fn: 
     for module in meta_modules:
         for param in module.parameters(recurse=False):
             if param.is_meta:
-                param.data = torch.empty_like(param, device=device)
+                # Swap contents rather than replace the object: tied modules and optimizers keep their reference.
+                real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                torch.utils.swap_tensors(param, real)
         for name, buf in module._buffers.items():
             if buf is not None and buf.is_meta:
                 module._buffers[name] = torch.empty_like(buf, device=device)
