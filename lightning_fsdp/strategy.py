@@ -387,4 +387,14 @@ class FSDPStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        super().teardown()
+        # Lightning's teardown moves the module to CPU. A sharded module's parameters are views into per-unit flat
+        # buffers, which a plain .cpu() would detach them from, so the sharded module stays where it is.
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        if self.lightning_module is not None and get_engine(self.lightning_module) is None:
+            self.lightning_module.cpu()
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()

@@ -79,3 +79,14 @@ def test_optimizer_over_unmanaged_parameter_fails_on_every_rank(tmp_path):
     for text in run_two_ranks(tmp_path, "foreign-optimizer"):
         assert text.startswith("ValueError"), text
         assert "does not manage" in text and "(3,)" in text
+
+
+@pytest.mark.parametrize(
+    "device,override,expected",
+    [("cpu", None, "gloo"), ("cuda:0", None, "nccl"), ("hpu:0", None, "hccl"), ("cpu", "mpi", "mpi")],
+)
+def test_backend_follows_the_accelerator_unless_overridden(device, override, expected):
+    import torch
+
+    strategy = FSDPStrategy(parallel_devices=[torch.device(device)], process_group_backend=override)
+    assert strategy._get_process_group_backend() == expected

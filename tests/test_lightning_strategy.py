@@ -62,6 +62,13 @@ def test_fit_validate_test_predict_match_single_device(tmp_path, tmp_path_factor
             assert got[phase][name] == pytest.approx(value, rel=1e-5), (phase, name)
     # predict ran on rank 0's share of every batch: its predictions are rows 0, N, 2N, ... of the reference's.
     assert torch.equal(got["preds"], ref["preds"][0::devices][: len(got["preds"])])
+    # The strategy's own collectives (barrier ran before these).
+    assert got["collectives"] == {
+        "broadcast": "from rank 0",
+        "reduce_sum": float(sum(range(1, devices + 1))),
+        "reduce_mean": (devices + 1) / 2,
+        "all_gather": [[r, 10 * r] for r in range(devices)],
+    }
 
 
 def test_training_changed_the_model(tmp_path_factory):

@@ -125,8 +125,17 @@ def main() -> None:
         full = lightning_fsdp.checkpoint.full.full_model_state_dict(engine)
     else:
         full = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    strategy = trainer.strategy
+    strategy.barrier("after-predict")
+    rank = trainer.global_rank
+    collectives = {
+        "broadcast": strategy.broadcast(f"from rank {rank}", src=0),
+        "reduce_sum": float(strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="sum")),
+        "reduce_mean": float(strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="mean")),
+        "all_gather": strategy.all_gather(torch.tensor([rank, 10 * rank])).tolist(),
+    }
     if trainer.is_global_zero:
-        torch.save({"losses": module.step_losses, "state": full, "val": val, "test": test, "fit_metrics": metrics,
+        torch.save({"collectives": collectives, "losses": module.step_losses, "state": full, "val": val, "test": test, "fit_metrics": metrics,
                     "preds": torch.cat(preds), "names": [n for n, _ in module.named_parameters()]}, args.out)
 
 
