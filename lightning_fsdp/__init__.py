@@ -6,7 +6,7 @@ Importing the package registers the ``"fsdp_custom"`` strategy (and its variants
 from lightning.pytorch.strategies import StrategyRegistry
 
 from accelerators import HPUAccelerator, register_hpu_accelerator
-from lightning_fsdp.config import BackwardPrefetch, ShardingStrategy, StateDictType
+from lightning_fsdp.config import BackwardPrefetch, MixedPrecision, ShardingStrategy, StateDictType
 from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
 from lightning_fsdp.strategy import FSDPStrategy
 
@@ -15,6 +15,7 @@ __all__ = [
     "BackwardPrefetch",
     "FSDPStrategy",
     "HPUAccelerator",
+    "MixedPrecision",
     "ShardingEngine",
     "ShardingStrategy",
     "StateDictType",

@@ -142,3 +142,61 @@ def _wrap_policy_error(value: Any) -> str:
         "classes, a callable (module, recurse, nonwrapped_numel) -> bool, a positive int minimum parameter "
         "count, or None."
     )
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Low-precision compute while the full-precision shards stay the optimizer's master weights.
+
+    ``param_dtype``: dtype of the gathered (full) parameters the forward and backward compute with; the all-gather
+    moves this dtype. ``reduce_dtype``: dtype gradients are reduce-scattered in (defaults to ``param_dtype``).
+    ``buffer_dtype``: buffers are cast to it when the model is sharded. ``keep_low_precision_grads``: must stay
+    False here: a parameter's ``.grad`` must have the parameter's dtype, and the shards are full-precision master
+    weights, so reduced gradients are converted to the shards' dtype. ``cast_forward_inputs``: every unit casts floating-point inputs to ``param_dtype``;
+    ``cast_root_forward_inputs``: the root unit does (default).
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise TypeError(f"MixedPrecision({name}={value!r}) is not valid; expected a floating torch.dtype or None.")
+        for name in ("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"MixedPrecision({name}={getattr(self, name)!r}) is not valid; expected True or False.")
+        if self.keep_low_precision_grads:
+            raise ValueError(
+                "MixedPrecision(keep_low_precision_grads=True) is not supported: the full-precision shards are the "
+                "optimizer's master weights and a parameter's .grad must have its dtype, so reduced gradients are "
+                "always converted to the shards' dtype. Use keep_low_precision_grads=False."
+            )
+
+    @property
+    def effective_reduce_dtype(self) -> torch.dtype | None:
+        return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
+
+
+def parse_mixed_precision(value: Any) -> MixedPrecision | None:
+    if value is None or isinstance(value, MixedPrecision):
+        return value
+    if isinstance(value, dict):
+        return MixedPrecision(**{k: _parse_dtype(v) if k.endswith("_dtype") else v for k, v in value.items()})
+    raise TypeError(f"mixed_precision={value!r} is not valid; expected lightning_fsdp.MixedPrecision, a dict or None.")
+
+
+def _parse_dtype(value: Any) -> Any:
+    # YAML configs spell dtypes as strings: "bfloat16", "torch.float16".
+    if isinstance(value, str):
+        name = value.removeprefix("torch.")
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{value!r} is not a torch dtype; use e.g. 'bfloat16', 'float16' or 'float32'.")
+        return dtype
+    return value

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import pickle
 import zipfile
-from pathlib import Path
 from typing import IO, Any, Callable, Optional
 
 import torch
@@ -19,7 +18,13 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
-__all__ = ["AtomicCheckpointIO", "CheckpointLoadError", "temp_path_for"]
+__all__ = [
+    "AtomicCheckpointIO",
+    "CheckpointIsDirectoryError",
+    "CheckpointLoadError",
+    "CheckpointNotFoundError",
+    "temp_path_for",
+]
 
 
 class CheckpointLoadError(RuntimeError):
@@ -86,7 +91,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose saves are atomic and whose load errors name the file and the problem.
 
     A save writes ``torch.save`` output to ``.{basename}.tmp-{pid}`` in the target's directory, flushes and fsyncs
-    it, ``os.replace``\\ s it onto the target (atomic on POSIX and Windows for a same-directory rename) and fsyncs the
+    it, renames it onto the target with ``os.replace`` (atomic for a rename within one directory) and fsyncs the
     directory. On any exception the temporary file is removed and the previous checkpoint is left as it was.
     Non-local paths (``s3://`` and other fsspec URLs) are handed to ``TorchCheckpointIO`` unchanged.
     """
@@ -142,7 +147,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if os.path.isdir(path):
             raise CheckpointIsDirectoryError(
                 f"Checkpoint path {path!r} is a directory, but a full checkpoint is a single file. Pass the "
-                "checkpoint file itself (a directory is a sharded or local checkpoint, which this loader does not read).",
+                "checkpoint file itself (a directory would be a sharded or local checkpoint, which "
+                f"{type(self).__name__} does not read).",
                 path,
             )
         try:

@@ -9,7 +9,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fsdp.config import ShardingStrategy, parse_auto_wrap_policy, parse_sharding_strategy
+from lightning_fsdp.config import (
+    MixedPrecision,
+    ShardingStrategy,
+    parse_auto_wrap_policy,
+    parse_mixed_precision,
+    parse_sharding_strategy,
+)
 from lightning_fsdp.engine.comm import Communicator
 from lightning_fsdp.engine.shard import ShardLayout
 from lightning_fsdp.engine.state import ShardingEngine
@@ -35,6 +41,7 @@ def fully_shard(
     device: torch.device | str = "cpu",
     sync_module_states: bool = False,
     param_init_fn: Callable[[nn.Module], None] | None = None,
+    mixed_precision: MixedPrecision | None = None,
 ) -> ShardingEngine:
     """Shard ``module``'s parameters in place across ``process_group`` (default: the whole world).
 
@@ -45,6 +52,7 @@ def fully_shard(
     """
     strategy = parse_sharding_strategy(sharding_strategy)
     policy = parse_auto_wrap_policy(auto_wrap_policy)
+    mixed_precision = parse_mixed_precision(mixed_precision) or MixedPrecision()
     if get_engine(module) is not None:
         raise ValueError(f"{type(module).__name__} is already sharded; call fully_shard once per module.")
     device = torch.device(device)
@@ -70,6 +78,8 @@ def fully_shard(
         _materialize(own_modules, device, param_init_fn)
         if sync_module_states:
             _broadcast_from_rank0(own_modules, [params_by_id[pid] for pid in owned[id(unit_module)]])
+        if mixed_precision.buffer_dtype is not None:
+            _cast_buffers(own_modules, mixed_precision.buffer_dtype)
         slots = []
         for pid in owned[id(unit_module)]:
             _owner, uses, name = owners[pid]
@@ -84,9 +94,11 @@ def fully_shard(
             replicate_comm=replicate_comm,
             sharded=sharded,
             reshard_after_forward=strategy is ShardingStrategy.FULL_SHARD,
+            param_dtype=mixed_precision.param_dtype,
+            reduce_dtype=mixed_precision.effective_reduce_dtype,
         ))
     _materialize_leftovers(module, device)
-    engine = ShardingEngine(module, units, shard_comm, replicate_comm, strategy)
+    engine = ShardingEngine(module, units, shard_comm, replicate_comm, strategy, mixed_precision=mixed_precision)
     module.__dict__[_ENGINE_ATTR] = engine
     return engine
 
@@ -159,6 +171,13 @@ def _materialize_leftovers(root: nn.Module, device: torch.device) -> None:
         reset = getattr(module, "reset", None) or getattr(module, "reset_parameters", None)
         if callable(reset):
             reset()
+
+
+def _cast_buffers(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    for module in modules:
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                module._buffers[name] = buf.to(dtype)
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lightning_fsdp.config import ShardingStrategy
+from lightning_fsdp.config import MixedPrecision, ShardingStrategy
 from lightning_fsdp.engine.comm import Communicator
 from lightning_fsdp.engine.unit import FlatUnit
 
@@ -34,6 +34,8 @@ class ShardingEngine:
         shard_comm: Communicator,
         replicate_comm: Communicator | None,
         sharding_strategy: ShardingStrategy,
+        *,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         self.root = root
         self.units = units  # root unit first, then module pre-order: the fixed order for leftover reductions
@@ -41,6 +43,7 @@ class ShardingEngine:
         self.shard_comm = shard_comm
         self.replicate_comm = replicate_comm
         self.sharding_strategy = sharding_strategy
+        self.mixed_precision = mixed_precision or MixedPrecision()
         self._in_backward = False
         self._handles: list[Any] = []
         self._slot_by_param = {id(s.param): s for u in units for s in u.slots}
@@ -54,7 +57,7 @@ class ShardingEngine:
     def _register_hooks(self, unit: FlatUnit) -> None:
         self._handles.append(
             unit.module.register_forward_pre_hook(
-                lambda module, args, kwargs: self._pre_forward(unit), with_kwargs=True, prepend=True
+                lambda module, args, kwargs: self._pre_forward(unit, args, kwargs), with_kwargs=True, prepend=True
             )
         )
         self._handles.append(
@@ -68,13 +71,19 @@ class ShardingEngine:
             handle.remove()
         self._handles.clear()
 
-    def _pre_forward(self, unit: FlatUnit) -> None:
+    def _pre_forward(self, unit: FlatUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if unit.forward_depth == 0:
             if unit is self.root_unit and torch.is_grad_enabled() and not self._in_backward:
                 self._begin_step()
             self._update_peak()
             unit.gather()
         unit.forward_depth += 1
+        mp = self.mixed_precision
+        if mp.param_dtype is not None and (
+            mp.cast_forward_inputs or (unit is self.root_unit and mp.cast_root_forward_inputs)
+        ):
+            return _cast_floating(args, mp.param_dtype), _cast_floating(kwargs, mp.param_dtype)
+        return None
 
     def _post_forward(self, unit: FlatUnit, output: Any) -> None:
         unit.forward_depth -= 1
@@ -185,6 +194,12 @@ class ShardingEngine:
     def local_grad_bytes(self) -> int:
         return sum(s.param.grad.numel() * s.param.grad.element_size()
                    for u in self.units for s in u.slots if s.param.grad is not None)
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
 def _pow_sum(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

@@ -47,6 +47,8 @@ class FlatUnit:
         replicate_comm: Communicator | None,
         sharded: bool,
         reshard_after_forward: bool,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.name = name
         self.module = module
@@ -59,6 +61,10 @@ class FlatUnit:
         self.trainable_slots = [s for s in self.slots if s.trainable]
         self.is_gathered = False
         self._check_uniform_dtype()
+        # Mixed precision: the shards keep their dtype (the master weights); gathers move and compute in
+        # param_dtype, gradients are reduced in reduce_dtype.
+        self.compute_dtype = param_dtype or self.dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
         self._build_buffers()
 
     # ----------------------------------------------------------------------------------------------- layout
@@ -93,8 +99,10 @@ class FlatUnit:
         n = self.world_size
         self.flat_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
         # Unsharded units compute on the shard buffer itself and need no second copy of their parameters.
-        full_numel = n * self.shard_numel if self.sharded else 0
-        self.full_flat = torch.empty(full_numel, dtype=self.dtype, device=self.device)
+        # A NO_SHARD unit in full precision computes on its shard buffer directly.
+        self._aliases_shard = not self.sharded and self.compute_dtype == self.dtype
+        full_numel = 0 if self._aliases_shard else n * self.shard_numel
+        self.full_flat = torch.empty(full_numel, dtype=self.compute_dtype, device=self.device)
         self._split_sizes = [s.layout.padded_numel for s in self.slots]
         self._full_regions = []
         with torch.no_grad():
@@ -102,9 +110,9 @@ class FlatUnit:
                 layout = slot.layout
                 shard_view = self.flat_shard[slot.offset : slot.offset + layout.local_numel].view(layout.local_shape)
                 shard_view.copy_(layout.local_slice(slot.param.data))
-                full = nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device),
+                full = nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device),
                                     requires_grad=slot.param.requires_grad)
-                if self.sharded:
+                if not self._aliases_shard:
                     region = self.full_flat[n * slot.offset : n * (slot.offset + layout.padded_numel)]
                     self._full_regions.append(region.view(n, layout.padded_numel))
                     full.data = region.view(layout.padded_full_shape)[: layout.rows].view(layout.shape)
@@ -113,7 +121,7 @@ class FlatUnit:
                     full.data = shard_view.view(layout.shape)
                 slot.full = full
                 slot.param.data = shard_view
-        if self.sharded:
+        if not self._aliases_shard:
             self._free_full()
 
     # --------------------------------------------------------------------------------------- gather / free
@@ -124,16 +132,20 @@ class FlatUnit:
         """Make every parameter of the unit full-size in its modules (one all-gather when sharded)."""
         if self.is_gathered:
             return
-        if self.sharded and self.slots:
+        if not self._aliases_shard and self.slots:
             storage = self.full_flat.untyped_storage()
             storage.resize_(self.full_flat.numel() * self.full_flat.element_size())
             n = self.world_size
-            if len(self.slots) == 1:
+            shard = self.flat_shard.to(self.compute_dtype)  # no copy in full precision
+            if not self.sharded:
+                with torch.no_grad():
+                    self.full_flat.copy_(shard)
+            elif len(self.slots) == 1:
                 # One parameter: rank-major and parameter-major layouts coincide, so gather in place.
-                self.shard_comm.all_gather(self.full_flat, self.flat_shard)
+                self.shard_comm.all_gather(self.full_flat, shard)
             else:
-                gathered = torch.empty(n * self.shard_numel, dtype=self.dtype, device=self.device)
-                self.shard_comm.all_gather(gathered, self.flat_shard)
+                gathered = torch.empty(n * self.shard_numel, dtype=self.compute_dtype, device=self.device)
+                self.shard_comm.all_gather(gathered, shard)
                 with torch.no_grad():
                     torch.split_with_sizes_copy(gathered.view(n, self.shard_numel), self._split_sizes, dim=1,
                                                 out=self._full_regions)
@@ -145,7 +157,7 @@ class FlatUnit:
         if not self.is_gathered:
             return
         self._install(full=False)
-        if self.sharded:
+        if not self._aliases_shard:
             self._free_full()
         self.is_gathered = False
 
@@ -165,24 +177,30 @@ class FlatUnit:
             grad = slot.full.grad
             if grad is None:
                 # Unused in this step on this rank; another rank may have used it, so it still takes part.
-                grad = torch.zeros(slot.layout.shape, dtype=self.dtype, device=self.device)
+                grad = torch.zeros(slot.layout.shape, dtype=self.compute_dtype, device=self.device)
             grads.append(grad.reshape(slot.layout.rows, -1) if grad.dim() == 0 else grad)
             slot.full.grad = None
         n = self.world_size
+        ranks = self.shard_comm.world_size * (self.replicate_comm.world_size if self.replicate_comm else 1)
+        # float16 sums can overflow: divide before summing there, after summing everywhere else.
+        pre_divide = self.reduce_dtype == torch.float16
         if self.sharded:
             # _chunk_cat pads each gradient to ceil(d0/N) rows per rank and lays the ranks out one after another.
-            flat_in = torch._chunk_cat(grads, dim=0, num_chunks=n).view(-1)
-            reduced = torch.empty(self.grad_numel, dtype=self.dtype, device=self.device)
+            flat_in = torch._chunk_cat(grads, dim=0, num_chunks=n).view(-1).to(self.reduce_dtype)
+            if pre_divide:
+                flat_in.div_(ranks)
+            reduced = torch.empty(self.grad_numel, dtype=self.reduce_dtype, device=self.device)
             self.shard_comm.reduce_scatter(reduced, flat_in)
-            divisor = n
         else:
-            reduced = torch.cat([g.reshape(-1) for g in grads])
+            reduced = torch.cat([g.reshape(-1).to(self.reduce_dtype) for g in grads])
+            if pre_divide:
+                reduced.div_(ranks)
             self.shard_comm.all_reduce(reduced)
-            divisor = self.shard_comm.world_size
         if self.replicate_comm is not None and self.replicate_comm.world_size > 1:
             self.replicate_comm.all_reduce(reduced)
-            divisor *= self.replicate_comm.world_size
-        reduced.div_(divisor)
+        if not pre_divide:
+            reduced.div_(ranks)
+        reduced = reduced.to(self.dtype)
         for slot in self.trainable_slots:
             layout = slot.layout
             grad = reduced[slot.offset : slot.offset + layout.local_numel].view(layout.local_shape)

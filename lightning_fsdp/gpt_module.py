@@ -1,0 +1,125 @@
+"""``GPTLightningModule``: the small character GPT as a LightningModule that a Lightning CLI config can build.
+
+Every ``__init__`` argument is a plain type (int, float, bool, a list of floats), so ``LightningCLI`` exposes each
+as ``--model.<name>`` and ``--print_config`` writes them back out as YAML that parses again unchanged.
+
+    python examples/cli/train.py fit --config examples/cli/gpt_tiny.yaml --config examples/cli/strategy_by_name.yaml
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightning_fsdp.gpt import GPT, GPTConfig
+
+__all__ = ["GPTLightningModule"]
+
+# The full tiny-shakespeare text has 65 distinct characters; the excerpt bundled with the package has fewer, and a
+# vocabulary that is larger than the data's only leaves a few embedding rows untrained.
+DEFAULT_VOCAB_SIZE = 65
+
+
+class GPTLightningModule(L.LightningModule):
+    """A :class:`~lightning_fsdp.gpt.GPT` language model trained with AdamW, for ``CharDataModule`` batches.
+
+    Args:
+        vocab_size: number of token ids the model accepts; at least the data module's ``vocab_size``.
+        block_size: longest sequence (the data module's ``block_size`` must not exceed it).
+        n_layer: transformer blocks (each ``lightning_fsdp.gpt.Block`` is the natural FSDP unit).
+        n_head: attention heads; must divide ``n_embd``.
+        n_embd: model width.
+        dropout: dropout probability.
+        bias: biases in Linear and LayerNorm layers.
+        tie_weights: share the token embedding with the output projection.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay for matrices (biases, LayerNorms and embeddings are not decayed).
+        betas: AdamW betas.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = DEFAULT_VOCAB_SIZE,
+        block_size: int = 64,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+        bias: bool = True,
+        tie_weights: bool = True,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+    ) -> None:
+        super().__init__()
+        # Plain types only: the checkpoint then loads with torch.load(weights_only=True).
+        self.save_hyperparameters()
+        self.config = GPTConfig(
+            vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+            dropout=dropout, bias=bias, tie_weights=tie_weights,
+        )
+        self.model = GPT(self.config)
+        # Counted now: once sharded, parameters() yields only this rank's shards.
+        self.num_model_parameters = self.model.num_parameters()
+
+    def setup(self, stage: str) -> None:
+        # A data module with more characters than the model has embeddings would fail deep inside an embedding
+        # lookup; say which numbers disagree instead.
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        data_vocab = getattr(datamodule, "vocab_size", None)
+        if data_vocab is not None and data_vocab > self.config.vocab_size:
+            raise ValueError(
+                f"model.vocab_size={self.config.vocab_size} is smaller than the data's vocabulary ({data_vocab} "
+                f"characters); set model.vocab_size to at least {data_vocab}."
+            )
+        data_block = getattr(datamodule, "block_size", None)
+        if data_block is not None and data_block > self.config.block_size:
+            raise ValueError(
+                f"data.block_size={data_block} exceeds model.block_size={self.config.block_size}; lower the "
+                "first or raise the second."
+            )
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)[0]
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.log("test_loss", loss, sync_dist=True)
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        """The most likely next character at every position."""
+        return self(batch).argmax(dim=-1)
+
+    def configure_optimizers(self) -> Any:
+        # Groups by parameter name, not shape: under FSDP a rank may hold an empty shard of a matrix, but the
+        # strategy keeps the original names.
+        decay, no_decay = [], []
+        for name, param in self.named_parameters():
+            if param.requires_grad:
+                (no_decay if _is_no_decay(name) else decay).append(param)
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=self.hparams.lr, betas=tuple(self.hparams.betas))
+
+
+def _is_no_decay(name: str) -> bool:
+    """Biases, LayerNorm weights and embeddings are not decayed (GPT-2 / nanoGPT convention)."""
+    *path, leaf = name.split(".")
+    owner = path[-1] if path else ""
+    return leaf == "bias" or owner.startswith("ln_") or owner in ("wte", "wpe")
