@@ -1,18 +1,52 @@
-"""The strategy's Lightning precision plugin: Lightning's precision behaviour plus sharding-aware clipping."""
+"""The strategy's Lightning precision plugin: Trainer(precision=...) flags mapped onto the engine's mixed precision.
+
+| flag         | gathered parameters / reductions / buffers | forward context          | gradient scaler |
+|--------------|--------------------------------------------|--------------------------|-----------------|
+| "32-true"    | float32 (no mixed precision)               | -                        | -               |
+| "bf16-mixed" | bfloat16                                   | torch.autocast(bfloat16) | -               |
+| "16-mixed"   | float16                                    | torch.autocast(float16)  | ShardedGradScaler |
+| "bf16-true"  | bfloat16                                   | -                        | -               |
+| "16-true"    | float16                                    | -                        | -               |
+
+In every case the shards stay in full precision and are the optimizer's master weights.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Generator
 from typing import Any, Union
 
+import torch
+import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 from typing_extensions import override
 
-SUPPORTED_PRECISION = ("32-true",)
+from lightning_fsdp.config import MixedPrecision
+
+_LOW_DTYPE = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
+              "16-true": torch.float16}
+SUPPORTED_PRECISION = ("32-true", *_LOW_DTYPE)
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
+    """A gradient scaler whose inf/NaN verdict is the same on every rank.
+
+    Each rank only sees its shards' gradients; if one rank found an inf and skipped the step while another
+    stepped, the shards would silently diverge. The per-device ``found_inf`` flags are max-reduced across ranks.
+    """
+
+    @override
+    def unscale_(self, optimizer: Optimizer) -> None:
+        super().unscale_(optimizer)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
 
 
 class FSDPPrecision(Precision):
-    """Full precision (fp32) training with gradient clipping by the global norm across shards.
+    """Precision for the fsdp_custom strategy, with gradient clipping by the global norm across shards.
 
     ``torch.nn.utils.clip_grad_norm_`` on a rank's shards would see only that rank's part of the gradient and
     clip every rank by a different factor; this plugin asks the sharding engine for the norm an unsharded run
@@ -22,17 +56,66 @@ class FSDPPrecision(Precision):
     def __init__(self, precision: str = "32-true") -> None:
         if precision not in SUPPORTED_PRECISION:
             raise ValueError(
-                f"precision={precision!r} is not supported by the fsdp_custom strategy yet; valid choices: "
+                f"precision={precision!r} is not supported by the fsdp_custom strategy; valid choices: "
                 f"{', '.join(map(repr, SUPPORTED_PRECISION))}."
             )
         self.precision = precision
         self.engine: Any = None  # set by the strategy once the model is sharded
+        self.device_type = "cpu"  # set by the strategy from its root device
+        self.scaler = ShardedGradScaler("cpu") if precision == "16-mixed" else None
+
+    @property
+    def mixed_precision_config(self) -> MixedPrecision | None:
+        dtype = _LOW_DTYPE.get(self.precision)
+        if dtype is None:
+            return None
+        return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
+
+    def set_device_type(self, device_type: str) -> None:
+        self.device_type = device_type
+        if self.scaler is not None:
+            self.scaler = ShardedGradScaler(device_type)
+
+    @override
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        if self.precision.endswith("-mixed"):
+            return torch.autocast(self.device_type, dtype=_LOW_DTYPE[self.precision])
+        return contextlib.nullcontext()
+
+    @override
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        # Unscale before clipping, so the global norm is taken of the true gradients.
+        self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if not model.automatic_optimization or closure_result is not None:
+            step_output = self.scaler.step(optimizer, **kwargs)
+            self.scaler.update()
+            return step_output
+        return closure_result
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         if self.engine is None:
             return super().clip_grad_by_norm(optimizer, clip_val)
         self.engine.clip_grad_norm_(self.main_params(optimizer), clip_val)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
 
 
 def to_fsdp_precision(plugin: Precision | None) -> FSDPPrecision:

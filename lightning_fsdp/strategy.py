@@ -38,7 +38,9 @@ from lightning_fsdp.checkpoint.full import (
     load_full_optimizer_state_dict,
 )
 from lightning_fsdp.config import (
+    MixedPrecision,
     StateDictType,
+    parse_mixed_precision,
     parse_auto_wrap_policy,
     parse_backward_prefetch,
     parse_sharding_strategy,
@@ -96,6 +98,7 @@ class FSDPStrategy(ParallelStrategy):
         sharding_strategy: str = "FULL_SHARD",
         auto_wrap_policy: Any = None,
         state_dict_type: str = "full",
+        mixed_precision: Optional[MixedPrecision] = None,
         sync_module_states: bool = False,
         param_init_fn: Optional[Callable[[nn.Module], None]] = None,
         backward_prefetch: Optional[str] = "BACKWARD_PRE",
@@ -114,6 +117,7 @@ class FSDPStrategy(ParallelStrategy):
                 f"state_dict_type={state_dict_type!r} is not available yet; valid choices in this release: 'full'."
             )
         self.backward_prefetch = parse_backward_prefetch(backward_prefetch)
+        self.mixed_precision = parse_mixed_precision(mixed_precision)
         for name, value in (("forward_prefetch", forward_prefetch), ("limit_all_gathers", limit_all_gathers),
                             ("sync_module_states", sync_module_states), ("cpu_offload", cpu_offload),
                             ("use_orig_params", use_orig_params)):
@@ -187,7 +191,21 @@ class FSDPStrategy(ParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        self._precision_plugin = to_fsdp_precision(plugin) if plugin is not None else None
+        if plugin is None:
+            self._precision_plugin = None
+            return
+        plugin = to_fsdp_precision(plugin)
+        if self.mixed_precision is not None and plugin.precision != "32-true":
+            raise ValueError(
+                f"Trainer(precision={plugin.precision!r}) and FSDPStrategy(mixed_precision=...) both set the "
+                "precision; pass only one of them (precision='32-true' with an explicit MixedPrecision)."
+            )
+        self._precision_plugin = plugin
+
+    @property
+    def mixed_precision_config(self) -> Optional[MixedPrecision]:
+        """The engine's mixed precision: the explicit option, else what the Trainer's precision flag implies."""
+        return self.mixed_precision or self.precision_plugin.mixed_precision_config
 
     @property
     @override
@@ -257,6 +275,7 @@ class FSDPStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.engine = self._shard(self.lightning_module)
         self.precision_plugin.engine = self.engine
+        self.precision_plugin.set_device_type(self.root_device.type)
         if fitting:
             self.setup_optimizers(trainer)
             self._check_optimizers()
@@ -277,6 +296,7 @@ class FSDPStrategy(ParallelStrategy):
             device=self.root_device,
             sync_module_states=self.sync_module_states,
             param_init_fn=self.param_init_fn,
+            mixed_precision=self.mixed_precision_config,
         )
 
     def _check_optimizers(self) -> None:

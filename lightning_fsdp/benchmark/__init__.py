@@ -321,7 +321,7 @@ def _summarise(key: str, payloads: list[dict], world: int, param_bytes: int) -> 
 
 
 def run_benchmark(cfg: BenchmarkConfig, out: str | Path | None = None,
-                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                  progress: Callable[[str], None] | None = None, command: str | None = None) -> dict[str, Any]:
     """Run the comparison and the scaling run; write results.json/.md and plot.png into ``out`` if given."""
     say = progress or (lambda text: print(f"[benchmark] {text}", file=sys.stderr, flush=True))
     from lightning_fsdp.gpt import GPT
@@ -353,6 +353,7 @@ def run_benchmark(cfg: BenchmarkConfig, out: str | Path | None = None,
         scaling.append(row)
 
     results = {
+        "command": command,
         "config": asdict(cfg),
         "num_parameters": num_parameters,
         "param_bytes": param_bytes,

@@ -20,6 +20,7 @@ Three measures, each stated in the benchmark's output next to its figures:
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -128,6 +129,8 @@ class LiveTensorBytes:
             yield
 
     def __exit__(self, *exc: Any) -> None:
+        # Frees are only recorded while profiling: collect garbage (engines hold reference cycles) before stopping.
+        gc.collect()
         with _quiet_stderr():
             self._profile.__exit__(*exc)
         if exc[0] is None:
@@ -136,7 +139,7 @@ class LiveTensorBytes:
     def _analyse(self) -> None:
         from torch._C._profiler import _EventType
 
-        allocations: list[tuple[int, int]] = []
+        allocations: list[tuple[int, int, int]] = []
         windows: list[tuple[int, int]] = []
         stack = list(self._profile.profiler.kineto_results.experimental_event_tree())
         while stack:
@@ -145,18 +148,22 @@ class LiveTensorBytes:
             if node.tag == _EventType.Allocation:
                 fields = node.extra_fields
                 if fields.device.type == "cpu":
-                    allocations.append((node.start_time_ns, int(fields.total_allocated)))
+                    allocations.append((node.start_time_ns, int(fields.total_allocated), int(fields.alloc_size)))
             elif node.name == _WINDOW:
                 windows.append((node.start_time_ns, node.end_time_ns))
         if not windows:
             raise RuntimeError("LiveTensorBytes.window() was never entered inside the profiled block")
         allocations.sort()
+        # The allocator's total lives as long as the process: blocks allocated under an earlier profiling session
+        # and freed while none ran are never subtracted. Measure from this session's first event instead.
+        base = allocations[0][1] - allocations[0][2] if allocations else 0
+        totals = [(t, total - base) for t, total, _size in allocations]
         start, end = min(w[0] for w in windows), max(w[1] for w in windows)
-        before = [total for t, total in allocations if t < start]
-        inside = [total for t, total in allocations if start <= t <= end]
+        before = [total for t, total in totals if t < start]
+        inside = [total for t, total in totals if start <= t <= end]
         self.at_window_start = before[-1] if before else 0
         self.peak = max(inside + [self.at_window_start])
-        self.peak_overall = max([total for _t, total in allocations] + [0])
+        self.peak_overall = max([total for _t, total in totals] + [0])
 
 
 class CollectiveCounter:
@@ -168,6 +175,7 @@ class CollectiveCounter:
     """
 
     _NAMES = {
+        "all_gather": "all_gather",  # list form: FSDP1 gathers with it on CPU
         "all_gather_single": "all_gather",
         "all_gather_into_tensor": "all_gather",
         "_all_gather_base": "all_gather",
@@ -206,7 +214,7 @@ class CollectiveCounter:
     def _wrap(self, original: Any, kind: str) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
             if self.counting and self._depth == 0:
-                # all_gather(output, input); reduce_scatter(output, input); all_reduce(tensor)
+                # all_gather(output(s), input); reduce_scatter(output, input); all_reduce(tensor)
                 tensor = args[0] if kind == "all_reduce" else (args[1] if len(args) > 1 else
                                                                kwargs.get("input_tensor", kwargs.get("input")))
                 if isinstance(tensor, torch.Tensor):

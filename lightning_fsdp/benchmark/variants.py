@@ -97,6 +97,7 @@ def setup_ddp(model: nn.Module) -> Prepared:
 
 def setup_fsdp1(model: nn.Module) -> Prepared:
     """torch FSDP1 (``FullyShardedDataParallel``), FULL_SHARD, each Block a unit, original parameters kept."""
+    import torch
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -105,7 +106,9 @@ def setup_fsdp1(model: nn.Module) -> Prepared:
         sharding_strategy=ShardingStrategy.FULL_SHARD,
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         use_orig_params=True,
-        device_id=None,  # CPU
+        # device_id=None means "the current accelerator" and raises on a CPU-only build ("FSDP needs a non-CPU
+        # accelerator device"); naming the CPU is how torch's own CPU tests run FSDP1.
+        device_id=torch.device("cpu"),
     )
     return Prepared(model=wrapped)
 

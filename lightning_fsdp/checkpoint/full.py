@@ -33,13 +33,14 @@ def full_model_state_dict(engine: ShardingEngine, *, rank0_only: bool = True) ->
     state = module.state_dict()  # shards for managed parameters; buffers and unmanaged parameters as they are
     keys = _param_keys(module)
     for unit in engine.units:
-        with engine.gathered([unit]):
-            for slot in unit.slots:
-                if keep:
-                    full = slot.full.detach().to("cpu", copy=True)
-                    for key in keys.get(id(slot.param), []):
-                        if key in state:
-                            state[key] = full
+        fulls = unit.full_tensors()  # one unit at a time, in the master dtype
+        if keep:
+            for slot, full in zip(unit.slots, fulls):
+                full = full.to("cpu", copy=True)
+                for key in keys.get(id(slot.param), []):
+                    if key in state:
+                        state[key] = full
+        del fulls
     if not keep:
         return {}
     return {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}

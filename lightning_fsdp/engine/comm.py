@@ -19,7 +19,8 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 
 @dataclass
 class CommStats:
-    """Bytes this rank sent into each kind of collective since the last ``reset`` (input sizes)."""
+    """Bytes this rank sent into each kind of collective of the training step since the last ``reset`` (input
+    sizes). Checkpoint gathers are not counted."""
 
     all_gather_bytes: int = 0
     reduce_scatter_bytes: int = 0

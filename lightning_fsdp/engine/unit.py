@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_fsdp.engine.comm import Communicator
+from lightning_fsdp.engine.comm import Communicator, all_gather_flat
 from lightning_fsdp.engine.shard import ShardLayout
 
 
@@ -151,6 +151,22 @@ class FlatUnit:
                                                 out=self._full_regions)
         self._install(full=True)
         self.is_gathered = True
+
+    @torch.no_grad()
+    def full_tensors(self) -> list[torch.Tensor]:
+        """Every parameter in full, in the shards' (master) dtype, without touching the modules: for checkpoints."""
+        n = self.world_size
+        gathered = torch.empty(n * self.shard_numel, dtype=self.dtype, device=self.device)
+        if self.sharded and n > 1:
+            # Not counted in CommStats, which describes training steps.
+            all_gather_flat(gathered, self.flat_shard, group=self.shard_comm.group)
+        else:
+            gathered.copy_(self.flat_shard)
+        pieces = gathered.view(n, self.shard_numel).split(self._split_sizes, dim=1)
+        return [
+            piece.reshape(slot.layout.padded_full_shape)[: slot.layout.rows].reshape(slot.layout.shape)
+            for slot, piece in zip(self.slots, pieces)
+        ]
 
     def reshard(self) -> None:
         """Put the shards back into the modules and release the full parameters' memory."""

@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--clip", default="none")  # none | norm | value
     parser.add_argument("--meta", action="store_true")
+    parser.add_argument("--precision", default="32-true")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -105,7 +106,7 @@ def main() -> None:
         accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=1, limit_train_batches=6,
         limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2, accumulate_grad_batches=args.accumulate,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, use_distributed_sampler=False, **clip,
+        num_sanity_val_steps=0, use_distributed_sampler=False, precision=args.precision, **clip,
     )
     with trainer.init_module(empty_init=args.meta):
         module = Module(args.optimizer, meta=args.meta)
@@ -135,7 +136,8 @@ def main() -> None:
         "all_gather": strategy.all_gather(torch.tensor([rank, 10 * rank])).tolist(),
     }
     if trainer.is_global_zero:
-        torch.save({"collectives": collectives, "losses": module.step_losses, "state": full, "val": val, "test": test, "fit_metrics": metrics,
+        gathered = engine.shard_comm.stats.all_gather_bytes if engine is not None else 0
+        torch.save({"collectives": collectives, "all_gather_bytes": gathered, "losses": module.step_losses, "state": full, "val": val, "test": test, "fit_metrics": metrics,
                     "preds": torch.cat(preds), "names": [n for n, _ in module.named_parameters()]}, args.out)
 
 

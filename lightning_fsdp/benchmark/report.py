@@ -1,0 +1,239 @@
+"""Write the benchmark's results: ``results.json`` (everything), ``results.md`` (tables) and ``plot.png``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["write_report", "markdown", "plot", "fmt_bytes"]
+
+
+def fmt_bytes(value: float | None) -> str:
+    """Bytes in binary units with three significant figures: ``'73.2 MiB'``."""
+    if value is None:
+        return "n/a"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value:.0f} B"
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def _multiple(measured: float | None, param_bytes: int) -> str:
+    return "n/a" if measured is None else f"{measured / param_bytes:.3f} P"
+
+
+def _comm_cells(row: dict[str, Any], param_bytes: int) -> list[str]:
+    """All-gathered, reduce-scattered and all-reduced bytes per step, each with its multiple of P."""
+    comm = row.get("comm_per_step")
+    cells = []
+    for measured_key, theory_key in (("all_gathered", "all_gather"), ("reduce_scatter", "reduce_scatter"),
+                                     ("all_reduce", "all_reduce")):
+        theory = row["theory_per_step"][theory_key]
+        if comm is None:
+            cells.append("n/a" if not theory else f"n/a (theory {theory / param_bytes:g} P)")
+            continue
+        measured = comm.get(measured_key, 0)
+        if not measured and not theory:
+            cells.append("0")
+        else:
+            cells.append(f"{fmt_bytes(measured)} = {measured / param_bytes:.3f} P (theory {theory / param_bytes:g} P)")
+    return cells
+
+
+def _max(values: list[float] | None) -> float | None:
+    return max(values) if values else None
+
+
+def markdown(results: dict[str, Any]) -> str:
+    cfg = results["config"]
+    P = results["param_bytes"]
+    ws = results["comparison_world_size"]
+    ref_name = next((r["name"] for r in results["variants"] if r["key"] == results["reference"]), results["reference"])
+    env = results["environment"]
+    lines = [
+        "# lightning_fsdp benchmark",
+        "",
+        *([f"`{results['command']}`", ""] if results.get("command") else []),
+        f"GPT n_layer={cfg['layers']} n_embd={cfg['width']} n_head={cfg['heads']} block_size={cfg['seq']} "
+        f"vocab={cfg['vocab']}: {results['num_parameters']:,} parameters, P = {fmt_bytes(P)} (float32). "
+        f"{ws} gloo processes on CPU, {cfg['threads']} thread(s) each; batch {cfg['batch']} sequences per rank; "
+        f"AdamW(lr={cfg['lr']}); each Block a unit; {cfg['warmup']} warmup + {cfg['steps']} timed steps, then a "
+        f"separate profiled run of {cfg['mem_steps']} steps for memory and collectives. torch {env['torch']}, "
+        f"{env['cpus']} CPUs; engine prefetch options: {env['engine_options'] or 'none (no prefetching)'}.",
+        "",
+        f"| Variant | Median step (ms) | vs {ref_name} | Peak live / rank | Model state / rank (vs DDP) "
+        "| All-gathered / step | Reduce-scattered / step | All-reduced / step | Final loss |",
+        "|---|---:|---:|---:|---:|---|---|---|---:|",
+    ]
+    ddp = next((r for r in results["variants"] if r["key"] == "ddp" and r["status"] == "ok"), None)
+    ddp_state = _max([m["total"] for m in ddp["model_state"]]) if ddp else None
+    disagreements = []
+    for row in results["variants"]:
+        if row["status"] != "ok":
+            error = str(row.get("error", "")).replace("|", "\\|").replace("\n", " ")[:200]
+            lines.append(f"| {row['name']} | **failed**: {error} | | | | | | | |")
+            continue
+        state = _max([m["total"] for m in row["model_state"]])
+        state_cell = fmt_bytes(state) + (f" ({state / ddp_state:.3f})" if ddp_state else "")
+        loss = f"{row['final_loss']:.6f}"
+        if row.get("loss_agrees") is False:
+            loss += f" **DISAGREES** (rel. diff {row['loss_rel_diff']:.1e})"
+            disagreements.append(row["name"])
+        lines.append(
+            f"| {row['name']} | {_ms(row.get('median_step_ms'))} | {_ratio(row.get('ratio_to_reference'))} "
+            f"| {fmt_bytes(_max(row['peak_live_bytes']))} | {state_cell} | "
+            + " | ".join(_comm_cells(row, P)) + f" | {loss} |"
+        )
+    rtol = cfg["loss_rtol"]
+    ok_rows = [r for r in results["variants"] if r["status"] == "ok"]
+    if disagreements:
+        lines += ["", f"**Final losses disagree** (relative tolerance {rtol:g}) for: {', '.join(disagreements)}."]
+    elif ok_rows:
+        worst = max(r.get("loss_rel_diff", 0.0) for r in ok_rows)
+        lines += ["", f"All final losses agree with {ref_name}'s within relative tolerance {rtol:g} "
+                      f"(largest relative difference {worst:.1e})."]
+
+    lines += [
+        "",
+        f"## Per-rank memory of {ref_name} by world size",
+        "",
+        "Batch per rank fixed, so the global batch grows with the world size (losses are not comparable across rows).",
+        "",
+        "| World size | Model state / rank | x world size (1.0 = ideal 1/N) | Peak live / rank | Shards at step start "
+        "| All-gathered / step | Reduce-scattered / step |",
+        "|---:|---:|---:|---:|---:|---|---|",
+    ]
+    base = next((r for r in results["scaling"] if r["status"] == "ok" and r["world_size"] == 1), None)
+    base_state = _max([m["total"] for m in base["model_state"]]) if base else None
+    for row in results["scaling"]:
+        if row["status"] != "ok":
+            lines.append(f"| {row['world_size']} | **failed**: {row.get('error', '')[:200]} | | | | | |")
+            continue
+        state = _max([m["total"] for m in row["model_state"]])
+        scaled = f"{state * row['world_size'] / base_state:.3f}" if base_state else "n/a"
+        comm = _comm_cells(row, P)
+        lines.append(f"| {row['world_size']} | {fmt_bytes(state)} | {scaled} | {fmt_bytes(_max(row['peak_live_bytes']))} "
+                     f"| {fmt_bytes(_max(row['live_at_start_bytes']))} | {comm[0]} | {comm[1]} |")
+
+    lines += [
+        "",
+        "## How each column is measured",
+        "",
+        "- **Median step**: wall time of `zero_grad` + forward + backward + `optimizer.step()` per step on each rank "
+        "(`time.perf_counter`), the slower rank's time per step, median over the timed steps after warmup. Ratio: "
+        f"to {ref_name}'s median in the same run. The timed run carries no profiler or counters.",
+        f"- **Peak live / rank**: {results['methods']['peak_live']}; the larger of the ranks. Includes model state, "
+        "gathered parameters, activations, gradients, optimizer state and communication buffers; not RSS.",
+        f"- **Model state / rank**: {results['methods']['model_state']}; the larger of the ranks. "
+        "In brackets: ratio to DDP's (ideal 1/N for sharded variants).",
+        "- **All-gathered / reduce-scattered / all-reduced per step**: per rank, averaged over the profiled run's "
+        "steps; all-gathered counts the gathered full-size output, reduce-scattered the full-size input, "
+        "all-reduced the tensor. fsdp_custom: the engine's own `CommStats`; torch FSDP1/FSDP2: calls to "
+        "`torch.distributed`'s collectives counted by a wrapper; torch DDP: its reducer all-reduces from C++ "
+        "where Python cannot see it, so theory only (1 P). P is the model's full parameter bytes; theory: "
+        "FULL_SHARD gathers 2 P (forward and again for backward) and reduce-scatters 1 P, SHARD_GRAD_OP "
+        "gathers 1 P, replicated variants all-reduce 1 P. A root unit that stays gathered from forward "
+        "into backward is gathered once, so measured FULL_SHARD figures sit slightly under 2 P.",
+        f"- **Final loss**: mean over ranks (= the global batch's loss) of the last timed step; compared with "
+        f"{ref_name}'s at relative tolerance {rtol:g}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+_SHORT = {
+    "custom_full_shard": "custom\nFULL_SHARD",
+    "custom_shard_grad_op": "custom\nSHARD_GRAD_OP",
+    "custom_no_shard": "custom\nNO_SHARD",
+    "ddp": "torch\nDDP",
+    "fsdp1": "torch\nFSDP1",
+    "fsdp2": "torch\nFSDP2",
+}
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Step time per variant, memory per rank per variant, and per-rank memory against world size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["variants"]
+    names = [_SHORT.get(r["key"], r["name"]) for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(19, 5.6))
+
+    ax = axes[0]
+    times = [r.get("median_step_ms") or 0.0 for r in rows]
+    colors = ["tab:blue" if r["key"].startswith("custom") else "tab:gray" for r in rows]
+    bars = ax.bar(range(len(rows)), times, color=colors)
+    for bar, row in zip(bars, rows):
+        label = "failed" if row["status"] != "ok" else (
+            f"{row.get('median_step_ms', 0):.0f}\n{_ratio(row.get('ratio_to_reference'))}")
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                    fontsize=8)
+    ax.set_xticks(range(len(rows)), names, fontsize=7)
+    ax.set_ylabel("median step time (ms)")
+    ax.margins(y=0.15)
+    ax.set_title(f"Step time, {results['comparison_world_size']} processes")
+
+    ax = axes[1]
+    mib = 2**20
+    peak = [(_max(r.get("peak_live_bytes")) or 0) / mib for r in rows]
+    state = [(_max([m["total"] for m in r["model_state"]]) if r.get("model_state") else 0) / mib for r in rows]
+    width = 0.4
+    ax.bar([i - width / 2 for i in range(len(rows))], peak, width, label="peak live tensors", color="tab:orange")
+    ax.bar([i + width / 2 for i in range(len(rows))], state, width, label="model state", color="tab:green")
+    ax.set_xticks(range(len(rows)), names, fontsize=7)
+    ax.set_ylabel("MiB per rank")
+    ax.set_title("Memory per rank")
+    ax.legend(fontsize=8)
+
+    ax = axes[2]
+    scaling = [r for r in results["scaling"] if r["status"] == "ok"]
+    if scaling:
+        ws = [r["world_size"] for r in scaling]
+        state = [_max([m["total"] for m in r["model_state"]]) / mib for r in scaling]
+        peak = [_max(r["peak_live_bytes"]) / mib for r in scaling]
+        ax.plot(ws, state, "o-", label="model state / rank", color="tab:green")
+        ax.plot(ws, peak, "s-", label="peak live / rank", color="tab:orange")
+        base = next((s for w, s in zip(ws, state) if w == 1), None)
+        if base is not None:
+            ax.plot(ws, [base / w for w in ws], "k--", linewidth=1, label="ideal 1/N of model state")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ws, [str(w) for w in ws])
+        ax.set_ylim(bottom=0)
+    ax.set_xlabel("world size (processes)")
+    ax.set_ylabel("MiB per rank")
+    ref_name = next((r["name"] for r in results["scaling"]), results["reference"])
+    ax.set_title(f"{ref_name}: per-rank memory vs world size")
+    ax.legend(fontsize=8)
+
+    cfg = results["config"]
+    fig.suptitle(f"GPT {cfg['layers']}x{cfg['width']} ({results['num_parameters']:,} parameters), "
+                 f"batch {cfg['batch']}x{cfg['seq']} per rank, gloo on CPU, torch {results['environment']['torch']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=_json_default))
+    (out / "results.md").write_text(markdown(results))
+    plot(results, out / "plot.png")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)

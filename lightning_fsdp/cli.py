@@ -1,0 +1,82 @@
+"""The ``lightning-fsdp`` command: Lightning's CLI with this package's strategy registered and chosen by default.
+
+    lightning-fsdp fit --config examples/cli/trainer_cpu.yaml --config examples/cli/gpt_tiny_command.yaml \\
+        --config examples/cli/strategy_by_class.yaml
+    lightning-fsdp validate|test|predict --config ... --ckpt_path path/to/checkpoint.ckpt
+    lightning-fsdp fit --config ... --print_config > run.yaml     # a complete config that parses back unchanged
+
+It is ``LightningCLI`` in subclass mode: the model and the data module are any ``LightningModule`` /
+``LightningDataModule`` named by ``class_path`` in a config (or ``--model``, ``--data``). Importing this package
+registers ``trainer.strategy: fsdp_custom`` (and its variants), and ``fsdp_custom`` is the default strategy.
+When ``lightning_fsdp.checkpoint.convert`` is installed the command also offers ``convert`` (checkpoint format
+conversion), handing it the rest of the command line.
+
+``python -m lightning_fsdp.cli`` is the same command. Lightning's launcher re-runs the command once per extra rank,
+with the same arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.cli import LightningCLI
+
+import lightning_fsdp
+
+__all__ = ["FSDPLightningCLI", "main"]
+
+DEFAULT_STRATEGY = "fsdp_custom"
+_CONVERT_MODULE = "lightning_fsdp.checkpoint.convert"
+
+
+class FSDPLightningCLI(LightningCLI):
+    """``LightningCLI`` whose trainer defaults to ``strategy="fsdp_custom"`` and whose config header names this
+    package's version next to Lightning's, so a saved config says what it ran with."""
+
+    def __init__(self, *args: Any, trainer_defaults: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        trainer_defaults = {"strategy": DEFAULT_STRATEGY, **(trainer_defaults or {})}
+        super().__init__(*args, trainer_defaults=trainer_defaults, **kwargs)
+
+    def init_parser(self, **kwargs: Any) -> Any:
+        kwargs.setdefault("dump_header", [f"lightning.pytorch=={pl.__version__}",
+                                          f"lightning_fsdp=={lightning_fsdp.__version__}"])
+        return super().init_parser(**kwargs)
+
+
+def _convert_entry() -> Callable[[list[str]], Any] | None:
+    """``lightning_fsdp.checkpoint.convert.main`` if that module exists; imported only when asked for."""
+    try:
+        module = importlib.import_module(_CONVERT_MODULE)
+    except ModuleNotFoundError as err:
+        if err.name != _CONVERT_MODULE:  # the module exists but one of its own imports failed: say so
+            raise
+        return None
+    return getattr(module, "main", None)
+
+
+def main(args: Sequence[str] | None = None) -> Any:
+    """Run the command with ``args`` (default: ``sys.argv[1:]``); returns the ``FSDPLightningCLI`` it ran."""
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["convert"]:
+        convert = _convert_entry()
+        if convert is not None:
+            return convert(argv[1:])
+        # Not installed: fall through, and LightningCLI reports 'convert' as an invalid choice with the valid ones.
+    description = "Lightning's CLI with the fsdp_custom strategy (lightning-fsdp)."
+    if _convert_entry() is not None:
+        description += " Also: 'lightning-fsdp convert --help' converts checkpoints between formats."
+    return FSDPLightningCLI(
+        model_class=None,  # any LightningModule, by class_path
+        datamodule_class=None,  # any LightningDataModule, by class_path (optional)
+        # None lets LightningCLI read sys.argv itself (it warns when given both).
+        args=None if args is None else argv,
+        parser_kwargs={"description": description},
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""``estimate_memory``: the bytes each rank will hold for a model's state under sharding, before training starts.
+
+The estimate follows the engine's own rules rather than a rule of thumb: it picks the same units with the same
+auto-wrap policy, lays every parameter out with the same ``torch.chunk`` shard layout, and counts what the engine
+allocates. It reads only shapes and dtypes, so a model built on ``torch.device("meta")`` (too big for one host)
+can be estimated without allocating it.
+
+What it counts, per rank (``ShardingMonitor`` measures the same components during training):
+
+- ``params``: this rank's parameter shards, kept between steps.
+- ``grads``: the shards' gradients, alive from backward until the next ``zero_grad``.
+- ``optimizer_state``: the optimizer's tensors for the shards (AdamW: ``exp_avg``, ``exp_avg_sq`` and a 4-byte
+  ``step`` per parameter).
+- ``gathered_params``: the most full (unsharded) parameter bytes alive at once during forward and backward.
+  FULL_SHARD keeps the root unit gathered for the whole step and gathers every other unit, with the units around
+  it, only while it computes, so the peak is the root plus the largest chain of nested units. SHARD_GRAD_OP keeps
+  every unit gathered from its forward until its backward, so the peak is the whole model. NO_SHARD computes on
+  the parameters themselves and gathers nothing. Full buffers are padded to ``ceil(rows / world_size)`` rows per
+  rank, as the engine allocates them.
+
+Not counted: activations (they depend on the batch), buffers (not sharded), the brief copy an all-gather makes
+before splitting a unit's buffer into parameters, and full-size gradients that autograd holds before a unit's
+reduce-scatter. For an end-to-end figure on an accelerator, compare with ``ShardingMonitor``'s
+``device_peak_bytes``.
+
+The communication a training step issues is predicted as well (``all_gather_bytes``, ``reduce_scatter_bytes``,
+``all_reduce_bytes``, counted like ``CommStats``: the bytes this rank puts into each collective), assuming every
+unit runs once forward and once backward per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fsdp.config import ShardingStrategy, parse_auto_wrap_policy, parse_sharding_strategy
+from lightning_fsdp.engine.shard import ShardLayout
+from lightning_fsdp.engine.wrap import assign_owners, select_unit_modules
+
+__all__ = ["MemoryEstimate", "estimate_memory"]
+
+# Optimizer name -> (state tensors of the parameter's shape per parameter, bytes of scalar state per parameter).
+# Adam and AdamW keep exp_avg and exp_avg_sq, and ``step`` as a float32 0-dim tensor.
+_OPTIMIZERS: dict[str, tuple[int, int]] = {
+    "adamw": (2, 4),
+    "adam": (2, 4),
+    "sgd": (0, 0),
+    "sgd_momentum": (1, 0),
+    "none": (0, 0),
+}
+
+# Lightning precision flags -> (dtype shards are stored in, dtype units are gathered in, dtype gradients are
+# reduced in); None means "the model's own dtype". "*-mixed" follows torch FSDP: shards keep the model's dtype,
+# gathering and reduction use the low-precision one; "*-true" stores everything in the low-precision dtype.
+_PRECISION_FLAGS: dict[str, tuple[torch.dtype | None, ...]] = {
+    "32-true": (None, None, None),
+    "32": (None, None, None),
+    "16-mixed": (None, torch.float16, torch.float16),
+    "bf16-mixed": (None, torch.bfloat16, torch.bfloat16),
+    "16-true": (torch.float16, torch.float16, torch.float16),
+    "bf16-true": (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted bytes one rank holds, by component (see the module docstring for what each one counts)."""
+
+    params: int
+    grads: int
+    optimizer_state: int
+    gathered_params: int
+    all_gather_bytes: int
+    reduce_scatter_bytes: int
+    all_reduce_bytes: int
+    unsharded_params: int
+    world_size: int
+    rank: int
+    sharding_strategy: str
+    num_units: int
+
+    @property
+    def model_state(self) -> int:
+        """Parameters, gradients and optimizer state held between steps."""
+        return self.params + self.grads + self.optimizer_state
+
+    @property
+    def peak(self) -> int:
+        """Model state plus the peak of gathered full parameters: the model's share of peak memory."""
+        return self.model_state + self.gathered_params
+
+    def __str__(self) -> str:
+        rows = [
+            ("parameter shards", self.params),
+            ("gradient shards", self.grads),
+            ("optimizer state", self.optimizer_state),
+            ("gathered full parameters (peak)", self.gathered_params),
+            ("total (model's share of peak)", self.peak),
+        ]
+        width = max(len(name) for name, _ in rows)
+        head = (f"{self.sharding_strategy}, rank {self.rank} of {self.world_size}, {self.num_units} units; "
+                f"unsharded parameters: {_fmt(self.unsharded_params)}")
+        return "\n".join([head] + [f"  {name:<{width}}  {_fmt(value)}" for name, value in rows])
+
+
+def _fmt(nbytes: int) -> str:
+    return f"{nbytes:,} B ({nbytes / 2**20:.2f} MiB)"
+
+
+def estimate_memory(
+    model: nn.Module,
+    world_size: int,
+    sharding_strategy: ShardingStrategy | str = "FULL_SHARD",
+    mixed_precision: Any = None,
+    optimizer: str | None = "adamw",
+    auto_wrap_policy: Any = None,
+    *,
+    rank: int = 0,
+) -> MemoryEstimate:
+    """Predict the bytes rank ``rank`` of ``world_size`` holds when ``model`` is trained with this strategy.
+
+    Args:
+        model: the model as it will be sharded (the LightningModule, or the plain ``nn.Module`` given to
+            ``fully_shard``); may live on the meta device.
+        world_size: ranks in the shard group.
+        sharding_strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"``.
+        mixed_precision: ``None`` (parameters keep their dtype), a Lightning precision flag (``"32-true"``,
+            ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ``"16-true"``), or an object with ``param_dtype``
+            and ``reduce_dtype`` attributes such as torch's ``MixedPrecision``: shards stay in the model's dtype,
+            units are gathered in ``param_dtype`` and gradients reduced in ``reduce_dtype``.
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` (no momentum), ``"sgd_momentum"`` or ``None``.
+        auto_wrap_policy: as for ``FSDPStrategy`` (a set of module classes or their import paths, a callable, an
+            int minimum parameter count, or ``None`` for a single root unit).
+        rank: the rank to estimate; rank 0 holds the most rows (``torch.chunk`` gives earlier ranks the
+            longer chunks), so the default is the busiest rank.
+
+    Returns:
+        A :class:`MemoryEstimate`; ``print()`` it for a table.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} is not valid; expected a positive int.")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} is not valid; expected an int in [0, {world_size - 1}].")
+    strategy = parse_sharding_strategy(sharding_strategy)
+    policy = parse_auto_wrap_policy(auto_wrap_policy)
+    tensors_per_param, scalar_bytes = _parse_optimizer(optimizer)
+    store_dtype, gather_dtype, reduce_dtype = _parse_mixed_precision(mixed_precision)
+
+    sharded = strategy is not ShardingStrategy.NO_SHARD
+    n, r = (world_size, rank) if sharded else (1, 0)
+
+    unit_modules = select_unit_modules(model, policy)
+    owners = assign_owners(model, unit_modules, ignored_ids=set())
+    params_by_id = {id(p): p for p in model.parameters()}
+    owned: dict[int, list[nn.Parameter]] = {id(m): [] for m in unit_modules}
+    for pid, (owner, _uses, _name) in owners.items():
+        owned[id(owner)].append(params_by_id[pid])
+
+    params = grads = optimizer_state = unsharded = 0
+    all_gather = reduce_scatter = all_reduce = 0
+    full_bytes: dict[int, int] = {}  # per unit: its padded full buffer, the bytes a gather makes alive
+    for unit in unit_modules:
+        unit_full = unit_shard_padded = unit_grad_padded = 0
+        for param in owned[id(unit)]:
+            layout = ShardLayout(param.shape, n, r)
+            stored = _itemsize(store_dtype or param.dtype)
+            gathered_size = _itemsize(gather_dtype or (store_dtype or param.dtype))
+            reduced_size = _itemsize(reduce_dtype or (store_dtype or param.dtype))
+            local = layout.local_numel * stored
+            params += local
+            unsharded += param.numel() * stored
+            unit_shard_padded += layout.padded_numel * gathered_size
+            unit_full += n * layout.padded_numel * gathered_size
+            if param.requires_grad:
+                grads += local
+                optimizer_state += tensors_per_param * local + scalar_bytes
+                unit_grad_padded += layout.padded_numel * reduced_size
+                if not sharded:  # NO_SHARD all-reduces full gradients instead of reduce-scattering them
+                    all_reduce += param.numel() * reduced_size
+        full_bytes[id(unit)] = unit_full if sharded else 0
+        if sharded:
+            is_root = unit is model
+            # FULL_SHARD frees every unit but the root after forward and gathers it again for backward.
+            regathers = strategy is ShardingStrategy.FULL_SHARD and not is_root
+            all_gather += unit_shard_padded * (2 if regathers else 1)
+            reduce_scatter += n * unit_grad_padded
+
+    if strategy is ShardingStrategy.FULL_SHARD:
+        gathered = max(sum(full_bytes[id(u)] for u in chain) for chain in _unit_chains(model, unit_modules))
+    else:
+        gathered = sum(full_bytes.values())
+
+    return MemoryEstimate(
+        params=params,
+        grads=grads,
+        optimizer_state=optimizer_state,
+        gathered_params=gathered,
+        all_gather_bytes=all_gather,
+        reduce_scatter_bytes=reduce_scatter,
+        all_reduce_bytes=all_reduce,
+        unsharded_params=unsharded,
+        world_size=world_size,
+        rank=rank,
+        sharding_strategy=strategy.value,
+        num_units=len(unit_modules),
+    )
+
+
+def _unit_chains(root: nn.Module, unit_modules: list[nn.Module]) -> list[list[nn.Module]]:
+    """For every unit, the units alive while it computes: itself and every unit enclosing it (the root included)."""
+    unit_ids = {id(m) for m in unit_modules}
+    chains: list[list[nn.Module]] = []
+
+    def walk(module: nn.Module, chain: list[nn.Module]) -> None:
+        if id(module) in unit_ids:
+            chain = chain + [module]
+            chains.append(chain)
+        for child in module.children():
+            walk(child, chain)
+
+    walk(root, [])
+    return chains
+
+
+def _parse_optimizer(optimizer: str | None) -> tuple[int, int]:
+    key = "none" if optimizer is None else str(optimizer).lower()
+    if key not in _OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not valid; choose one of {sorted(_OPTIMIZERS)} or None.")
+    return _OPTIMIZERS[key]
+
+
+def _parse_mixed_precision(value: Any) -> tuple[torch.dtype | None, ...]:
+    """(dtype shards are stored in, dtype units are gathered in, dtype gradients are reduced in); None: the model's."""
+    if value is None:
+        return None, None, None
+    if isinstance(value, (str, int)):
+        key = str(value)
+        if key not in _PRECISION_FLAGS:
+            raise ValueError(
+                f"mixed_precision={value!r} is not valid; choose one of {sorted(_PRECISION_FLAGS)}, an object with "
+                "param_dtype and reduce_dtype attributes (e.g. torch's MixedPrecision), or None."
+            )
+        return _PRECISION_FLAGS[key]
+    if hasattr(value, "param_dtype"):
+        # As in torch FSDP: a reduce_dtype of None reduces in param_dtype.
+        param_dtype = value.param_dtype
+        return None, param_dtype, getattr(value, "reduce_dtype", None) or param_dtype
+    raise ValueError(
+        f"mixed_precision={value!r} ({type(value).__name__}) is not valid; choose a Lightning precision flag "
+        f"{sorted(_PRECISION_FLAGS)}, an object with param_dtype and reduce_dtype attributes, or None."
+    )
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

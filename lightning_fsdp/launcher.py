@@ -1,0 +1,123 @@
+"""How the strategy starts its processes: re-running the script, or forking when running in a notebook.
+
+A script is best started the way Lightning starts DDP: the launcher re-runs it once per extra rank (``"popen"``).
+A notebook or an interactive interpreter has no script to re-run, and ``spawn`` cannot find classes that were
+defined in the notebook, so there the ranks are forked from the kernel, as Lightning's ``ddp_notebook`` does.
+Forking is refused, with the reason, where it would hang or crash: after CUDA was initialised in this process, and
+on platforms without ``fork``.
+
+The fork launcher is Lightning's ``_MultiProcessingLauncher`` with one change: at the end of ``fit`` it sends the
+main process the *full* state dict, gathered unit by unit, instead of rank 0's shards, so the model object in the
+notebook holds the trained weights afterwards.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+from typing import Any, Optional
+
+import lightning.fabric.utilities.imports as _fabric_imports
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+__all__ = ["FSDPMultiProcessingLauncher", "choose_launcher", "is_interactive"]
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+def is_interactive() -> bool:
+    """True in a notebook kernel or an interactive interpreter: Lightning's own test, read at call time."""
+    return bool(_fabric_imports._IS_INTERACTIVE)
+
+
+def choose_launcher(
+    strategy: "pl.strategies.ParallelStrategy",
+    start_method: str,
+    cluster_environment: ClusterEnvironment,
+    num_processes: int,
+    num_nodes: int,
+) -> _Launcher:
+    """The launcher for ``strategy``: what ``FSDPStrategy._configure_launcher`` installs.
+
+    - Processes started by someone else (torchrun, SLURM, a previous launch): ``_SubprocessScriptLauncher``, which
+      then starts nothing.
+    - ``"popen"`` (the default) in a script: re-run the script per rank. In a notebook: fork instead.
+    - ``"fork"`` / ``"forkserver"``: fork, after checking it is safe. ``"spawn"``: spawn; refused in a notebook.
+
+    Raises:
+        ValueError: ``start_method`` is not one of ``"popen"``, ``"spawn"``, ``"fork"``, ``"forkserver"``.
+        RuntimeError: forking is needed but unsafe or unavailable here (the message says why and what to do).
+    """
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method={start_method!r} is not valid; choose one of {START_METHODS}.")
+    if cluster_environment.creates_processes_externally:
+        return _SubprocessScriptLauncher(cluster_environment, num_processes, num_nodes)
+    interactive = is_interactive()
+    if start_method == "popen":
+        if not interactive:
+            return _SubprocessScriptLauncher(cluster_environment, num_processes, num_nodes)
+        start_method = "fork"  # there is no script to re-run
+    elif start_method == "spawn" and interactive:
+        raise RuntimeError(
+            "start_method='spawn' cannot run in a notebook or interactive session: the new processes cannot import "
+            "classes defined in the notebook. Use the default start_method='popen' (it forks in a notebook) or "
+            "'fork', or run your code as a script."
+        )
+    if start_method in ("fork", "forkserver"):
+        _check_fork_is_safe(start_method, interactive)
+    return FSDPMultiProcessingLauncher(strategy, start_method=start_method)
+
+
+def _check_fork_is_safe(start_method: str, interactive: bool) -> None:
+    where = "in a notebook or interactive session" if interactive else "here"
+    if start_method not in multiprocessing.get_all_start_methods():
+        raise RuntimeError(
+            f"The fsdp_custom strategy needs to start its processes with {start_method!r} {where}, and this platform "
+            f"has no {start_method!r} (available: {', '.join(multiprocessing.get_all_start_methods())}). Run your "
+            "code as a script (python train.py) with the default start_method='popen'."
+        )
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # A forked child cannot use a CUDA context created by its parent: it fails or hangs in its first CUDA call.
+        raise RuntimeError(
+            f"The fsdp_custom strategy starts its processes with {start_method!r} {where}, which is unsafe now: CUDA "
+            "is already initialised in this process (a tensor or model was moved to a GPU, or a torch.cuda function "
+            "was called). Restart the kernel and create the Trainer before anything touches CUDA (keep models on "
+            "the CPU until trainer.fit moves them), or run your code as a script."
+        )
+
+
+class FSDPMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's multiprocessing launcher, returning the full (unsharded) trained weights to the main process.
+
+    Lightning's version saves ``lightning_module.state_dict()`` from rank 0, which under this strategy holds only
+    rank 0's shards and would not load into the main process's full-size model.
+    """
+
+    @override
+    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[_WorkerOutput]:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        checkpoint_callback = trainer.checkpoint_callback
+        best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
+        if fitting:
+            # Every rank takes part: the full state dict is gathered unit by unit (collectives); rank 0 keeps it.
+            state_dict = self._strategy.lightning_module_state_dict()
+        else:
+            # Lightning computes the state dict on every rank even when it is not sent (torchmetrics may sync).
+            trainer.lightning_module.state_dict()
+        if self._strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if fitting:
+            # A fresh temporary folder per run: the file system may be shared between nodes.
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        extra = self.get_extra_results(trainer)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)

@@ -1,0 +1,249 @@
+"""``ShardingMonitor``: a Lightning callback that logs what sharding costs and saves, per training step and per rank.
+
+    trainer = L.Trainer(strategy="fsdp_custom", devices=2, callbacks=[ShardingMonitor()], logger=CSVLogger("logs"))
+
+Every logged step it gathers one small int64 vector from each rank and hands rank 0's logger (CSV, TensorBoard, or
+any other Lightning logger) one metric per rank and quantity, named ``fsdp/rank<r>/<quantity>``:
+
+==========================  ===========================================================================================
+``param_bytes``             this rank's parameter shards (``engine.local_param_bytes()``)
+``grad_bytes``              the shards' gradients after this step's backward (``engine.local_grad_bytes()``)
+``optimizer_state_bytes``   every tensor in the optimizers' ``state`` (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step``)
+``model_state_bytes``       the three above together
+``gathered_peak_bytes``     the most full (unsharded) parameter bytes alive at once during the step: each unit's full
+                            buffer is measured by its storage size right after every gather
+``model_state_peak_bytes``  ``model_state_bytes + gathered_peak_bytes``: the model's share of peak memory, by the
+                            engine's own byte accounting (what :func:`lightning_fsdp.estimate_memory` predicts)
+``device_peak_bytes``       on CUDA (or another accelerator with ``max_memory_allocated``): the allocator's peak of
+                            live tensor bytes during the step, activations included; not logged on CPU
+``rss_peak_bytes``          on CPU under Linux: the process's peak resident set size during the step (``VmHWM`` in
+                            ``/proc/self/status``, reset through ``/proc/self/clear_refs`` at the step's start). It
+                            includes the interpreter and libraries; run with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed
+                            tensors leave it. Not logged where the reset is unavailable
+``all_gather_bytes``        bytes this rank put into all-gathers during the step (``CommStats`` counts, input sizes)
+``reduce_scatter_bytes``    bytes this rank put into reduce-scatters during the step
+``all_reduce_bytes``        bytes this rank put into all-reduces (NO_SHARD gradients, clipping, hybrid replicas)
+==========================  ===========================================================================================
+
+CPU has no allocator statistics in torch, which is why the model-state figures come from the engine's accounting
+and the process-level figure is labelled as RSS rather than tensor bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_fsdp.engine import ShardingEngine, get_engine
+
+__all__ = ["ShardingMonitor"]
+
+# The order of the per-rank vector that is all-gathered; -1 marks "not measured on this device".
+QUANTITIES = (
+    "param_bytes",
+    "grad_bytes",
+    "optimizer_state_bytes",
+    "model_state_bytes",
+    "gathered_peak_bytes",
+    "model_state_peak_bytes",
+    "device_peak_bytes",
+    "rss_peak_bytes",
+    "all_gather_bytes",
+    "reduce_scatter_bytes",
+    "all_reduce_bytes",
+)
+_NOT_MEASURED = -1
+_COMM_FIELDS = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")
+
+
+class ShardingMonitor(pl.Callback):
+    """Logs per-step, per-rank memory of the sharded model state and the bytes each collective moved.
+
+    Works with the ``fsdp_custom`` strategy (any of its registered variants); with another strategy it warns once and
+    logs nothing. The quantities and how each is measured are listed in this module's docstring.
+
+    Args:
+        log_every_n_steps: log every this many training batches; ``None`` follows ``Trainer(log_every_n_steps=)``.
+            Measuring is cheap; logging costs one small all-gather across ranks.
+        prefix: the first part of every metric name.
+
+    Attributes:
+        last: the latest values logged, ``{metric name: int}``, on every rank (handy in notebooks and tests).
+    """
+
+    def __init__(self, *, log_every_n_steps: int | None = None, prefix: str = "fsdp") -> None:
+        if log_every_n_steps is not None and (
+            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+        ):
+            raise ValueError(f"log_every_n_steps={log_every_n_steps!r} is not valid; expected a positive int or None.")
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"prefix={prefix!r} is not valid; expected a non-empty string.")
+        self.log_every_n_steps = log_every_n_steps
+        self.prefix = prefix
+        self.last: dict[str, int] = {}
+        self._engine: ShardingEngine | None = None
+        self._restore: list[Callable[[], None]] = []
+        self._gathered_peak = 0
+        self._comm_at_start: dict[str, int] = {}
+        self._batches = 0
+        self._rss_reset = False
+
+    # --------------------------------------------------------------------------------------------- lifecycle
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._engine = get_engine(pl_module)
+        if self._engine is None:
+            rank_zero_warn(
+                f"ShardingMonitor needs the fsdp_custom strategy; the trainer uses {type(trainer.strategy).__name__}, "
+                "so nothing will be logged."
+            )
+            return
+        self._batches = 0
+        self._instrument_gathers(self._engine)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remove_instrumentation()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Also on a crash mid-fit, so a later run on the same module starts uninstrumented.
+        self._remove_instrumentation()
+
+    def _instrument_gathers(self, engine: ShardingEngine) -> None:
+        """Sample the live full-parameter bytes right after every unit gather, the moments they can peak.
+
+        Wrapping the units' ``gather`` (per instance, undone at the end of training) observes the engine without
+        changing what it does; module hooks would miss the gathers the engine issues from autograd hooks in backward.
+        """
+        self._remove_instrumentation()
+        for unit in engine.units:
+            original = unit.gather
+
+            def gather(original: Callable[[], None] = original) -> None:
+                original()
+                self._gathered_peak = max(self._gathered_peak, _gathered_bytes(engine))
+
+            unit.gather = gather  # type: ignore[method-assign]
+            self._restore.append(lambda unit=unit: unit.__dict__.pop("gather", None))
+
+    def _remove_instrumentation(self) -> None:
+        for undo in self._restore:
+            undo()
+        self._restore.clear()
+
+    # ------------------------------------------------------------------------------------------------ steps
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        engine = self._engine
+        if engine is None:
+            return
+        self._gathered_peak = _gathered_bytes(engine)
+        self._comm_at_start = _comm_totals(engine)
+        device = engine.root_unit.device
+        if device.type == "cpu":
+            self._rss_reset = _reset_rss_peak()
+        else:
+            backend = getattr(torch, device.type, None)
+            if hasattr(backend, "reset_peak_memory_stats"):
+                backend.reset_peak_memory_stats(device)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._engine is None:
+            return
+        self._batches += 1
+        # The same decision on every rank: logging all-gathers, and every rank must join the collective.
+        if self.log_every_n_steps is None:
+            # Lightning's own rule for when logged metrics reach the loggers (as DeviceStatsMonitor uses it).
+            if not trainer._logger_connector.should_update_logs:
+                return
+        elif self._batches % self.log_every_n_steps != 0:
+            return
+        values = self._measure(trainer)
+        local = torch.tensor([values[q] for q in QUANTITIES], dtype=torch.int64, device=trainer.strategy.root_device)
+        per_rank = trainer.strategy.all_gather(local).reshape(trainer.world_size, len(QUANTITIES)).tolist()
+        metrics = {
+            f"{self.prefix}/rank{rank}/{name}": int(value)
+            for rank, row in enumerate(per_rank)
+            for name, value in zip(QUANTITIES, row)
+            if value != _NOT_MEASURED
+        }
+        self.last = metrics
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                # The step Lightning logs this batch's own metrics under, so they share rows in a CSV file.
+                logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+    def _measure(self, trainer: pl.Trainer) -> dict[str, int]:
+        engine = self._engine
+        assert engine is not None
+        values = {
+            "param_bytes": engine.local_param_bytes(),
+            "grad_bytes": engine.local_grad_bytes(),
+            "optimizer_state_bytes": _optimizer_state_bytes(trainer.optimizers),
+            "gathered_peak_bytes": self._gathered_peak,
+        }
+        values["model_state_bytes"] = values["param_bytes"] + values["grad_bytes"] + values["optimizer_state_bytes"]
+        values["model_state_peak_bytes"] = values["model_state_bytes"] + values["gathered_peak_bytes"]
+        device = engine.root_unit.device
+        values["device_peak_bytes"] = _NOT_MEASURED
+        values["rss_peak_bytes"] = _NOT_MEASURED
+        if device.type == "cpu" and self._rss_reset:
+            values["rss_peak_bytes"] = _rss_peak()
+        else:
+            backend = getattr(torch, device.type, None)
+            if hasattr(backend, "max_memory_allocated"):
+                values["device_peak_bytes"] = int(backend.max_memory_allocated(device))
+        now = _comm_totals(engine)
+        for field in _COMM_FIELDS:
+            values[field] = now[field] - self._comm_at_start.get(field, now[field])
+        return values
+
+
+def _gathered_bytes(engine: ShardingEngine) -> int:
+    # A freed unit's full buffer has a zero-byte storage; a gathered one holds every rank's padded rows.
+    return sum(u.full_flat.untyped_storage().nbytes() for u in engine.units if u.sharded)
+
+
+def _comm_totals(engine: ShardingEngine) -> dict[str, int]:
+    comms = [engine.shard_comm] + ([engine.replicate_comm] if engine.replicate_comm is not None else [])
+    return {field: sum(getattr(c.stats, field) for c in comms) for field in _COMM_FIELDS}
+
+
+def _optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and id(value) not in seen:
+                    seen.add(id(value))
+                    total += value.numel() * value.element_size()
+    return total
+
+
+_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+def _reset_rss_peak() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0); False where that is impossible."""
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _rss_peak() -> int:
+    try:
+        with open(_STATUS) as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    return _NOT_MEASURED
