@@ -14,7 +14,7 @@ In every case the shards stay in full precision and are the optimizer's master w
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any, Union
 
 import torch

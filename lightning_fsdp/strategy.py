@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -19,6 +19,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -31,6 +32,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
+from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO
 from lightning_fsdp.checkpoint.full import (
     full_model_state_dict,
     full_optimizer_state_dict,
@@ -72,6 +75,9 @@ class FSDPStrategy(ParallelStrategy):
         sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"``.
         auto_wrap_policy: which modules become units: a set of module classes, a callable
             ``(module, recurse, nonwrapped_numel) -> bool``, or an int minimum parameter count. The root takes the rest.
+        activation_checkpointing_policy: modules whose forward is recomputed in backward instead of keeping their
+            activations: a set of module classes (or import paths) or a callable ``(module) -> bool``.
+        mixed_precision: a :class:`~lightning_fsdp.MixedPrecision`; or let ``Trainer(precision=...)`` imply one.
         state_dict_type: checkpoint format; ``"full"`` (one file in Lightning's usual layout).
         sync_module_states: broadcast rank 0's initial parameters and buffers before sharding.
         param_init_fn: called on each meta-device module to materialise it (default: its ``reset_parameters``).
@@ -97,6 +103,7 @@ class FSDPStrategy(ParallelStrategy):
         *,
         sharding_strategy: str = "FULL_SHARD",
         auto_wrap_policy: Any = None,
+        activation_checkpointing_policy: Any = None,
         state_dict_type: str = "full",
         mixed_precision: Optional[MixedPrecision] = None,
         sync_module_states: bool = False,
@@ -111,6 +118,7 @@ class FSDPStrategy(ParallelStrategy):
         # raises the same error everywhere instead of leaving a rank waiting in a collective.
         self.sharding_strategy = parse_sharding_strategy(sharding_strategy)
         self.auto_wrap_policy = parse_auto_wrap_policy(auto_wrap_policy)
+        self.activation_checkpointing_policy = parse_checkpointing_policy(activation_checkpointing_policy)
         self.state_dict_type = parse_state_dict_type(state_dict_type)
         if self.state_dict_type is not StateDictType.FULL:
             raise NotImplementedError(
@@ -209,6 +217,22 @@ class FSDPStrategy(ParallelStrategy):
 
     @property
     @override
+    def checkpoint_io(self) -> CheckpointIO:
+        # Atomic writes by default: a process killed mid-save leaves the previous checkpoint intact. Set lazily,
+        # not in __init__, so a user's plugins=[SomeCheckpointIO()] still takes precedence without a conflict.
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # fills the wrapper only if it is empty
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
+
+    @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         # Checkpoints hold full tensors; they can only be split into shards once the model is sharded.
         return True
@@ -289,6 +313,8 @@ class FSDPStrategy(ParallelStrategy):
             return engine
         if not _has_meta_tensors(module):
             module.to(self.root_device)
+        if self.activation_checkpointing_policy is not None:
+            apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         return fully_shard(
             module,
             sharding_strategy=self.sharding_strategy,

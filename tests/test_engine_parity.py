@@ -9,7 +9,6 @@ import itertools
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_fsdp.engine import fully_shard
 from tests.distributed import run_distributed

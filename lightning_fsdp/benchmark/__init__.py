@@ -297,6 +297,7 @@ def _summarise(key: str, payloads: list[dict], world: int, param_bytes: int) -> 
         per_step = [max(ts) for ts in zip(*(t["step_s"] for t in timing))]
         row["step_ms"] = [s * 1e3 for s in per_step]
         row["median_step_ms"] = statistics.median(per_step) * 1e3 if per_step else None
+        row["min_step_ms"] = min(per_step) * 1e3 if per_step else None
         row["losses"] = timing[0]["losses"]
     else:
         row["losses"] = memory[0]["losses"]

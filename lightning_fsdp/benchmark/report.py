@@ -47,6 +47,12 @@ def _comm_cells(row: dict[str, Any], param_bytes: int) -> list[str]:
             cells.append("0")
         else:
             cells.append(f"{fmt_bytes(measured)} = {measured / param_bytes:.3f} P (theory {theory / param_bytes:g} P)")
+    theory_total = sum(row["theory_per_step"].values()) / param_bytes
+    if comm is None:
+        cells.append(f"n/a (theory {theory_total:g} P)")
+    else:
+        total = sum(comm.get(k, 0) for k in ("all_gathered", "reduce_scatter", "all_reduce")) / param_bytes
+        cells.append(f"**{total:.3f} P** (theory {theory_total:g} P)")
     return cells
 
 
@@ -72,8 +78,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"{env['cpus']} CPUs; engine prefetch options: {env['engine_options'] or 'none (no prefetching)'}.",
         "",
         f"| Variant | Median step (ms) | vs {ref_name} | Peak live / rank | Model state / rank (vs DDP) "
-        "| All-gathered / step | Reduce-scattered / step | All-reduced / step | Final loss |",
-        "|---|---:|---:|---:|---:|---|---|---|---:|",
+        "| All-gathered / step | Reduce-scattered / step | All-reduced / step | Total moved / step | Final loss |",
+        "|---|---:|---:|---:|---:|---|---|---|---|---:|",
     ]
     ddp = next((r for r in results["variants"] if r["key"] == "ddp" and r["status"] == "ok"), None)
     ddp_state = _max([m["total"] for m in ddp["model_state"]]) if ddp else None
@@ -81,7 +87,7 @@ def markdown(results: dict[str, Any]) -> str:
     for row in results["variants"]:
         if row["status"] != "ok":
             error = str(row.get("error", "")).replace("|", "\\|").replace("\n", " ")[:200]
-            lines.append(f"| {row['name']} | **failed**: {error} | | | | | | | |")
+            lines.append(f"| {row['name']} | **failed**: {error} | | | | | | | | |")
             continue
         state = _max([m["total"] for m in row["model_state"]])
         state_cell = fmt_bytes(state) + (f" ({state / ddp_state:.3f})" if ddp_state else "")
@@ -110,20 +116,20 @@ def markdown(results: dict[str, Any]) -> str:
         "Batch per rank fixed, so the global batch grows with the world size (losses are not comparable across rows).",
         "",
         "| World size | Model state / rank | x world size (1.0 = ideal 1/N) | Peak live / rank | Shards at step start "
-        "| All-gathered / step | Reduce-scattered / step |",
-        "|---:|---:|---:|---:|---:|---|---|",
+        "| All-gathered / step | Reduce-scattered / step | Total moved / step |",
+        "|---:|---:|---:|---:|---:|---|---|---|",
     ]
     base = next((r for r in results["scaling"] if r["status"] == "ok" and r["world_size"] == 1), None)
     base_state = _max([m["total"] for m in base["model_state"]]) if base else None
     for row in results["scaling"]:
         if row["status"] != "ok":
-            lines.append(f"| {row['world_size']} | **failed**: {row.get('error', '')[:200]} | | | | | |")
+            lines.append(f"| {row['world_size']} | **failed**: {row.get('error', '')[:200]} | | | | | | |")
             continue
         state = _max([m["total"] for m in row["model_state"]])
         scaled = f"{state * row['world_size'] / base_state:.3f}" if base_state else "n/a"
         comm = _comm_cells(row, P)
         lines.append(f"| {row['world_size']} | {fmt_bytes(state)} | {scaled} | {fmt_bytes(_max(row['peak_live_bytes']))} "
-                     f"| {fmt_bytes(_max(row['live_at_start_bytes']))} | {comm[0]} | {comm[1]} |")
+                     f"| {fmt_bytes(_max(row['live_at_start_bytes']))} | {comm[0]} | {comm[1]} | {comm[3]} |")
 
     lines += [
         "",
@@ -141,8 +147,8 @@ def markdown(results: dict[str, Any]) -> str:
         "all-reduced the tensor. fsdp_custom: the engine's own `CommStats`; torch FSDP1/FSDP2: calls to "
         "`torch.distributed`'s collectives counted by a wrapper; torch DDP: its reducer all-reduces from C++ "
         "where Python cannot see it, so theory only (1 P). P is the model's full parameter bytes; theory: "
-        "FULL_SHARD gathers 2 P (forward and again for backward) and reduce-scatters 1 P, SHARD_GRAD_OP "
-        "gathers 1 P, replicated variants all-reduce 1 P. A root unit that stays gathered from forward "
+        "FULL_SHARD gathers 2 P (forward and again for backward) and reduce-scatters 1 P (3 P in total), "
+        "SHARD_GRAD_OP gathers 1 P (2 P in total), replicated variants all-reduce 1 P. A root unit that stays gathered from forward "
         "into backward is gathered once, so measured FULL_SHARD figures sit slightly under 2 P.",
         f"- **Final loss**: mean over ranks (= the global batch's loss) of the last timed step; compared with "
         f"{ref_name}'s at relative tolerance {rtol:g}.",

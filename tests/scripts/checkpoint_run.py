@@ -1,0 +1,202 @@
+"""Full-checkpoint scenarios for tests/test_checkpoint_full.py, run the way users run scripts.
+
+``--mode train``: train ToyLM with Lightning for ``--epochs`` epochs of 3 steps (global batch 6 on every strategy),
+optionally resuming with ``fit(ckpt_path=--resume)`` and saving with ``trainer.save_checkpoint`` after fit
+(``--save``) or at the end of the first epoch (``--save-in-fit``, where ``ModelCheckpoint`` would save).
+With ``--devices 2`` Lightning's launcher re-runs this script per rank. Rank 0 writes to ``--out``: the per-step
+losses and learning rates, the full parameters and optimizer/scheduler state as found at ``on_train_start`` (i.e.
+just after a resume restored them) and at the end.
+
+``--mode killsave``: save a large checkpoint to ``--save`` through ``AtomicCheckpointIO``, and SIGKILL this process
+once ``--kill-after`` bytes of it have reached the temporary file (``--no-atomic``: write the path directly instead,
+as a non-atomic save would).
+"""
+
+import argparse
+import os
+import signal
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+STEPS_PER_EPOCH = 3
+GLOBAL_BATCH = 6
+SAMPLES = 48
+
+
+# ----------------------------------------------------------------------------------------------- kill mid-save
+class _KillingFile:
+    """A file wrapper that SIGKILLs the process once ``limit`` bytes were written (and made durable)."""
+
+    def __init__(self, f, limit: int) -> None:
+        self._f = f
+        self._limit = limit
+        self.written = 0
+
+    def write(self, data) -> int:
+        n = self._f.write(data)
+        self.written += len(memoryview(data).cast("B"))
+        if self.written >= self._limit:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            sys.stdout.write(f"pid {os.getpid()}: killing myself after {self.written} bytes\n")
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return n
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def kill_save(path: str, kill_after: int, atomic: bool) -> None:
+    from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO
+
+    g = torch.Generator().manual_seed(123)
+    checkpoint = {"state_dict": {f"w{i}": torch.randn(512, 1024, generator=g) for i in range(16)},  # 32 MiB
+                  "epoch": 99, "note": "this checkpoint must never appear at the path"}
+
+    class KillingIO(AtomicCheckpointIO):
+        def _write(self, ckpt, f):
+            super()._write(ckpt, _KillingFile(f, kill_after))
+
+    if atomic:
+        KillingIO().save_checkpoint(checkpoint, path)
+    else:
+        with open(path, "wb") as f:
+            torch.save(checkpoint, _KillingFile(f, kill_after))
+    raise SystemExit("the save finished; the kill did not happen")
+
+
+# ----------------------------------------------------------------------------------------------------- training
+def train(args) -> None:
+    import lightning as L
+    from torch.utils.data import DataLoader, Dataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    import lightning_fsdp  # noqa: F401  registers "fsdp_custom"
+    from lightning_fsdp import FSDPStrategy
+    from lightning_fsdp.checkpoint.full import full_model_state_dict, full_optimizer_state_dict
+    from tests.models import Block, ToyLM, batch, loss_fn
+
+    class Samples(Dataset):
+        def __init__(self) -> None:
+            self.x, self.y = batch(0, size=SAMPLES)
+
+        def __len__(self) -> int:
+            return SAMPLES
+
+        def __getitem__(self, i):
+            return self.x[i], self.y[i]
+
+    class Module(L.LightningModule):
+        def __init__(self, optimizer: str) -> None:
+            super().__init__()
+            self.optimizer_name = optimizer
+            self.records = []  # (global_step, loss averaged over ranks, lr of group 0)
+            torch.manual_seed(0)
+            self.model = ToyLM()
+
+        def training_step(self, b, i):
+            x, y = b
+            loss = loss_fn(self.model(x), y)
+            lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+            self.records.append((self.global_step, self.all_gather(loss.detach()).mean().item(), lr))
+            return loss
+
+        def validation_step(self, b, i):
+            x, y = b
+            self.log("val_loss", loss_fn(self.model(x), y), sync_dist=True)
+
+        def configure_optimizers(self):
+            decay = [p for n, p in self.named_parameters() if p.requires_grad and not n.endswith("bias")]
+            no_decay = [p for n, p in self.named_parameters() if p.requires_grad and n.endswith("bias")]
+            groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+            if self.optimizer_name == "sgd":
+                return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+            opt = torch.optim.AdamW(groups, lr=0.01)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def snapshot(trainer, module) -> dict:
+        """Full parameters and optimizer states on rank 0 (collective under fsdp_custom)."""
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            params = full_model_state_dict(engine)
+            optim = [full_optimizer_state_dict(engine, opt) for opt in trainer.optimizers]
+        else:
+            params = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+            optim = [opt.state_dict() for opt in trainer.optimizers]
+            optim = [{"state": {i: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in e.items()}
+                                for i, e in o["state"].items()}, "param_groups": o["param_groups"]} for o in optim]
+        return {"params": params, "optimizer_states": optim,
+                "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+                "global_step": trainer.global_step, "epoch": trainer.current_epoch}
+
+    class Snapshot(L.Callback):
+        def on_train_start(self, trainer, module):
+            self.start = snapshot(trainer, module)
+
+        def on_train_epoch_end(self, trainer, module):
+            # Where ModelCheckpoint saves: a checkpoint taken during fit, at the end of the first epoch.
+            if args.save_in_fit and trainer.current_epoch == 0:
+                trainer.save_checkpoint(args.save_in_fit)
+
+    torch.set_num_threads(1)
+    if args.strategy == "fsdp":
+        strategy = FSDPStrategy(auto_wrap_policy={Block})  # writes atomically by default
+    elif args.strategy == "ddp":
+        strategy = "ddp"
+    else:
+        strategy = "auto"
+    callback = Snapshot()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
+        limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        use_distributed_sampler=False, callbacks=[callback],
+    )
+    with trainer.init_module():
+        module = Module(args.optimizer)
+    # Rank r takes samples r, r+N, ...: every step's global batch is the same 6 samples on any number of devices.
+    sampler = DistributedSampler(Samples(), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
+    loader = DataLoader(Samples(), batch_size=GLOBAL_BATCH // trainer.world_size, sampler=sampler)
+    trainer.fit(module, loader, ckpt_path=args.resume)
+    if args.save:
+        trainer.save_checkpoint(args.save)
+    end = snapshot(trainer, module)
+    validated = None
+    if args.validate_ckpt:
+        # validate(ckpt_path=...) restores only the model, into the already sharded module.
+        trainer.validate(module, loader, ckpt_path=args.validate_ckpt, verbose=False)
+        engine = getattr(trainer.strategy, "engine", None)
+        validated = full_model_state_dict(engine) if engine is not None else module.state_dict()
+    if trainer.is_global_zero:
+        torch.save({"records": module.records, "start": callback.start, "end": end, "validated": validated,
+                    "world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__}, args.out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", default="train", choices=["train", "killsave"])
+    parser.add_argument("--out")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--strategy", default="fsdp", choices=["fsdp", "ddp", "single"])
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--resume")
+    parser.add_argument("--save", help="trainer.save_checkpoint(path) after fit")
+    parser.add_argument("--save-in-fit", help="trainer.save_checkpoint(path) at the end of the first epoch")
+    parser.add_argument("--validate-ckpt", help="after fit, trainer.validate(ckpt_path=path) and record the params")
+    parser.add_argument("--kill-after", type=int, default=8 << 20)
+    parser.add_argument("--no-atomic", action="store_true")
+    args = parser.parse_args()
+    if args.mode == "killsave":
+        kill_save(args.save, args.kill_after, atomic=not args.no_atomic)
+    else:
+        train(args)
+
+
+if __name__ == "__main__":
+    main()
