@@ -36,7 +36,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fsdp.config import ShardingStrategy, parse_auto_wrap_policy, parse_sharding_strategy
+from lightning_fsdp.config import (
+    ShardingStrategy,
+    parse_auto_wrap_policy,
+    parse_mixed_precision,
+    parse_sharding_strategy,
+)
 from lightning_fsdp.engine.shard import ShardLayout
 from lightning_fsdp.engine.wrap import assign_owners, select_unit_modules
 
@@ -51,19 +56,6 @@ _OPTIMIZERS: dict[str, tuple[int, int]] = {
     "sgd_momentum": (1, 0),
     "none": (0, 0),
 }
-
-# Lightning precision flags -> (dtype shards are stored in, dtype units are gathered in, dtype gradients are
-# reduced in); None means "the model's own dtype". "*-mixed" follows torch FSDP: shards keep the model's dtype,
-# gathering and reduction use the low-precision one; "*-true" stores everything in the low-precision dtype.
-_PRECISION_FLAGS: dict[str, tuple[torch.dtype | None, ...]] = {
-    "32-true": (None, None, None),
-    "32": (None, None, None),
-    "16-mixed": (None, torch.float16, torch.float16),
-    "bf16-mixed": (None, torch.bfloat16, torch.bfloat16),
-    "16-true": (torch.float16, torch.float16, torch.float16),
-    "bf16-true": (torch.bfloat16, torch.bfloat16, torch.bfloat16),
-}
-
 
 @dataclass(frozen=True)
 class MemoryEstimate:
@@ -147,7 +139,7 @@ def estimate_memory(
     strategy = parse_sharding_strategy(sharding_strategy)
     policy = parse_auto_wrap_policy(auto_wrap_policy)
     tensors_per_param, scalar_bytes = _parse_optimizer(optimizer)
-    store_dtype, gather_dtype, reduce_dtype = _parse_mixed_precision(mixed_precision)
+    gather_dtype, reduce_dtype = _parse_mixed_precision(mixed_precision)
 
     sharded = strategy is not ShardingStrategy.NO_SHARD
     n, r = (world_size, rank) if sharded else (1, 0)
@@ -166,9 +158,9 @@ def estimate_memory(
         unit_full = unit_shard_padded = unit_grad_padded = 0
         for param in owned[id(unit)]:
             layout = ShardLayout(param.shape, n, r)
-            stored = _itemsize(store_dtype or param.dtype)
-            gathered_size = _itemsize(gather_dtype or (store_dtype or param.dtype))
-            reduced_size = _itemsize(reduce_dtype or (store_dtype or param.dtype))
+            stored = _itemsize(param.dtype)
+            gathered_size = _itemsize(gather_dtype or param.dtype)
+            reduced_size = _itemsize(reduce_dtype or gather_dtype or param.dtype)
             local = layout.local_numel * stored
             params += local
             unsharded += param.numel() * stored
@@ -180,7 +172,11 @@ def estimate_memory(
                 unit_grad_padded += layout.padded_numel * reduced_size
                 if not sharded:  # NO_SHARD all-reduces full gradients instead of reduce-scattering them
                     all_reduce += param.numel() * reduced_size
-        full_bytes[id(unit)] = unit_full if sharded else 0
+        # A NO_SHARD unit computes on its own parameters, unless it computes in another dtype: then it holds a full
+        # copy in that dtype while it runs, as a sharded unit does. (A unit's parameters share one dtype.)
+        unit_dtype = owned[id(unit)][0].dtype if owned[id(unit)] else None
+        computes_on_own_params = not sharded and (gather_dtype is None or gather_dtype == unit_dtype)
+        full_bytes[id(unit)] = 0 if computes_on_own_params else unit_full
         if sharded:
             is_root = unit is model
             # FULL_SHARD frees every unit but the root after forward and gathers it again for backward.
@@ -232,25 +228,29 @@ def _parse_optimizer(optimizer: str | None) -> tuple[int, int]:
     return _OPTIMIZERS[key]
 
 
-def _parse_mixed_precision(value: Any) -> tuple[torch.dtype | None, ...]:
-    """(dtype shards are stored in, dtype units are gathered in, dtype gradients are reduced in); None: the model's."""
+def _parse_mixed_precision(value: Any) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(dtype units are gathered in, dtype gradients are reduced in); None means the parameters' own dtype.
+
+    Shards, their gradients and the optimizer state always keep the parameters' dtype: they are the master weights.
+    """
     if value is None:
-        return None, None, None
+        return None, None
     if isinstance(value, (str, int)):
-        key = str(value)
-        if key not in _PRECISION_FLAGS:
-            raise ValueError(
-                f"mixed_precision={value!r} is not valid; choose one of {sorted(_PRECISION_FLAGS)}, an object with "
-                "param_dtype and reduce_dtype attributes (e.g. torch's MixedPrecision), or None."
-            )
-        return _PRECISION_FLAGS[key]
+        # The mapping the strategy itself applies to Trainer(precision=...); it rejects unknown flags with the
+        # valid choices.
+        from lightning_fsdp.precision import FSDPPrecision
+
+        value = FSDPPrecision(str(value)).mixed_precision_config
+        if value is None:
+            return None, None
+    if isinstance(value, dict):
+        value = parse_mixed_precision(value)
     if hasattr(value, "param_dtype"):
         # As in torch FSDP: a reduce_dtype of None reduces in param_dtype.
-        param_dtype = value.param_dtype
-        return None, param_dtype, getattr(value, "reduce_dtype", None) or param_dtype
+        return value.param_dtype, getattr(value, "reduce_dtype", None) or value.param_dtype
     raise ValueError(
-        f"mixed_precision={value!r} ({type(value).__name__}) is not valid; choose a Lightning precision flag "
-        f"{sorted(_PRECISION_FLAGS)}, an object with param_dtype and reduce_dtype attributes, or None."
+        f"mixed_precision={value!r} ({type(value).__name__}) is not valid; expected a Trainer precision flag such "
+        "as 'bf16-mixed', a lightning_fsdp.MixedPrecision (or a dict of its fields), or None."
     )
 
 

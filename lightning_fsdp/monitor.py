@@ -203,8 +203,9 @@ class ShardingMonitor(pl.Callback):
 
 
 def _gathered_bytes(engine: ShardingEngine) -> int:
-    # A freed unit's full buffer has a zero-byte storage; a gathered one holds every rank's padded rows.
-    return sum(u.full_flat.untyped_storage().nbytes() for u in engine.units if u.sharded)
+    # A freed unit's full buffer has a zero-byte storage; a gathered one holds every rank's padded rows in the
+    # compute dtype. Units that compute on their shard buffer (NO_SHARD in full precision) have an empty one.
+    return sum(u.full_flat.untyped_storage().nbytes() for u in engine.units)
 
 
 def _comm_totals(engine: ShardingEngine) -> dict[str, int]:

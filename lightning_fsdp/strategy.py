@@ -58,6 +58,40 @@ _BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "hpu": "hccl"}
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
+def _is_process_group(value: Any) -> bool:
+    return isinstance(value, torch.distributed.ProcessGroup)
+
+
+def _as_list(value: Any, option: str, kinds: tuple[type, ...]) -> list:
+    if value is None:
+        return []
+    items = list(value) if isinstance(value, (list, tuple, set, frozenset)) else [value]
+    for item in items:
+        if not isinstance(item, kinds):
+            raise TypeError(
+                f"{option} contains {item!r}; expected {' or '.join(k.__name__ for k in kinds)} objects "
+                "(strings name submodules or parameters of the LightningModule)."
+            )
+    return items
+
+
+def _resolve(root: nn.Module, items: list) -> list:
+    """Strings name submodules or parameters of ``root`` (handy in YAML configs); objects pass through."""
+    resolved = []
+    for item in items:
+        if isinstance(item, str):
+            try:
+                resolved.append(root.get_submodule(item))
+            except AttributeError:
+                try:
+                    resolved.append(root.get_parameter(item))
+                except AttributeError as err:
+                    raise ValueError(f"{item!r} names no submodule or parameter of {type(root).__name__}.") from err
+        else:
+            resolved.append(item)
+    return resolved
+
+
 def _has_meta_tensors(module: nn.Module) -> bool:
     # Parameters, buffers, and plain tensor attributes such as torchmetrics states.
     tensors = [*module.parameters(), *module.buffers()]
@@ -83,7 +117,13 @@ class FSDPStrategy(ParallelStrategy):
         param_init_fn: called on each meta-device module to materialise it (default: its ``reset_parameters``).
         backward_prefetch, forward_prefetch, limit_all_gathers: accepted and validated for compatibility with torch's
             FSDP; they only affect speed and memory, and this release issues collectives without prefetching.
-        cpu_offload: accepted on CPU, where shards already live in host memory.
+        cpu_offload: keep shards, gradients and optimizer state in host memory (``True`` or torch's
+            ``CPUOffload(offload_params=True)``); on a CPU run it is accepted and changes nothing.
+        ignored_modules, ignored_states: modules / parameters (objects, or their names in the LightningModule) that
+            stay whole on every rank; their gradients are averaged across ranks as they arrive.
+        process_group: the shard group (or a callable returning it once the default group exists); collectives of
+            the engine run on it only.
+        device_id: an int or ``torch.device`` (HPU needs a device object); must name this rank's device.
         process_group_backend: overrides the backend chosen from the accelerator (gloo/nccl/hccl).
         start_method: ``"popen"`` (re-run the script per rank, the default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
     """
@@ -111,7 +151,11 @@ class FSDPStrategy(ParallelStrategy):
         backward_prefetch: Optional[str] = "BACKWARD_PRE",
         forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
-        cpu_offload: bool = False,
+        cpu_offload: Any = False,
+        ignored_modules: Optional[Any] = None,
+        ignored_states: Optional[Any] = None,
+        process_group: Optional[Any] = None,
+        device_id: Optional[Union[int, torch.device]] = None,
         use_orig_params: bool = True,
     ) -> None:
         # Validate everything first: this runs on every rank before any process group exists, so a bad value
@@ -126,6 +170,7 @@ class FSDPStrategy(ParallelStrategy):
             )
         self.backward_prefetch = parse_backward_prefetch(backward_prefetch)
         self.mixed_precision = parse_mixed_precision(mixed_precision)
+        cpu_offload = getattr(cpu_offload, "offload_params", cpu_offload)  # torch's CPUOffload(offload_params=...)
         for name, value in (("forward_prefetch", forward_prefetch), ("limit_all_gathers", limit_all_gathers),
                             ("sync_module_states", sync_module_states), ("cpu_offload", cpu_offload),
                             ("use_orig_params", use_orig_params)):
@@ -138,6 +183,18 @@ class FSDPStrategy(ParallelStrategy):
             )
         if param_init_fn is not None and not callable(param_init_fn):
             raise TypeError(f"param_init_fn={param_init_fn!r} is not callable.")
+        if device_id is not None and not (
+            isinstance(device_id, torch.device) or (isinstance(device_id, int) and not isinstance(device_id, bool)
+                                                    and device_id >= 0)
+        ):
+            raise TypeError(f"device_id={device_id!r} is not valid; expected a non-negative int or a torch.device.")
+        if process_group is not None and not (callable(process_group) or _is_process_group(process_group)):
+            raise TypeError(
+                f"process_group={process_group!r} is not valid; expected a torch.distributed.ProcessGroup or a "
+                "callable returning one (called once the default process group exists)."
+            )
+        self.ignored_modules = _as_list(ignored_modules, "ignored_modules", (nn.Module, str))
+        self.ignored_states = _as_list(ignored_states, "ignored_states", (nn.Module, nn.Parameter, str))
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not valid; choose one of {_START_METHODS}.")
         self.forward_prefetch = forward_prefetch
@@ -145,6 +202,8 @@ class FSDPStrategy(ParallelStrategy):
         self.sync_module_states = sync_module_states
         self.param_init_fn = param_init_fn
         self.cpu_offload = cpu_offload
+        self.process_group = process_group
+        self.device_id = device_id
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -291,6 +350,7 @@ class FSDPStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self._check_device_id()
         if fitting and not any(p.requires_grad for p in self.lightning_module.parameters()):
             raise ValueError(
                 f"{type(self.lightning_module).__name__} has no trainable parameters (all have requires_grad=False); "
@@ -317,13 +377,34 @@ class FSDPStrategy(ParallelStrategy):
             apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         return fully_shard(
             module,
+            process_group=self._shard_group(),
             sharding_strategy=self.sharding_strategy,
             auto_wrap_policy=self.auto_wrap_policy,
             device=self.root_device,
             sync_module_states=self.sync_module_states,
             param_init_fn=self.param_init_fn,
             mixed_precision=self.mixed_precision_config,
+            ignored_modules=_resolve(module, self.ignored_modules),
+            ignored_states=_resolve(module, self.ignored_states),
+            cpu_offload=self.cpu_offload and self.root_device.type != "cpu",
         )
+
+    def _shard_group(self) -> Optional[Any]:
+        group = self.process_group
+        return group() if callable(group) and not _is_process_group(group) else group
+
+    def _check_device_id(self) -> None:
+        if self.device_id is None:
+            return
+        wanted = self.device_id
+        if isinstance(wanted, int):
+            wanted = torch.device(self.root_device.type, wanted)
+        root = self.root_device
+        if wanted.type != root.type or (wanted.index is not None and root.index is not None and wanted.index != root.index):
+            raise ValueError(
+                f"device_id={self.device_id!r} does not match this rank's device {root}; the accelerator and "
+                "devices chosen in the Trainer decide the device, so leave device_id unset or pass that device."
+            )
 
     def _check_optimizers(self) -> None:
         assert self.engine is not None and self.lightning_module is not None

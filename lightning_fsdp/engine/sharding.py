@@ -38,6 +38,8 @@ def fully_shard(
     sharding_strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
     auto_wrap_policy: Any = None,
     ignored_modules: Iterable[nn.Module] | None = None,
+    ignored_states: Iterable[nn.Parameter | nn.Module] | None = None,
+    cpu_offload: bool = False,
     device: torch.device | str = "cpu",
     sync_module_states: bool = False,
     param_init_fn: Callable[[nn.Module], None] | None = None,
@@ -49,6 +51,11 @@ def fully_shard(
     optimizer built over ``module.parameters()`` sees only shards. Modules still on the meta device are
     materialised one unit at a time (``param_init_fn`` or each module's ``reset_parameters``) and sharded at
     once, so no rank ever holds more than one unit in full.
+
+    ``ignored_modules`` / ``ignored_states`` (parameters or modules) stay whole on every rank and are not sharded;
+    their gradients are averaged across ranks as they arrive (one all-reduce per parameter per backward).
+    ``cpu_offload``: shards, their gradients and so the optimizer state live in host memory; a unit's shard is
+    copied to ``device`` only to be gathered, and reduced gradients are copied back.
     """
     strategy = parse_sharding_strategy(sharding_strategy)
     policy = parse_auto_wrap_policy(auto_wrap_policy)
@@ -57,7 +64,19 @@ def fully_shard(
         raise ValueError(f"{type(module).__name__} is already sharded; call fully_shard once per module.")
     device = torch.device(device)
     ignored = list(ignored_modules or ())
+    ignored_param_objs = []
+    for item in ignored_states or ():
+        if isinstance(item, nn.Module):
+            ignored.append(item)
+        elif isinstance(item, nn.Parameter):
+            ignored_param_objs.append(item)
+        else:
+            raise TypeError(f"ignored_states contains {item!r}; expected nn.Parameter or nn.Module objects.")
+    for item in ignored:
+        if not isinstance(item, nn.Module):
+            raise TypeError(f"ignored_modules contains {item!r}; expected nn.Module objects.")
     ignored_ids = ignored_module_set(module, ignored)
+    ignored_param_ids = frozenset(id(p) for p in ignored_param_objs)
 
     shard_comm = Communicator(process_group)
     replicate_comm = Communicator(replicate_group) if replicate_group is not None else None
@@ -65,7 +84,7 @@ def fully_shard(
     world, rank = (shard_comm.world_size, shard_comm.rank) if sharded else (1, 0)
 
     unit_modules = select_unit_modules(module, policy, ignored)
-    owners = assign_owners(module, unit_modules, ignored_ids)
+    owners = assign_owners(module, unit_modules, ignored_ids, ignored_param_ids)
     owned: dict[int, list[int]] = {id(m): [] for m in unit_modules}
     params_by_id = {id(p): p for p in module.parameters()}
     for pid, (owner, _uses, _name) in owners.items():
@@ -96,9 +115,13 @@ def fully_shard(
             reshard_after_forward=strategy is ShardingStrategy.FULL_SHARD,
             param_dtype=mixed_precision.param_dtype,
             reduce_dtype=mixed_precision.effective_reduce_dtype,
+            shard_device=torch.device("cpu") if cpu_offload else None,
         ))
     _materialize_leftovers(module, device)
-    engine = ShardingEngine(module, units, shard_comm, replicate_comm, strategy, mixed_precision=mixed_precision)
+    managed = {id(s.param) for u in units for s in u.slots}
+    ignored_params = [p for p in module.parameters() if id(p) not in managed]
+    engine = ShardingEngine(module, units, shard_comm, replicate_comm, strategy, mixed_precision=mixed_precision,
+                            ignored_params=ignored_params)
     module.__dict__[_ENGINE_ATTR] = engine
     return engine
 

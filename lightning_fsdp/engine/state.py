@@ -36,6 +36,7 @@ class ShardingEngine:
         sharding_strategy: ShardingStrategy,
         *,
         mixed_precision: MixedPrecision | None = None,
+        ignored_params: list[nn.Parameter] | None = None,
     ) -> None:
         self.root = root
         self.units = units  # root unit first, then module pre-order: the fixed order for leftover reductions
@@ -47,11 +48,16 @@ class ShardingEngine:
         self._in_backward = False
         self._handles: list[Any] = []
         self._slot_by_param = {id(s.param): s for u in units for s in u.slots}
+        self.ignored_params = list(ignored_params or [])
+        self._ignored_ids = {id(p) for p in self.ignored_params}
         for unit in units:
             unit.forward_depth = 0
             unit.grads_ready = 0
             unit.reduced = False
             self._register_hooks(unit)
+        for param in self.ignored_params:
+            if param.requires_grad:
+                self._handles.append(param.register_hook(self._average_ignored_grad))
 
     # ------------------------------------------------------------------------------------------------ hooks
     def _register_hooks(self, unit: FlatUnit) -> None:
@@ -150,8 +156,20 @@ class ShardingEngine:
                 if not keep:
                     unit.reshard()
 
+    def _average_ignored_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        # An ignored parameter is whole on every rank; its incoming gradient (this backward's contribution, before
+        # accumulation into .grad) is averaged like DDP's, so accumulation across micro-batches stays correct.
+        grad = grad.clone()
+        ranks = self.shard_comm.world_size
+        self.shard_comm.all_reduce(grad)
+        if self.replicate_comm is not None and self.replicate_comm.world_size > 1:
+            self.replicate_comm.all_reduce(grad)
+            ranks *= self.replicate_comm.world_size
+        return grad.div_(ranks)
+
     def is_managed(self, param: nn.Parameter) -> bool:
-        return id(param) in self._slot_by_param
+        """Whether the strategy handles ``param`` (sharded by a unit, or deliberately kept whole as ignored)."""
+        return id(param) in self._slot_by_param or id(param) in self._ignored_ids
 
     def is_sharded(self, param: nn.Parameter) -> bool:
         slot = self._slot_by_param.get(id(param))
@@ -206,10 +224,11 @@ def _pow_sum(grads: list[torch.Tensor], norm_type: float, device: torch.device) 
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
     norms = torch._foreach_norm(grads, norm_type)
-    return torch.stack([n.float() for n in norms]).pow(norm_type).sum()
+    return torch.stack([n.float() for n in norms]).pow(norm_type).sum().to(device)
 
 
 def _max_abs(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack([g.detach().abs().max().float() if g.numel() else g.new_zeros(()).float() for g in grads]).max()
+    maxima = [g.detach().abs().max().float() if g.numel() else g.new_zeros((), dtype=torch.float32) for g in grads]
+    return torch.stack(maxima).max().to(device)

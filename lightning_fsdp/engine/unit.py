@@ -49,6 +49,7 @@ class FlatUnit:
         reshard_after_forward: bool,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        shard_device: torch.device | None = None,
     ) -> None:
         self.name = name
         self.module = module
@@ -61,10 +62,15 @@ class FlatUnit:
         self.trainable_slots = [s for s in self.slots if s.trainable]
         self.is_gathered = False
         self._check_uniform_dtype()
+        # Fixed now: once sharded, the parameters may live elsewhere (CPU offload).
+        self.dtype = self.slots[0].param.dtype if self.slots else torch.float32
+        self.device = self.slots[0].param.device if self.slots else torch.device("cpu")
         # Mixed precision: the shards keep their dtype (the master weights); gathers move and compute in
         # param_dtype, gradients are reduced in reduce_dtype.
         self.compute_dtype = param_dtype or self.dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
+        # CPU offload keeps the shards (and so their gradients and the optimizer state) in host memory.
+        self.shard_device = shard_device or self.device
         self._build_buffers()
 
     # ----------------------------------------------------------------------------------------------- layout
@@ -81,14 +87,6 @@ class FlatUnit:
     def world_size(self) -> int:
         return self.shard_comm.world_size if self.sharded else 1
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.slots[0].param.dtype if self.slots else torch.float32
-
-    @property
-    def device(self) -> torch.device:
-        return self.slots[0].param.device if self.slots else torch.device("cpu")
-
     def _build_buffers(self) -> None:
         offset = 0
         for slot in self.slots:
@@ -97,10 +95,10 @@ class FlatUnit:
         self.shard_numel = offset
         self.grad_numel = sum(s.layout.padded_numel for s in self.trainable_slots)
         n = self.world_size
-        self.flat_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        self.flat_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.shard_device)
         # Unsharded units compute on the shard buffer itself and need no second copy of their parameters.
         # A NO_SHARD unit in full precision computes on its shard buffer directly.
-        self._aliases_shard = not self.sharded and self.compute_dtype == self.dtype
+        self._aliases_shard = not self.sharded and self.compute_dtype == self.dtype and self.shard_device == self.device
         full_numel = 0 if self._aliases_shard else n * self.shard_numel
         self.full_flat = torch.empty(full_numel, dtype=self.compute_dtype, device=self.device)
         self._split_sizes = [s.layout.padded_numel for s in self.slots]
@@ -136,7 +134,7 @@ class FlatUnit:
             storage = self.full_flat.untyped_storage()
             storage.resize_(self.full_flat.numel() * self.full_flat.element_size())
             n = self.world_size
-            shard = self.flat_shard.to(self.compute_dtype)  # no copy in full precision
+            shard = self.flat_shard.to(self.device, self.compute_dtype)  # no copy in full precision on one device
             if not self.sharded:
                 with torch.no_grad():
                     self.full_flat.copy_(shard)
@@ -159,7 +157,7 @@ class FlatUnit:
         gathered = torch.empty(n * self.shard_numel, dtype=self.dtype, device=self.device)
         if self.sharded and n > 1:
             # Not counted in CommStats, which describes training steps.
-            all_gather_flat(gathered, self.flat_shard, group=self.shard_comm.group)
+            all_gather_flat(gathered, self.flat_shard.to(self.device), group=self.shard_comm.group)
         else:
             gathered.copy_(self.flat_shard)
         pieces = gathered.view(n, self.shard_numel).split(self._split_sizes, dim=1)
@@ -216,7 +214,7 @@ class FlatUnit:
             self.replicate_comm.all_reduce(reduced)
         if not pre_divide:
             reduced.div_(ranks)
-        reduced = reduced.to(self.dtype)
+        reduced = reduced.to(self.shard_device, self.dtype)
         for slot in self.trainable_slots:
             layout = slot.layout
             grad = reduced[slot.offset : slot.offset + layout.local_numel].view(layout.local_shape)

@@ -66,7 +66,7 @@ def ignored_module_set(root: nn.Module, ignored: Iterable[nn.Module]) -> set[int
 
 
 def assign_owners(
-    root: nn.Module, unit_modules: list[nn.Module], ignored_ids: set[int]
+    root: nn.Module, unit_modules: list[nn.Module], ignored_ids: set[int], ignored_param_ids: frozenset[int] = frozenset()
 ) -> dict[int, tuple[nn.Module, list[tuple[nn.Module, str]], str]]:
     """Map each managed parameter (by id) to (owning unit module, its uses, its fully qualified name).
 
@@ -93,7 +93,7 @@ def assign_owners(
         if id(module) not in chains:
             continue
         for attr, param in module._parameters.items():
-            if param is None or id(param) not in names:
+            if param is None or id(param) not in names or id(param) in ignored_param_ids:
                 continue
             uses.setdefault(id(param), []).append((module, attr))
             chain = chains[id(module)]
