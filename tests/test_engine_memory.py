@@ -145,3 +145,23 @@ def test_sync_module_states_broadcasts_rank0_initial_values():
     for state in results:
         for key, value in rank0_model.state_dict().items():
             assert torch.equal(state[key], value), key
+
+
+def custom_init(rank, world_size):
+    with torch.device("meta"):
+        model = Stack()
+    calls = []
+
+    def init(module):
+        calls.append(type(module).__name__)
+        for param in module.parameters(recurse=False):
+            torch.nn.init.constant_(param, 0.5)
+
+    engine = fully_shard(model, auto_wrap_policy={Block}, param_init_fn=init)
+    return calls, full_model_state_dict(engine, rank0_only=False)
+
+
+def test_param_init_fn_materialises_each_module():
+    calls, state = run_distributed(custom_init, 2)[0]
+    assert sorted(calls) == sorted(type(m).__name__ for m in Stack().modules() if list(m.parameters(recurse=False)))
+    assert all(torch.equal(v, torch.full_like(v, 0.5)) for v in state.values())

@@ -43,6 +43,7 @@ CASES = [
     (2, ("--strategy", "fsdp_custom", "--sharding", "NO_SHARD"), ("--optimizer", "sgd", "--accumulate", "2")),
     (3, ("--strategy", "fsdp_custom_blocks"), ("--optimizer", "sgd", "--clip", "norm", "--accumulate", "2")),
     (2, ("--strategy", "fsdp_custom", "--meta"), ("--optimizer", "adamw", "--clip", "value")),
+    (2, ("--strategy", "fsdp_custom_checkpointed"), ("--optimizer", "sgd")),
 ]
 
 

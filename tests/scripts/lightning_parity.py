@@ -101,6 +101,10 @@ def main() -> None:
         strategy = FSDPStrategy(sharding_strategy=args.sharding, auto_wrap_policy={Block})
     elif strategy == "fsdp_custom_blocks":
         strategy = FSDPStrategy(auto_wrap_policy={Block})
+    elif strategy == "fsdp_custom_checkpointed":
+        # Class paths, as a YAML config would give them.
+        strategy = FSDPStrategy(auto_wrap_policy={"tests.models.Block"},
+                                activation_checkpointing_policy={"tests.models.Block"})
     clip = {} if args.clip == "none" else {"gradient_clip_val": 0.05, "gradient_clip_algorithm": args.clip}
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=1, limit_train_batches=6,

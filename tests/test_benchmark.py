@@ -1,0 +1,116 @@
+"""The benchmark command on a tiny GPT: it runs every variant, writes its report, and its figures are consistent.
+
+Timing is never asserted (the machines are shared); memory, communication and loss figures are.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_fsdp.benchmark import VARIANTS
+from lightning_fsdp.benchmark.__main__ import main, parse_args
+from lightning_fsdp.benchmark.memory import LiveTensorBytes
+from lightning_fsdp.benchmark.report import fmt_bytes
+from lightning_fsdp.benchmark.variants import parse_variants
+from lightning_fsdp.gpt import GPT, GPTConfig
+
+TINY = ["--layers", "2", "--width", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "3",
+        "--warmup", "1", "--mem-steps", "2", "--world-sizes", "1,2"]
+TORCH_FSDP2 = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 6)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("benchmark")
+    assert main([*TINY, "--out", str(out)]) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_writes_table_plot_and_json_with_every_variant(tiny_run):
+    out, results = tiny_run
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (out / "results.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    for variant in VARIANTS.values():
+        assert any(line.startswith(f"| {variant.name} |") for line in rows), variant.name
+    assert [r["key"] for r in results["variants"]] == list(VARIANTS)
+    must_run = [k for k in VARIANTS if TORCH_FSDP2 or not k.startswith("fsdp")]
+    for row in results["variants"]:
+        if row["key"] in must_run:
+            assert row["status"] == "ok", (row["name"], row.get("traceback"))
+            assert row["median_step_ms"] > 0
+    assert "python -m lightning_fsdp.benchmark" in table and "How each column is measured" in table
+
+
+def test_final_losses_agree(tiny_run):
+    _, results = tiny_run
+    losses = {r["name"]: r["final_loss"] for r in results["variants"] if r["status"] == "ok"}
+    reference = losses["fsdp_custom FULL_SHARD"]
+    for name, loss in losses.items():
+        assert abs(loss - reference) <= 1e-4 * abs(reference), (name, loss, reference)
+    assert all(r["loss_agrees"] for r in results["variants"] if r["status"] == "ok")
+
+
+def test_sharded_model_state_is_half_of_ddps(tiny_run):
+    _, results = tiny_run
+    by_key = {r["key"]: r for r in results["variants"]}
+    ddp = max(m["total"] for m in by_key["ddp"]["model_state"])
+    for key in ("custom_full_shard", "custom_shard_grad_op"):
+        for per_rank in by_key[key]["model_state"]:
+            assert abs(per_rank["total"] - ddp / 2) <= 0.05 * ddp / 2, (key, per_rank, ddp)
+    for per_rank in by_key["custom_no_shard"]["model_state"]:
+        assert per_rank["total"] == ddp
+    for row in results["variants"]:
+        assert all(peak >= state["params"] for peak, state in zip(row["peak_live_bytes"], row["model_state"]))
+
+
+def test_engine_traffic_matches_theory(tiny_run):
+    _, results = tiny_run
+    P = results["param_bytes"]
+    config = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    model = GPT(config)
+    # The root unit (embeddings, final LayerNorm, tied head) stays gathered from forward into backward.
+    root_share = 1 - sum(p.numel() for p in model.blocks.parameters()) / model.num_parameters()
+    by_key = {r["key"]: r for r in results["variants"]}
+    full, grad_op, no_shard = (by_key[k]["comm_per_step"] for k in
+                               ("custom_full_shard", "custom_shard_grad_op", "custom_no_shard"))
+    padding = 0.02  # a padding row per parameter at most, on a tiny model
+    assert 2 - root_share - 0.01 <= full["all_gathered"] / P <= 2 + padding
+    assert 1 <= full["reduce_scatter"] / P <= 1 + padding
+    assert 1 <= grad_op["all_gathered"] / P <= 1 + padding
+    assert no_shard["all_reduce"] == P and no_shard["all_gathered"] == 0
+
+
+def test_per_rank_memory_scales_with_world_size(tiny_run):
+    _, results = tiny_run
+    scaling = {r["world_size"]: r for r in results["scaling"]}
+    assert sorted(scaling) == [1, 2] and all(r["status"] == "ok" for r in scaling.values())
+    one = scaling[1]["model_state"][0]["total"]
+    for per_rank in scaling[2]["model_state"]:
+        assert abs(per_rank["total"] - one / 2) <= 0.05 * one / 2
+
+
+def test_live_tensor_bytes_sees_a_known_allocation():
+    with LiveTensorBytes() as live:
+        kept = torch.empty(1 << 18)  # 1 MiB, alive through the window
+        with live.window():
+            temporary = torch.empty(1 << 19)  # 2 MiB, freed inside the window
+            del temporary
+    assert live.at_window_start >= kept.numel() * 4
+    assert live.peak - live.at_window_start >= (1 << 19) * 4
+
+
+def test_cli_rejects_bad_input():
+    assert parse_variants("all") == list(VARIANTS)
+    assert parse_variants("fsdp2,ddp") == ["ddp", "fsdp2"]  # canonical order
+    with pytest.raises(ValueError, match="custom_full_shard"):
+        parse_variants("fsdp3")
+    with pytest.raises(SystemExit):
+        parse_args(["--width", "30", "--heads", "4"])
+    with pytest.raises(SystemExit):
+        parse_args(["--world-sizes", "0,2"])
+    assert parse_args([]).world_sizes == [1, 2, 4]
+    assert fmt_bytes(3 * 2**20) == "3 MiB" and fmt_bytes(None) == "n/a"
