@@ -124,3 +124,19 @@ def check_eager_mode() -> None:
         f"imported), e.g. `{_LAZY_MODE_VARIABLE}=0 python train.py`. If eager mode then shows stability problems, "
         "also set `PT_HPU_EAGER_PIPELINE_ENABLE=0`."
     )
+
+
+def compute_device(device: torch.device) -> torch.device:
+    """The device tensors for ``device`` are allocated on: itself, except ``hpu`` under the CPU test double.
+
+    A CPU build of torch cannot hold HPU tensors, so with the test double active the strategy computes on CPU
+    while device parsing, the eager-mode check, the HCCL backend and the collectives follow the HPU code path.
+    """
+    if device.type == "hpu" and is_test_double():
+        return torch.device("cpu")
+    return device
+
+
+def register_hccl_backend() -> None:
+    """Importing Gaudi's distributed module registers the ``hccl`` process-group backend with torch."""
+    importlib.import_module("habana_frameworks.torch.distributed.hccl")

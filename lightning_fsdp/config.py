@@ -21,11 +21,24 @@ class ShardingStrategy(enum.Enum):
     FULL_SHARD: parameters are gathered for each unit's forward, freed, and gathered again for its backward.
     SHARD_GRAD_OP: parameters stay gathered from a unit's forward until its backward has finished.
     NO_SHARD: every rank keeps the whole model and gradients are all-reduced, as with DDP.
+    HYBRID_SHARD / HYBRID_SHARD_ZERO2: FULL_SHARD / SHARD_GRAD_OP within a shard group (by default one node's
+    processes), replicated across shard groups; gradients are reduce-scattered within the shard group and then
+    all-reduced across replicas.
     """
 
     FULL_SHARD = "FULL_SHARD"
     SHARD_GRAD_OP = "SHARD_GRAD_OP"
     NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
 class BackwardPrefetch(enum.Enum):

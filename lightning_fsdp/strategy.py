@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from accelerators.hpu_runtime import check_eager_mode, compute_device, register_hccl_backend
 from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO
 from lightning_fsdp.checkpoint.full import (
@@ -60,6 +61,29 @@ _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 def _is_process_group(value: Any) -> bool:
     return isinstance(value, torch.distributed.ProcessGroup)
+
+
+def _is_group_pair(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_process_group(g) for g in value)
+
+
+def _node_groups(world_size: int, per_node: int, rank: int) -> tuple[Any, Any]:
+    """The default hybrid layout: shard within a node's processes, replicate across nodes.
+
+    Every rank creates every group, in the same order, as ``new_group`` requires.
+    """
+    if per_node < 1 or world_size % per_node:
+        raise ValueError(f"world size {world_size} is not a multiple of {per_node} processes per node.")
+    shard = replicate = None
+    for node in range(world_size // per_node):
+        group = torch.distributed.new_group(list(range(node * per_node, (node + 1) * per_node)))
+        if rank // per_node == node:
+            shard = group
+    for local in range(per_node):
+        group = torch.distributed.new_group(list(range(local, world_size, per_node)))
+        if rank % per_node == local:
+            replicate = group
+    return shard, replicate
 
 
 def _as_list(value: Any, option: str, kinds: tuple[type, ...]) -> list:
@@ -106,7 +130,10 @@ class FSDPStrategy(ParallelStrategy):
     only while it computes. Works on CPU (gloo), CUDA (NCCL) and HPU (HCCL).
 
     Args:
-        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"``.
+        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, ``"HYBRID_SHARD"`` or
+            ``"HYBRID_SHARD_ZERO2"`` (shard within a node, replicate across nodes).
+        device_mesh: for the hybrid strategies, a 2-D DeviceMesh with dims (replicate, shard), instead of the
+            default node layout; or pass ``process_group=(shard_group, replicate_group)``.
         auto_wrap_policy: which modules become units: a set of module classes, a callable
             ``(module, recurse, nonwrapped_numel) -> bool``, or an int minimum parameter count. The root takes the rest.
         activation_checkpointing_policy: modules whose forward is recomputed in backward instead of keeping their
@@ -155,6 +182,7 @@ class FSDPStrategy(ParallelStrategy):
         ignored_modules: Optional[Any] = None,
         ignored_states: Optional[Any] = None,
         process_group: Optional[Any] = None,
+        device_mesh: Optional[Any] = None,
         device_id: Optional[Union[int, torch.device]] = None,
         use_orig_params: bool = True,
     ) -> None:
@@ -188,11 +216,30 @@ class FSDPStrategy(ParallelStrategy):
                                                     and device_id >= 0)
         ):
             raise TypeError(f"device_id={device_id!r} is not valid; expected a non-negative int or a torch.device.")
-        if process_group is not None and not (callable(process_group) or _is_process_group(process_group)):
+        if self.sharding_strategy.is_hybrid:
+            if process_group is not None and not (callable(process_group) or _is_group_pair(process_group)):
+                raise TypeError(
+                    f"process_group={process_group!r} is not valid for {self.sharding_strategy.value}; expected a "
+                    "(shard_group, replicate_group) pair or a callable returning one."
+                )
+        elif process_group is not None and not (callable(process_group) or _is_process_group(process_group)):
             raise TypeError(
                 f"process_group={process_group!r} is not valid; expected a torch.distributed.ProcessGroup or a "
                 "callable returning one (called once the default process group exists)."
             )
+        if device_mesh is not None:
+            if not self.sharding_strategy.is_hybrid:
+                raise ValueError(
+                    f"device_mesh is only used by HYBRID_SHARD and HYBRID_SHARD_ZERO2, not "
+                    f"{self.sharding_strategy.value!r}; pass process_group to restrict sharding to a group."
+                )
+            if process_group is not None:
+                raise ValueError("Pass either device_mesh or process_group, not both.")
+            if getattr(device_mesh, "ndim", None) != 2:
+                raise ValueError(
+                    f"device_mesh={device_mesh!r} is not valid; expected a 2-D DeviceMesh with dims "
+                    "(replicate, shard)."
+                )
         self.ignored_modules = _as_list(ignored_modules, "ignored_modules", (nn.Module, str))
         self.ignored_states = _as_list(ignored_states, "ignored_states", (nn.Module, nn.Parameter, str))
         if start_method not in _START_METHODS:
@@ -203,6 +250,7 @@ class FSDPStrategy(ParallelStrategy):
         self.param_init_fn = param_init_fn
         self.cpu_offload = cpu_offload
         self.process_group = process_group
+        self.device_mesh = device_mesh
         self.device_id = device_id
         super().__init__(
             accelerator=accelerator,
@@ -219,10 +267,16 @@ class FSDPStrategy(ParallelStrategy):
 
     # --------------------------------------------------------------------------------------------- properties
     @property
-    @override
-    def root_device(self) -> torch.device:
+    def device(self) -> torch.device:
+        """This rank's device as the accelerator names it (``hpu:3`` on Gaudi)."""
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        # Where this rank's tensors live: the device itself, except under the Gaudi test double (see accelerators/).
+        return compute_device(self.device)
 
     @property
     def num_nodes(self) -> int:
@@ -312,7 +366,12 @@ class FSDPStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        super().setup_environment()
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.device)
+        if self.device.type == "hpu":
+            # Before any collective: FSDP cannot run in lazy mode, and HCCL registers itself on import.
+            check_eager_mode()
+            register_hccl_backend()
         self.setup_distributed()
 
     def setup_distributed(self) -> None:
@@ -326,7 +385,7 @@ class FSDPStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
 
     def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or _BACKEND_FOR_DEVICE.get(self.root_device.type, "gloo")
+        return self._process_group_backend or _BACKEND_FOR_DEVICE.get(self.device.type, "gloo")
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -375,9 +434,11 @@ class FSDPStrategy(ParallelStrategy):
             module.to(self.root_device)
         if self.activation_checkpointing_policy is not None:
             apply_activation_checkpointing(module, self.activation_checkpointing_policy)
+        shard_group, replicate_group = self._groups()
         return fully_shard(
             module,
-            process_group=self._shard_group(),
+            process_group=shard_group,
+            replicate_group=replicate_group,
             sharding_strategy=self.sharding_strategy,
             auto_wrap_policy=self.auto_wrap_policy,
             device=self.root_device,
@@ -389,9 +450,20 @@ class FSDPStrategy(ParallelStrategy):
             cpu_offload=self.cpu_offload and self.root_device.type != "cpu",
         )
 
-    def _shard_group(self) -> Optional[Any]:
+    def _groups(self) -> tuple[Optional[Any], Optional[Any]]:
+        """(shard group, replicate group) for the engine; None means the whole world / no replication."""
         group = self.process_group
-        return group() if callable(group) and not _is_process_group(group) else group
+        if callable(group) and not _is_process_group(group):
+            group = group()
+        if not self.sharding_strategy.is_hybrid:
+            return group, None
+        if self.device_mesh is not None:
+            return self.device_mesh.get_group(1), self.device_mesh.get_group(0)
+        if group is not None:
+            if not _is_group_pair(group):
+                raise TypeError(f"process_group returned {group!r}; expected a (shard_group, replicate_group) pair.")
+            return group[0], group[1]
+        return _node_groups(self.world_size, self.num_processes, self.global_rank)
 
     def _check_device_id(self) -> None:
         if self.device_id is None:

@@ -6,9 +6,14 @@ timed steps and then for a short separately profiled run that measures memory, a
 several world sizes to show how per-rank memory scales. It writes ``results.json``, ``results.md`` and
 ``plot.png`` into the output folder.
 
-All variants of one world size run in one set of spawned processes (one fresh process group per variant, so a
-failure in one cannot leave collectives pending for the next); a variant that raises is reported as failed with
-its error; a process that dies or hangs is killed, its variant reported failed, and the rest rerun in new
+Timing interleaves the variants: every process builds all of them (same seed, so the same initial weights), then
+each step runs one step of every variant on the same batch, in an order rotated from step to step. Other load on a
+shared machine then slows every variant alike instead of whichever happened to run at the time, which is what makes
+the ratios meaningful here. Each variant has its own process group, so its collectives never meet another's. Memory
+is measured afterwards, one variant at a time, in a profiled run of ``mem_steps`` steps.
+
+A variant that raises is reported as failed with its error, and the others go on (the ranks agree after every
+step on which variants are still alive); a process that dies or hangs is killed and the rest rerun in new
 processes.
 """
 
@@ -106,91 +111,170 @@ def _say(rank: int, text: str) -> None:
         print(f"[benchmark] {text}", file=sys.stderr, flush=True)
 
 
-def _train(rank: int, world: int, key: str, cfg: BenchmarkConfig, tokens: torch.Tensor, *, steps: int,
-           warmup: int, profiled: bool) -> dict[str, Any]:
-    """Build, wrap and train one variant; time each step, or (``profiled``) measure live bytes and collectives."""
+def _new_group(cfg: BenchmarkConfig) -> dist.ProcessGroup:
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.collective_timeout))
+
+
+def _build(key: str, cfg: BenchmarkConfig, group: dist.ProcessGroup) -> tuple[Any, torch.optim.Optimizer]:
     from lightning_fsdp.gpt import GPT
 
-    variant = VARIANTS[key]
-    phase = "memory" if profiled else "timing"
-    # The timed run carries no instrumentation at all; the profiled run measures bytes and counts collectives.
-    live = LiveTensorBytes() if profiled else None
-    counter = CollectiveCounter() if profiled else None
-    result: dict[str, Any] = {}
-    times: list[float] = []
-    losses: list[float] = []
-    with (live or _null()), (counter or _null()):
-        torch.manual_seed(cfg.seed)
-        model = GPT(cfg.gpt_config())
-        prepared = variant.setup(model)
-        model = prepared.model
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        engine = prepared.engine
-        with live.window() if live else _null():
-            for step in range(warmup + steps):
-                if step == warmup and engine is not None:
-                    engine.shard_comm.stats.reset()
-                if counter is not None:
-                    counter.counting = step >= warmup
-                x, y = _batch(tokens, cfg, step, rank, world)
-                start = time.perf_counter()
-                optimizer.zero_grad(set_to_none=True)
-                _, loss = model(x, y)
-                loss.backward()
-                optimizer.step()
-                elapsed = time.perf_counter() - start
-                times.append(elapsed)
-                losses.append(loss.detach().item())
-                _say(rank, f"{variant.name} ws={world} {phase} step {step + 1}/{warmup + steps}"
-                           f"{' (warmup)' if step < warmup else ''}: {elapsed * 1e3:.1f} ms, loss {losses[-1]:.5f}")
-        if counter is not None:
-            counter.counting = False
-        result["model_state"] = model_state_bytes(model, optimizer)
-        n = max(steps, 1)
-        if engine is not None:
-            stats = engine.shard_comm.stats
-            result["comm_per_step"] = {"all_gather": stats.all_gather_bytes / n,
-                                       "reduce_scatter": stats.reduce_scatter_bytes / n,
-                                       "all_reduce": stats.all_reduce_bytes / n}
-            result["comm_calls_per_step"] = {"all_gather": stats.all_gather_calls / n,
-                                             "reduce_scatter": stats.reduce_scatter_calls / n,
-                                             "all_reduce": stats.all_reduce_calls / n}
-            result["peak_gathered_units"] = stats.peak_gathered_units
-        elif counter is not None:
-            result["comm_per_step"] = {k: v / n for k, v in counter.bytes.items()}
-            result["comm_calls_per_step"] = {k: v / n for k, v in counter.calls.items()}
-        result["notes"] = prepared.notes
-        del model, prepared, optimizer, engine
-    result["step_s"] = times[warmup:]
-    result["warmup_s"] = times[:warmup]
+    torch.manual_seed(cfg.seed)
+    prepared = VARIANTS[key].setup(GPT(cfg.gpt_config()), group)
+    return prepared, torch.optim.AdamW(prepared.model.parameters(), lr=cfg.lr)
+
+
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
+    """One training step; returns (seconds, loss). The clock covers zero_grad, forward, backward and step."""
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    _, loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    return time.perf_counter() - start, loss.detach().item()
+
+
+def _global_losses(losses: list[float], group: dist.ProcessGroup) -> list[float]:
     # Every rank had an equal share of the global batch, so the mean of the ranks' losses is the global loss.
-    loss_tensor = torch.tensor(losses, dtype=torch.float64)
-    dist.all_reduce(loss_tensor)
-    result["losses"] = (loss_tensor / world).tolist()
-    if live is not None:
+    tensor = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(tensor, group=group)
+    return (tensor / dist.get_world_size(group)).tolist()
+
+
+def _failure(error: BaseException) -> dict[str, Any]:
+    return {"status": "failed", "error": f"{type(error).__name__}: {error}".strip(),
+            "traceback": traceback.format_exc()}
+
+
+class _Interleaved:
+    """All variants side by side in this process; one step of each per round, rotated order, same batch."""
+
+    def __init__(self, rank: int, world: int, keys: list[str], cfg: BenchmarkConfig) -> None:
+        self.rank, self.world, self.keys, self.cfg = rank, world, keys, cfg
+        self.control = _new_group(cfg)
+        self.runs: dict[str, dict[str, Any]] = {}
+        self.results: dict[str, dict[str, Any]] = {}
+
+    def _agree(self) -> None:
+        """Drop, on every rank, the variants that failed on any rank (so later steps issue matching collectives)."""
+        failed = torch.tensor([1.0 if k in self.results and self.results[k]["status"] == "failed" else 0.0
+                               for k in self.keys])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.control)
+        for key, flag in zip(self.keys, failed.tolist()):
+            if flag and key in self.runs:
+                run = self.runs.pop(key)
+                self.results.setdefault(key, {"status": "failed", "error": "failed on another rank"})
+                try:
+                    dist.destroy_process_group(run["group"])
+                except Exception:  # noqa: BLE001 - a broken group may not tear down cleanly; it is dropped anyway
+                    pass
+
+    def run(self, tokens: torch.Tensor) -> dict[str, dict[str, Any]]:
+        cfg = self.cfg
+        for key in self.keys:
+            group = _new_group(cfg)
+            try:
+                prepared, optimizer = _build(key, cfg, group)
+                self.runs[key] = {"prepared": prepared, "optimizer": optimizer, "group": group, "times": [],
+                                  "losses": []}
+            except Exception as error:  # noqa: BLE001 - reported as a failed variant; the others go on
+                self.results[key] = _failure(error)
+                _say(self.rank, f"{VARIANTS[key].name} ws={self.world} FAILED in setup: {self.results[key]['error']}")
+        self._agree()
+        total = cfg.warmup + cfg.steps
+        for step in range(total):
+            x, y = _batch(tokens, cfg, step, self.rank, self.world)
+            order = [k for k in self.keys if k in self.runs]
+            shift = step % max(len(order), 1)
+            for key in order[shift:] + order[:shift]:
+                run = self.runs[key]
+                try:
+                    seconds, loss = _step(run["prepared"].model, run["optimizer"], x, y)
+                except Exception as error:  # noqa: BLE001
+                    self.results[key] = _failure(error)
+                    _say(self.rank, f"{VARIANTS[key].name} ws={self.world} FAILED at step {step + 1}: "
+                                    f"{self.results[key]['error']}")
+                    continue
+                run["times"].append(seconds)
+                run["losses"].append(loss)
+            self._agree()
+            done = ", ".join(f"{k} {self.runs[k]['times'][-1] * 1e3:.0f} ms" for k in self.keys if k in self.runs)
+            _say(self.rank, f"ws={self.world} timing step {step + 1}/{total}"
+                            f"{' (warmup)' if step < cfg.warmup else ''}: {done}")
+        for key in list(self.runs):
+            run = self.runs.pop(key)
+            prepared, optimizer = run["prepared"], run["optimizer"]
+            self.results[key] = {
+                "status": "ok",
+                "step_s": run["times"][cfg.warmup:],
+                "warmup_s": run["times"][: cfg.warmup],
+                "losses": _global_losses(run["losses"], run["group"]),
+                "model_state": model_state_bytes(prepared.model, optimizer),
+            }
+            dist.destroy_process_group(run["group"])
+            del run, prepared, optimizer
+        dist.destroy_process_group(self.control)
+        gc.collect()
+        return self.results
+
+
+def _memory_run(rank: int, world: int, key: str, cfg: BenchmarkConfig, tokens: torch.Tensor) -> dict[str, Any]:
+    """Build, wrap and train one variant for ``mem_steps`` under the profiler and the collective counter."""
+    variant = VARIANTS[key]
+    group = _new_group(cfg)
+    live, counter = LiveTensorBytes(), CollectiveCounter()
+    result: dict[str, Any] = {"status": "ok"}
+    losses: list[float] = []
+    try:
+        with live, counter:
+            prepared, optimizer = _build(key, cfg, group)  # counted from before the model exists
+            engine = prepared.engine
+            with live.window():
+                counter.counting = True
+                for step in range(cfg.mem_steps):
+                    x, y = _batch(tokens, cfg, step, rank, world)
+                    seconds, loss = _step(prepared.model, optimizer, x, y)
+                    losses.append(loss)
+                    _say(rank, f"{variant.name} ws={world} memory step {step + 1}/{cfg.mem_steps}: "
+                               f"{seconds * 1e3:.0f} ms (profiled), loss {loss:.5f}")
+                counter.counting = False
+            result["model_state"] = model_state_bytes(prepared.model, optimizer)
+            n = cfg.mem_steps
+            if engine is not None:
+                # The engine's own counters: exact, and they see what the wrapper cannot (its collectives are bound
+                # at import time).
+                stats = engine.shard_comm.stats
+                result["comm_per_step"] = {"all_gather": stats.all_gather_bytes / n,
+                                           "reduce_scatter": stats.reduce_scatter_bytes / n,
+                                           "all_reduce": stats.all_reduce_bytes / n}
+                result["comm_calls_per_step"] = {"all_gather": stats.all_gather_calls / n,
+                                                 "reduce_scatter": stats.reduce_scatter_calls / n,
+                                                 "all_reduce": stats.all_reduce_calls / n}
+                result["peak_gathered_units"] = stats.peak_gathered_units
+            else:
+                result["comm_per_step"] = {k: v / n for k, v in counter.bytes.items()}
+                result["comm_calls_per_step"] = {k: v / n for k, v in counter.calls.items()}
+            result["notes"] = prepared.notes
+            del prepared, optimizer, engine
+        result["losses"] = _global_losses(losses, group)
         result["peak_live_bytes"] = live.peak
         result["live_at_start_bytes"] = live.at_window_start
         result["peak_live_overall_bytes"] = live.peak_overall
+    except Exception as error:  # noqa: BLE001 - reported as a failed variant; the others go on
+        result = _failure(error)
+        _say(rank, f"{variant.name} ws={world} FAILED in the memory run: {result['error']}")
+    finally:
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001
+            pass
     gc.collect()
     return result
 
 
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-def _run_variant(rank: int, world: int, key: str, cfg: BenchmarkConfig, tokens: torch.Tensor,
-                 timing: bool) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    if timing:
-        result["timing"] = _train(rank, world, key, cfg, tokens, steps=cfg.steps, warmup=cfg.warmup, profiled=False)
-        gc.collect()
-    result["memory"] = _train(rank, world, key, cfg, tokens, steps=cfg.mem_steps, warmup=0, profiled=True)
-    return result
+def _mark(folder: str, rank: int, phase: str, budget: float) -> None:
+    """Tell the parent which phase started, and how long it may take before the processes count as hung."""
+    if rank == 0:
+        Path(folder, "phase.json").write_text(json.dumps({"phase": phase, "since": time.time(), "budget": budget}))
 
 
 def _worker(rank: int, world: int, folder: str, keys: list[str], cfg_dict: dict[str, Any], timing: bool) -> None:
@@ -201,28 +285,34 @@ def _worker(rank: int, world: int, folder: str, keys: list[str], cfg_dict: dict[
     except RuntimeError:
         pass
     tokens = _token_stream(cfg.vocab)
-    for key in keys:
-        if rank == 0:
-            Path(folder, f"started-{key}").write_text(str(time.time()))
-        dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous-{key}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=cfg.collective_timeout))
-        try:
-            payload = {"status": "ok", **_run_variant(rank, world, key, cfg, tokens, timing)}
-        except Exception as error:  # noqa: BLE001 - reported as a failed variant, the others still run
-            payload = {"status": "failed", "error": f"{type(error).__name__}: {error}",
-                       "traceback": traceback.format_exc()}
-            _say(rank, f"{VARIANTS[key].name} ws={world} FAILED: {payload['error']}")
-        finally:
-            dist.destroy_process_group()
-        Path(folder, f"result-{key}-rank{rank}.json").write_text(json.dumps(payload))
-        gc.collect()
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=cfg.collective_timeout))
+    try:
+        if timing:
+            _mark(folder, rank, "timing", cfg.variant_timeout * len(keys))
+            for key, payload in _Interleaved(rank, world, keys, cfg).run(tokens).items():
+                Path(folder, f"timing-{key}-rank{rank}.json").write_text(json.dumps(payload))
+        for key in keys:
+            _mark(folder, rank, f"memory-{key}", cfg.variant_timeout)
+            payload = _memory_run(rank, world, key, cfg, tokens)
+            Path(folder, f"memory-{key}-rank{rank}.json").write_text(json.dumps(payload))
+    finally:
+        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------- orchestration
-def _run_group(world: int, keys: list[str], cfg: BenchmarkConfig, *, timing: bool) -> dict[str, list[dict]]:
-    """Run ``keys`` in ``world`` spawned processes; per key, the per-rank payloads (or one failure payload)."""
-    results: dict[str, list[dict]] = {}
+def _read(folder: str, kind: str, key: str, world: int) -> list[dict] | None:
+    files = [Path(folder, f"{kind}-{key}-rank{r}.json") for r in range(world)]
+    if not all(f.exists() for f in files):
+        return None
+    return [json.loads(f.read_text()) for f in files]
+
+
+def _run_group(world: int, keys: list[str], cfg: BenchmarkConfig, *, timing: bool) -> dict[str, dict[str, list]]:
+    """Run ``keys`` in ``world`` spawned processes: ``{key: {"timing": per-rank, "memory": per-rank}}``."""
+    results: dict[str, dict[str, list]] = {k: {} for k in keys}
     remaining = list(keys)
+    need_timing = timing
     env = {"OMP_NUM_THREADS": str(cfg.threads), "MKL_NUM_THREADS": str(cfg.threads), "KINETO_LOG_LEVEL": "5",
            "TORCH_CPP_LOG_LEVEL": "ERROR"}
     saved_env = {k: os.environ.get(k) for k in env}
@@ -230,21 +320,32 @@ def _run_group(world: int, keys: list[str], cfg: BenchmarkConfig, *, timing: boo
     try:
         while remaining:
             with tempfile.TemporaryDirectory(prefix="lfsdp-bench-") as folder:
-                context = mp.start_processes(_worker, args=(world, folder, remaining, asdict(cfg), timing),
+                context = mp.start_processes(_worker, args=(world, folder, remaining, asdict(cfg), need_timing),
                                              nprocs=world, start_method="spawn", join=False)
-                problem = _wait(context, folder, remaining, cfg.variant_timeout)
+                problem = _wait(context, folder) or "processes exited before reporting"
+                if need_timing:
+                    for key in remaining:
+                        results[key]["timing"] = _read(folder, "timing", key, world) or [
+                            {"status": "failed", "error": f"interleaved timing run: {problem}"}]
+                    need_timing = False
                 for key in list(remaining):
-                    files = [Path(folder, f"result-{key}-rank{r}.json") for r in range(world)]
-                    if not all(f.exists() for f in files):
+                    payloads = _read(folder, "memory", key, world)
+                    if payloads is None:
                         break
-                    results[key] = [json.loads(f.read_text()) for f in files]
+                    results[key]["memory"] = payloads
                     remaining.remove(key)
-                if remaining:
-                    # The first unfinished variant killed or hung its processes: report it, run the rest afresh.
-                    key = remaining.pop(0)
-                    reason = problem or "processes exited before reporting"
-                    results[key] = [{"status": "failed", "error": reason}]
-                    print(f"[benchmark] {VARIANTS[key].name} ws={world} FAILED: {reason}", file=sys.stderr)
+                if remaining and Path(folder, "phase.json").exists():
+                    phase = json.loads(Path(folder, "phase.json").read_text())["phase"]
+                    if phase.startswith("memory-"):
+                        # This variant's memory run killed or hung the processes: report it, run the rest afresh.
+                        key = phase.removeprefix("memory-")
+                        results[key]["memory"] = [{"status": "failed", "error": f"memory run: {problem}"}]
+                        remaining.remove(key)
+                        print(f"[benchmark] {VARIANTS[key].name} ws={world} FAILED: {problem}", file=sys.stderr)
+                elif remaining:
+                    for key in remaining:
+                        results[key]["memory"] = [{"status": "failed", "error": f"start-up: {problem}"}]
+                    remaining = []
     finally:
         for k, v in saved_env.items():
             if v is None:
@@ -254,8 +355,8 @@ def _run_group(world: int, keys: list[str], cfg: BenchmarkConfig, *, timing: boo
     return results
 
 
-def _wait(context: Any, folder: str, keys: list[str], variant_timeout: float) -> str | None:
-    """Join the processes; kill them if one variant runs past ``variant_timeout``. Returns what went wrong, if."""
+def _wait(context: Any, folder: str) -> str | None:
+    """Join the processes; kill them when a phase runs past its budget. Returns what went wrong, if anything."""
     while True:
         try:
             if context.join(timeout=1.0):
@@ -263,13 +364,14 @@ def _wait(context: Any, folder: str, keys: list[str], variant_timeout: float) ->
         except Exception as error:  # noqa: BLE001 - a rank died (signal) or raised outside a variant
             _kill(context)
             return f"process failed: {str(error).strip().splitlines()[0]}"
-        started = [Path(folder, f"started-{k}") for k in keys]
-        current = [p for p in started if p.exists()]
-        if current:
-            since = float(current[-1].read_text() or time.time())
-            if time.time() - since > variant_timeout:
-                _kill(context)
-                return f"timed out after {variant_timeout:.0f} s"
+        marker = Path(folder, "phase.json")
+        try:
+            phase = json.loads(marker.read_text()) if marker.exists() else None
+        except ValueError:  # being written
+            phase = None
+        if phase and time.time() - phase["since"] > phase["budget"]:
+            _kill(context)
+            return f"timed out after {phase['budget']:.0f} s"
 
 
 def _kill(context: Any) -> None:
@@ -280,18 +382,20 @@ def _kill(context: Any) -> None:
         process.join(timeout=10)
 
 
-def _summarise(key: str, payloads: list[dict], world: int, param_bytes: int) -> dict[str, Any]:
+def _summarise(key: str, parts: dict[str, list[dict]], world: int, param_bytes: int) -> dict[str, Any]:
+    """One report row from the per-rank payloads of a variant's timing run (if any) and memory run."""
     variant = VARIANTS[key]
     row: dict[str, Any] = {"key": key, "name": variant.name, "world_size": world, "comm_source": variant.comm_source,
                            "theory_per_step": {k: v * param_bytes for k, v in variant.theory.items()}}
-    failed = [p for p in payloads if p.get("status") != "ok"]
-    if failed:
-        row.update(status="failed", error=failed[0].get("error", "unknown error"),
-                   traceback=failed[0].get("traceback"))
-        return row
+    for part in ("timing", "memory"):
+        failed = [p for p in parts.get(part, []) if p.get("status") != "ok"]
+        if failed:
+            row.update(status="failed", error=failed[0].get("error", "unknown error"),
+                       traceback=failed[0].get("traceback"), failed_in=part)
+            return row
     row["status"] = "ok"
-    memory = [p["memory"] for p in payloads]
-    timing = [p["timing"] for p in payloads if "timing" in p]
+    memory = parts["memory"]
+    timing = parts.get("timing")
     if timing:
         # A step ends for the job when its slowest rank is done: per-step max over ranks, then the median.
         per_step = [max(ts) for ts in zip(*(t["step_s"] for t in timing))]
@@ -306,7 +410,7 @@ def _summarise(key: str, payloads: list[dict], world: int, param_bytes: int) -> 
     row["peak_live_bytes"] = [m["peak_live_bytes"] for m in memory]
     row["live_at_start_bytes"] = [m["live_at_start_bytes"] for m in memory]
     # Collectives are counted in the profiled run (the timed one carries no instrumentation), per rank: every
-    # rank of a symmetric collective moves the same.
+    # rank of a symmetric collective moves the same. Model state is the same after either run's last step.
     comm = dict(memory[0].get("comm_per_step") or {})
     if variant.comm_source == "theory":
         comm = {}

@@ -73,7 +73,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"GPT n_layer={cfg['layers']} n_embd={cfg['width']} n_head={cfg['heads']} block_size={cfg['seq']} "
         f"vocab={cfg['vocab']}: {results['num_parameters']:,} parameters, P = {fmt_bytes(P)} (float32). "
         f"{ws} gloo processes on CPU, {cfg['threads']} thread(s) each; batch {cfg['batch']} sequences per rank; "
-        f"AdamW(lr={cfg['lr']}); each Block a unit; {cfg['warmup']} warmup + {cfg['steps']} timed steps, then a "
+        f"AdamW(lr={cfg['lr']}); each Block a unit; {cfg['warmup']} warmup + {cfg['steps']} timed steps "
+        f"(variants interleaved step by step), then a "
         f"separate profiled run of {cfg['mem_steps']} steps for memory and collectives. torch {env['torch']}, "
         f"{env['cpus']} CPUs; engine prefetch options: {env['engine_options'] or 'none (no prefetching)'}.",
         "",
@@ -136,8 +137,11 @@ def markdown(results: dict[str, Any]) -> str:
         "## How each column is measured",
         "",
         "- **Median step**: wall time of `zero_grad` + forward + backward + `optimizer.step()` per step on each rank "
-        "(`time.perf_counter`), the slower rank's time per step, median over the timed steps after warmup. Ratio: "
-        f"to {ref_name}'s median in the same run. The timed run carries no profiler or counters.",
+        "(`time.perf_counter`), the slower rank's time per step, median over the timed steps after warmup. The "
+        "variants are interleaved: both processes hold every variant (same initial weights) and run one step of "
+        "each per round on the same batch, in an order rotated every round, each variant on its own process group, "
+        "so load from other processes on a shared machine slows all variants alike. Ratio: to "
+        f"{ref_name}'s median in the same run. The timed run carries no profiler or counters.",
         f"- **Peak live / rank**: {results['methods']['peak_live']}; the larger of the ranks. Includes model state, "
         "gathered parameters, activations, gradients, optimizer state and communication buffers; not RSS.",
         f"- **Model state / rank**: {results['methods']['model_state']}; the larger of the ranks. "

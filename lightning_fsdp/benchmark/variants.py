@@ -1,9 +1,10 @@
 """The data-parallel variants the benchmark compares: one function each that takes the same freshly built model.
 
-Every function receives a :class:`~lightning_fsdp.gpt.GPT` built on CPU from the same seed in a process whose
-default process group is already initialised (gloo), wraps it with the same unit choice (each
-:class:`~lightning_fsdp.gpt.Block` is a unit, the root takes the rest: embeddings, final LayerNorm and the tied
-head) and returns a :class:`Prepared` model. The training loop, the optimizer (AdamW over
+Every function receives a :class:`~lightning_fsdp.gpt.GPT` built on CPU from the same seed and a gloo process
+group of all ranks that is the variant's alone (several variants live side by side in one process while their
+steps are interleaved; their own groups keep one variant's collectives from ever meeting another's), wraps the model
+with the same unit choice (each :class:`~lightning_fsdp.gpt.Block` is a unit, the root takes the rest: embeddings,
+final LayerNorm and the tied head) and returns a :class:`Prepared` model. The training loop, the optimizer (AdamW over
 ``prepared.model.parameters()``) and the data are the benchmark's, identical for all.
 
 The fsdp_custom variants drive this project's engine directly (``lightning_fsdp.engine.fully_shard``) in a plain
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from lightning_fsdp.gpt import Block
@@ -45,7 +47,7 @@ class Variant:
 
     key: str
     name: str
-    setup: Callable[[nn.Module], Prepared]
+    setup: Callable[[nn.Module, dist.ProcessGroup], Prepared]
     theory: dict[str, float]
     # "engine": lightning_fsdp's own counters; "counted": torch.distributed's Python collectives counted;
     # "theory": not observable from Python (DDP's reducer calls the process group from C++), theory only.
@@ -65,37 +67,37 @@ def engine_options() -> dict[str, Any]:
     return {n: repr(params[n].default) for n in names if n in params}
 
 
-def _custom(model: nn.Module, strategy: str) -> Prepared:
+def _custom(model: nn.Module, group: dist.ProcessGroup, strategy: str) -> Prepared:
     from lightning_fsdp.engine import fully_shard
 
-    engine = fully_shard(model, sharding_strategy=strategy, auto_wrap_policy={Block})
+    engine = fully_shard(model, process_group=group, sharding_strategy=strategy, auto_wrap_policy={Block})
     return Prepared(model=model, engine=engine, notes={"engine_options": engine_options()})
 
 
-def setup_custom_full_shard(model: nn.Module) -> Prepared:
+def setup_custom_full_shard(model: nn.Module, group: dist.ProcessGroup) -> Prepared:
     """fsdp_custom, FULL_SHARD: gather before each unit's forward, free, gather again for its backward."""
-    return _custom(model, "FULL_SHARD")
+    return _custom(model, group, "FULL_SHARD")
 
 
-def setup_custom_shard_grad_op(model: nn.Module) -> Prepared:
+def setup_custom_shard_grad_op(model: nn.Module, group: dist.ProcessGroup) -> Prepared:
     """fsdp_custom, SHARD_GRAD_OP: a unit stays gathered from its forward until its backward is done."""
-    return _custom(model, "SHARD_GRAD_OP")
+    return _custom(model, group, "SHARD_GRAD_OP")
 
 
-def setup_custom_no_shard(model: nn.Module) -> Prepared:
+def setup_custom_no_shard(model: nn.Module, group: dist.ProcessGroup) -> Prepared:
     """fsdp_custom, NO_SHARD: whole model on every rank, gradients all-reduced per unit."""
-    return _custom(model, "NO_SHARD")
+    return _custom(model, group, "NO_SHARD")
 
 
 # -------------------------------------------------------------------------------------------------- torch
-def setup_ddp(model: nn.Module) -> Prepared:
+def setup_ddp(model: nn.Module, group: dist.ProcessGroup) -> Prepared:
     """torch DistributedDataParallel with its defaults (25 MiB gradient buckets, all-reduce overlapped)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return Prepared(model=DistributedDataParallel(model))
+    return Prepared(model=DistributedDataParallel(model, process_group=group))
 
 
-def setup_fsdp1(model: nn.Module) -> Prepared:
+def setup_fsdp1(model: nn.Module, group: dist.ProcessGroup) -> Prepared:
     """torch FSDP1 (``FullyShardedDataParallel``), FULL_SHARD, each Block a unit, original parameters kept."""
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
@@ -103,6 +105,7 @@ def setup_fsdp1(model: nn.Module) -> Prepared:
 
     wrapped = FullyShardedDataParallel(
         model,
+        process_group=group,
         sharding_strategy=ShardingStrategy.FULL_SHARD,
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         use_orig_params=True,
@@ -113,13 +116,15 @@ def setup_fsdp1(model: nn.Module) -> Prepared:
     return Prepared(model=wrapped)
 
 
-def setup_fsdp2(model: nn.Module) -> Prepared:
+def setup_fsdp2(model: nn.Module, group: dist.ProcessGroup) -> Prepared:
     """torch FSDP2 (``torch.distributed.fsdp.fully_shard``) on each Block, then on the root; torch's defaults."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = DeviceMesh.from_group(group, "cpu")
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return Prepared(model=model)
 
 

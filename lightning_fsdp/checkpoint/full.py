@@ -10,12 +10,18 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import all_gather_flat
 from lightning_fsdp.engine.shard import ShardLayout
+
+
+def _global_rank() -> int:
+    # Rank 0 of the world writes; with hybrid sharding every replica group has its own shard-group rank 0.
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _param_keys(module: nn.Module) -> dict[int, list[str]]:
@@ -29,7 +35,7 @@ def _param_keys(module: nn.Module) -> dict[int, list[str]]:
 def full_model_state_dict(engine: ShardingEngine, *, rank0_only: bool = True) -> dict[str, Any]:
     """The unwrapped model's ``state_dict()`` with full tensors on CPU (empty on other ranks if ``rank0_only``)."""
     module = engine.root
-    keep = not rank0_only or engine.shard_comm.rank == 0
+    keep = not rank0_only or _global_rank() == 0
     state = module.state_dict()  # shards for managed parameters; buffers and unmanaged parameters as they are
     keys = _param_keys(module)
     for unit in engine.units:
@@ -104,7 +110,7 @@ def _sharded_state_tensor(value: Any, layout: ShardLayout) -> bool:
 def full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer, *, rank0_only: bool = True) -> dict:
     """``optimizer.state_dict()`` in plain ``torch.optim`` layout for the unwrapped model (full tensors, CPU)."""
     state_dict = optimizer.state_dict()
-    keep = not rank0_only or engine.shard_comm.rank == 0
+    keep = not rank0_only or _global_rank() == 0
     params = [p for group in optimizer.param_groups for p in group["params"]]
     full_state: dict[int, dict[str, Any]] = {}
     # Parameter order is the same on every rank, so every rank issues the same gathers in the same order.

@@ -58,6 +58,8 @@ def fully_shard(
     copied to ``device`` only to be gathered, and reduced gradients are copied back.
     """
     strategy = parse_sharding_strategy(sharding_strategy)
+    if strategy.is_hybrid and replicate_group is None:
+        raise ValueError(f"sharding_strategy={strategy.value!r} needs a replicate_group beside the shard group.")
     policy = parse_auto_wrap_policy(auto_wrap_policy)
     mixed_precision = parse_mixed_precision(mixed_precision) or MixedPrecision()
     if get_engine(module) is not None:
@@ -112,7 +114,7 @@ def fully_shard(
             shard_comm=shard_comm,
             replicate_comm=replicate_comm,
             sharded=sharded,
-            reshard_after_forward=strategy is ShardingStrategy.FULL_SHARD,
+            reshard_after_forward=strategy.reshard_after_forward,
             param_dtype=mixed_precision.param_dtype,
             reduce_dtype=mixed_precision.effective_reduce_dtype,
             shard_device=torch.device("cpu") if cpu_offload else None,

@@ -1,0 +1,228 @@
+"""Pieces shared by the sharded and local checkpoint formats.
+
+* :class:`ShardedStateDict` / :class:`ShardedOptimizerState`: what ``FSDPStrategy.load_checkpoint`` puts into the
+  checkpoint dict for a directory checkpoint. Their managed-parameter entries already hold only this rank's rows,
+  so ``load_model_state_dict`` / ``load_optimizer_state_dict`` copy them in without slicing.
+* :class:`Collective`: the few object collectives the save/load protocols need (no-ops without a process group).
+  ``agree`` turns "one rank found a problem" into the same exception on every rank, so no rank is left waiting.
+* Name helpers mapping state-dict keys and optimizer parameters to the engine's slots.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_fsdp.checkpoint.atomic_io import (
+    CheckpointIsDirectoryError,
+    CheckpointLoadError,
+    CheckpointNotFoundError,
+)
+from lightning_fsdp.engine import ShardingEngine
+from lightning_fsdp.engine.shard import ShardLayout
+from lightning_fsdp.engine.unit import ParamSlot
+
+FORMAT_KEY = "lightning_fsdp"  # meta.pt entry describing the directory (format, version, world size, layout)
+FORMAT_VERSION = 1
+
+
+class CheckpointMismatchError(ValueError, RuntimeError):
+    """The checkpoint does not fit this run: another world size, shard layout, parameter shape, key set or number of
+    optimizers. A ``ValueError`` (and a ``RuntimeError``, like ``nn.Module.load_state_dict``'s key errors)."""
+
+
+class ShardedStateDict(dict):
+    """A model state dict whose entries for sharded parameters hold only this rank's rows (``rows_of(rank)`` of the
+    current layout); buffers and unsharded parameters are whole. ``unexpected_keys`` lists checkpoint keys the model
+    does not have (not loaded); ``source`` is the checkpoint path."""
+
+    def __init__(self, *args: Any, unexpected_keys: tuple[str, ...] = (), source: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.unexpected_keys = tuple(unexpected_keys)
+        self.source = source
+
+
+class ShardedOptimizerState(dict):
+    """``optimizer.state_dict()`` for this rank: integer keys, per-parameter state tensors holding this rank's rows;
+    loadable with ``optimizer.load_state_dict`` as it is."""
+
+
+# ------------------------------------------------------------------------------------------------ collectives
+class Collective:
+    """Object collectives over the default group for the checkpoint protocols; trivial without a process group."""
+
+    def __init__(self) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self.distributed or self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed or self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.distributed and self.world_size > 1:
+            dist.barrier()
+
+    def agree(self, problem: Optional[BaseException]) -> None:
+        """Every rank passes its own problem (or None); if any rank has one, every rank raises. A rank raises its
+        own exception; the others raise an equivalent one (same class where it is one of ours) naming the rank."""
+        verdicts = self.all_gather(None if problem is None else _describe(problem))
+        if problem is not None:
+            raise problem
+        for rank, verdict in enumerate(verdicts):
+            if verdict is not None:
+                raise _rebuild(verdict, rank)
+
+    def agree_from_rank0(self, problem: Optional[BaseException]) -> None:
+        """Rank 0 decided alone (e.g. it renamed the directory); every rank raises if it failed."""
+        verdict = self.broadcast(None if problem is None else _describe(problem))
+        if self.is_rank0 and problem is not None:
+            raise problem
+        if verdict is not None:
+            raise _rebuild(verdict, 0)
+
+
+_REBUILDABLE = {cls.__name__: cls for cls in (CheckpointMismatchError, CheckpointLoadError, CheckpointNotFoundError,
+                                              CheckpointIsDirectoryError)}
+
+
+def _describe(exc: BaseException) -> tuple[str, str, Optional[str]]:
+    return type(exc).__name__, str(exc), getattr(exc, "path", None)
+
+
+def _rebuild(verdict: tuple[str, str, Optional[str]], rank: int) -> BaseException:
+    name, message, path = verdict
+    message = f"{message} [raised on rank {rank}]"
+    cls = _REBUILDABLE.get(name)
+    if cls is None:
+        return RuntimeError(f"{name}: {message}")
+    if issubclass(cls, CheckpointLoadError):
+        return cls(message, path)
+    return cls(message)
+
+
+# ------------------------------------------------------------------------------------------------ names
+def param_names(module: nn.Module) -> dict[int, str]:
+    """The canonical (first) name of every parameter of ``module``, by ``id``."""
+    return {id(p): n for n, p in module.named_parameters()}
+
+
+def managed_keys(engine: ShardingEngine) -> dict[str, ParamSlot]:
+    """State-dict key -> slot for every key naming a managed parameter (a tied parameter has several keys)."""
+    keys: dict[str, ParamSlot] = {}
+    for name, param in engine.root.named_parameters(remove_duplicate=False):
+        slot = engine._slot_by_param.get(id(param))
+        if slot is not None:
+            keys[name] = slot
+    return keys
+
+
+def optimizer_params(optimizer: Optimizer) -> list[nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def is_sharded(layout: ShardLayout) -> bool:
+    return layout.world_size > 1
+
+
+def is_local_rows(value: Any, layout: ShardLayout) -> bool:
+    """Whether ``value`` is a per-row tensor holding this rank's rows of a sharded parameter (its shard, or optimizer
+    state shaped like it)."""
+    return (is_sharded(layout) and isinstance(value, torch.Tensor) and value.dim() > 0
+            and tuple(value.shape) == tuple(layout.local_shape))
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def shape_str(shape: Any) -> str:
+    return str(tuple(int(s) for s in shape))
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def check_keys(model_keys: list[str], state: Mapping[str, Any], unexpected: tuple[str, ...], strict: bool,
+               module: nn.Module, source: str) -> None:
+    missing = [k for k in model_keys if k not in state]
+    extra = list(unexpected) + [k for k in state if k not in set(model_keys) and k not in unexpected]
+    if strict and (missing or extra):
+        raise CheckpointMismatchError(
+            f"Checkpoint {source!r} does not match {type(module).__name__}: missing keys {missing}, unexpected keys "
+            f"{extra}. Load with strict=False (LightningModule.strict_loading = False) to skip them."
+        )
+
+
+@torch.no_grad()
+def load_sharded_model_state_dict(engine: ShardingEngine, state: ShardedStateDict, *, strict: bool = True) -> None:
+    """Copy a :class:`ShardedStateDict` (this rank's rows for managed parameters) into the sharded module."""
+    module = engine.root
+    managed = managed_keys(engine)
+    own = module.state_dict()
+    check_keys(list(own), state, state.unexpected_keys, strict, module, state.source)
+    for key, slot in managed.items():
+        if key not in state:
+            continue
+        value = state[key]
+        local_shape = tuple(slot.layout.local_shape)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != local_shape:
+            got = shape_str(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise CheckpointMismatchError(
+                f"Checkpoint {state.source!r}: this rank's part of {key!r} has shape {got}, but its shard here is "
+                f"{shape_str(local_shape)}."
+            )
+        slot.param.data.copy_(value)
+    # Buffers and unmanaged parameters through nn.Module (managed ones get their current shards, a no-op).
+    rest = {k: v for k, v in state.items() if k not in managed and k in own}
+    for key in managed:
+        if key in own:
+            rest[key] = own[key]
+    module.load_state_dict(rest, strict=False)
+
+
+def to_index_keyed(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict whose ``param_groups`` list parameter *names* (as Lightning's consolidation of a sharded
+    checkpoint gives it) re-keyed by position, i.e. plain ``torch.optim`` layout. Index-keyed input passes through."""
+    groups = state_dict["param_groups"]
+    order = [p for g in groups for p in g["params"]]
+    if all(isinstance(p, int) for p in order):
+        return dict(state_dict)
+    position = {p: i for i, p in enumerate(order)}
+    state = {}
+    for key, entry in state_dict["state"].items():
+        if key in position:
+            state[position[key]] = entry
+        elif isinstance(key, str) and key.isdigit():
+            state[int(key)] = entry
+    new_groups = []
+    for g in groups:
+        new_groups.append({**g, "params": [position[p] for p in g["params"]]})
+    return {**state_dict, "state": state, "param_groups": new_groups}
+
+
+def numel(shape: Any) -> int:
+    return math.prod(int(s) for s in shape)
