@@ -13,7 +13,7 @@ import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
@@ -537,8 +537,26 @@ class FSDPStrategy(ParallelStrategy):
     def reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        # SUM then an explicit division for means: ReduceOp.AVG is missing on gloo and on some HCCL releases
+        # (Lightning's helper only works around gloo by its backend name).
+        mean = reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")) or (
+            reduce_op == ReduceOp.AVG)
+        if mean:
+            op = ReduceOp.SUM
+        elif isinstance(reduce_op, str):
+            op = getattr(ReduceOp, reduce_op.upper())
+        else:
+            op = reduce_op
+        group = _group.WORLD if group is None else group
+        torch.distributed.all_reduce(tensor, op=op, group=group)
+        if mean:
+            world_size = torch.distributed.get_world_size(group)
+            if tensor.is_floating_point():
+                tensor.div_(world_size)
+            else:
+                tensor.copy_(tensor / world_size)
         return tensor
 
     # ------------------------------------------------------------------------------------------ checkpoints

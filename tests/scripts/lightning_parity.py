@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--clip", default="none")  # none | norm | value
     parser.add_argument("--meta", action="store_true")
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--accelerator", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -107,7 +108,7 @@ def main() -> None:
                                 activation_checkpointing_policy={"tests.models.Block"})
     clip = {} if args.clip == "none" else {"gradient_clip_val": 0.05, "gradient_clip_algorithm": args.clip}
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=1, limit_train_batches=6,
+        accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_epochs=1, limit_train_batches=6,
         limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2, accumulate_grad_batches=args.accumulate,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, use_distributed_sampler=False, precision=args.precision, **clip,
@@ -139,9 +140,11 @@ def main() -> None:
         "reduce_mean": float(strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="mean")),
         "all_gather": strategy.all_gather(torch.tensor([rank, 10 * rank])).tolist(),
     }
+    placement = {"backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+                 "device": str(getattr(strategy, "device", strategy.root_device))}
     if trainer.is_global_zero:
         gathered = engine.shard_comm.stats.all_gather_bytes if engine is not None else 0
-        torch.save({"collectives": collectives, "all_gather_bytes": gathered, "losses": module.step_losses, "state": full, "val": val, "test": test, "fit_metrics": metrics,
+        torch.save({"collectives": collectives, "placement": placement, "all_gather_bytes": gathered, "losses": module.step_losses, "state": full, "val": val, "test": test, "fit_metrics": metrics,
                     "preds": torch.cat(preds), "names": [n for n, _ in module.named_parameters()]}, args.out)
 
 

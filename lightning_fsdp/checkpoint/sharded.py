@@ -1,0 +1,523 @@
+"""Sharded checkpoints: a directory in Lightning's layout, loadable at any world size.
+
+Layout (the one Lightning's ``FSDPStrategy(state_dict_type="sharded")`` writes, so Lightning's
+``python -m lightning.pytorch.utilities.consolidate_checkpoint`` consolidates it):
+
+* ``torch.distributed.checkpoint`` (DCP) files (``.metadata`` + ``__{rank}_0.distcp``) holding
+  ``{"model": <state dict>, "optimizer_0": <optimizer state>, ...}``. Each sharded parameter, and each optimizer state
+  tensor shaped like one, is a ``DTensor`` with placement ``Shard(0)`` built from this rank's rows (the engine's
+  ``torch.chunk`` layout is DTensor's), so every rank writes only its own rows; replicated tensors (buffers,
+  unsharded parameters, step counters) are written once. Optimizer state is keyed by parameter name and
+  ``param_groups[i]["params"]`` lists names, so loading maps it onto the optimizer of a run with any world size.
+* ``meta.pt``: everything else of the Lightning checkpoint (epoch, global_step, loops, callbacks, lr_schedulers,
+  precision state, hyper-parameters, ...) plus a ``"lightning_fsdp"`` entry (format, version, world size, how the
+  optimizer state is keyed, number of optimizers).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.optim import Optimizer
+
+from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError
+from lightning_fsdp.checkpoint.common import (
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    CheckpointMismatchError,
+    Collective,
+    ShardedOptimizerState,
+    ShardedStateDict,
+    contiguous_stride,
+    is_local_rows,
+    is_sharded,
+    managed_keys,
+    optimizer_params,
+    param_names,
+    shape_str,
+    to_index_keyed,
+)
+from lightning_fsdp.checkpoint.full import _gather_rows
+from lightning_fsdp.checkpoint.paths import (
+    DCP_METADATA_FILE,
+    META_FILE,
+    commit_directory,
+    file_problem,
+    prepare_temp_dir,
+    remove_path,
+    remove_stale_temps,
+)
+from lightning_fsdp.engine import ShardingEngine
+from lightning_fsdp.engine.shard import ShardLayout
+
+_OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)")
+
+
+# ===================================================================================================== saving
+def _mesh(engine: ShardingEngine, device_type: str) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    cache = engine.__dict__.setdefault("_checkpoint_meshes", {})
+    if device_type not in cache:
+        group = engine.shard_comm.group if engine.shard_comm.group is not None else dist.group.WORLD
+        cache[device_type] = DeviceMesh.from_group(group, device_type)
+    return cache[device_type]
+
+
+def _dtensor(local: torch.Tensor, layout: ShardLayout, mesh: Any) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = tuple(layout.shape)
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                              stride=contiguous_stride(shape))
+
+
+def _to_global(local: torch.Tensor, layout: ShardLayout, engine: ShardingEngine) -> torch.Tensor:
+    """This rank's rows as a global tensor for DCP: a DTensor, or (0-dim parameters, which cannot be a Shard(0)
+    DTensor) the gathered value (a collective over the shard group)."""
+    if len(layout.shape) == 0:
+        return _gather_rows(local.detach(), layout, engine).cpu()
+    return _dtensor(local.detach(), layout, _mesh(engine, local.device.type))
+
+
+@torch.no_grad()
+def sharded_model_state_dict(engine: ShardingEngine) -> dict[str, Any]:
+    """The unwrapped model's ``state_dict()`` keys, sharded parameters as DTensors of this rank's rows (no copies)."""
+    state = engine.root.state_dict()
+    for key, slot in managed_keys(engine).items():
+        if key in state and is_sharded(slot.layout):
+            state[key] = _to_global(slot.param.data, slot.layout, engine)
+    return state
+
+
+@torch.no_grad()
+def sharded_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` keyed by parameter name, state shaped like a shard as DTensors."""
+    state_dict = optimizer.state_dict()
+    names = param_names(engine.root)
+    params = optimizer_params(optimizer)
+    fqns = [names.get(id(p), f"<unnamed parameter {i}>") for i, p in enumerate(params)]
+    state: dict[str, dict[str, Any]] = {}
+    for index, param in enumerate(params):
+        entry = state_dict["state"].get(index)
+        if entry is None:
+            continue
+        slot = engine._slot_by_param.get(id(param))
+        new_entry = {}
+        for name in sorted(entry):  # the same order on every rank: 0-dim parameters gather
+            value = entry[name]
+            if slot is not None and is_local_rows(value, slot.layout):
+                value = _to_global(value, slot.layout, engine)
+            new_entry[name] = value
+        state[fqns[index]] = new_entry
+    groups = [{**group, "params": [fqns[i] for i in group["params"]]} for group in state_dict["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(DCP part, meta.pt part) of a Lightning checkpoint dict."""
+    rest = dict(checkpoint)
+    tensors: dict[str, Any] = {"model": rest.pop("state_dict", {})}
+    optimizer_states = rest.pop("optimizer_states", None)
+    for index, state in enumerate(optimizer_states or []):
+        tensors[f"optimizer_{index}"] = state
+    return tensors, rest
+
+
+def _format_info(world_size: int, num_optimizers: Optional[int], optimizer_keys: str) -> dict[str, Any]:
+    return {"format": "sharded", "version": FORMAT_VERSION, "world_size": world_size,
+            "num_optimizers": num_optimizers, "optimizer_keys": optimizer_keys}
+
+
+def save_sharded_checkpoint(checkpoint: Mapping[str, Any], path: str, coll: Optional[Collective] = None) -> None:
+    """Write a checkpoint built from :func:`sharded_model_state_dict` / :func:`sharded_optimizer_state_dict` to the
+    directory ``path``, atomically. Call on every rank."""
+    coll = coll or Collective()
+    path = coll.broadcast(os.path.abspath(os.fspath(path)))
+    tmp, problem = None, None
+    if coll.is_rank0:
+        try:
+            tmp = prepare_temp_dir(path)
+        except Exception as exc:  # noqa: BLE001 - shared with every rank below
+            problem = exc
+    coll.agree_from_rank0(problem)
+    tmp = coll.broadcast(tmp)
+    tensors, meta = _split_checkpoint(checkpoint)
+    num_optimizers = len(checkpoint["optimizer_states"]) if "optimizer_states" in checkpoint else None
+    meta[FORMAT_KEY] = _format_info(coll.world_size, num_optimizers, "fqn")
+    try:
+        # A failure on any rank raises a CheckpointException on every rank (DCP gathers the results).
+        dcp.save(tensors, checkpoint_id=tmp, no_dist=not coll.distributed)
+    except BaseException:
+        coll_safe_remove(tmp, coll)
+        raise
+    problem = None
+    if coll.is_rank0:
+        try:
+            AtomicCheckpointIO().save_checkpoint(meta, os.path.join(tmp, META_FILE))
+            commit_directory(tmp, path)
+            remove_stale_temps(path)
+        except Exception as exc:  # noqa: BLE001
+            problem = exc
+            remove_path(tmp)
+    coll.agree_from_rank0(problem)
+
+
+def coll_safe_remove(tmp: Optional[str], coll: Collective) -> None:
+    if tmp is not None and coll.is_rank0:
+        try:
+            remove_path(tmp)
+        except OSError:
+            pass
+
+
+def save_sharded_from_full(checkpoint: Mapping[str, Any], path: str) -> None:
+    """Write a full (Lightning-layout) checkpoint as a sharded directory, in this process alone (no process group).
+
+    Parameter names are not recorded in a full checkpoint's optimizer state, so the optimizer state is keyed by
+    position ("0", "1", ...), which loading maps onto the optimizer's parameters in order, as ``torch.optim`` does.
+    """
+    checkpoint = dict(checkpoint)
+    optimizer_states = checkpoint.get("optimizer_states")
+    if optimizer_states is not None:
+        converted = []
+        for state in optimizer_states:
+            state = to_index_keyed(state)
+            converted.append({
+                "state": {str(k): v for k, v in state["state"].items()},
+                "param_groups": [{**g, "params": [str(p) for p in g["params"]]} for g in state["param_groups"]],
+            })
+        checkpoint["optimizer_states"] = converted
+    tensors, meta = _split_checkpoint(checkpoint)
+    meta.pop(FORMAT_KEY, None)
+    num_optimizers = len(optimizer_states) if optimizer_states is not None else None
+    meta[FORMAT_KEY] = _format_info(1, num_optimizers, "index")
+    tmp = prepare_temp_dir(path)
+    try:
+        dcp.save(tensors, checkpoint_id=tmp, no_dist=True)
+        AtomicCheckpointIO().save_checkpoint(meta, os.path.join(tmp, META_FILE))
+        commit_directory(tmp, path)
+    except BaseException:
+        remove_path(tmp)
+        raise
+
+
+# ===================================================================================================== reading
+def read_dcp_metadata(path: str) -> Metadata:
+    file = os.path.join(path, DCP_METADATA_FILE)
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as exc:  # noqa: BLE001
+        problem = file_problem(file) or "it is truncated or corrupt"
+        raise CheckpointLoadError(
+            f"Could not read sharded checkpoint {path!r}: {problem} ({DCP_METADATA_FILE!r}, "
+            f"{type(exc).__name__}: {exc}).",
+            file,
+        ) from exc
+
+
+def check_shard_files(path: str, metadata: Metadata) -> None:
+    """Every file the metadata refers to exists and is long enough (a missing or truncated shard names its file)."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for relative, size in sorted(needed.items()):
+        file = os.path.join(path, relative)
+        problem = file_problem(file, size)
+        if problem is not None:
+            raise CheckpointLoadError(
+                f"Sharded checkpoint {path!r} is damaged: {problem}. Every rank's shard file is needed to load it.",
+                file,
+            )
+
+
+def read_meta(path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    return AtomicCheckpointIO().load_checkpoint(os.path.join(path, META_FILE), weights_only=weights_only)
+
+
+def _entries(metadata: Metadata) -> dict[str, tuple[tuple, Any]]:
+    """flat key -> (path tuple in the saved nested dict, storage metadata)."""
+    planner_data = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+    out = {}
+    for key, storage in metadata.state_dict_metadata.items():
+        path = planner_data.get(key)
+        if path is None:
+            head, _, tail = key.partition(".")
+            path = (head, tail) if tail else (head,)
+        out[key] = (tuple(path), storage)
+    return out
+
+
+def _set(container: Any, path: Sequence[Any], value: Any) -> None:
+    """Set ``value`` at ``path`` in nested dicts/lists, creating them (lists for int keys) on the way."""
+    for i, key in enumerate(path[:-1]):
+        nxt = [] if isinstance(path[i + 1], int) else {}
+        if isinstance(container, list):
+            while len(container) <= key:
+                container.append(None)
+            if container[key] is None:
+                container[key] = nxt
+            container = container[key]
+        else:
+            container = container.setdefault(key, nxt)
+    last = path[-1]
+    if isinstance(container, list):
+        while len(container) <= last:
+            container.append(None)
+    container[last] = value
+
+
+def _load(targets: dict[str, Any], path: str, coll: Collective) -> None:
+    if not targets:
+        return
+    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    try:
+        dcp.load(targets, checkpoint_id=path, planner=planner, no_dist=not coll.distributed)
+    except Exception as exc:  # noqa: BLE001 - DCP raises the same CheckpointException on every rank
+        raise CheckpointLoadError(
+            f"Could not read sharded checkpoint {path!r}: a shard file could not be read (truncated or corrupt?). "
+            f"Underlying error: {type(exc).__name__}: {exc}",
+            path,
+        ) from exc
+
+
+class _ShardedLoad:
+    """Plans and performs the load of a sharded directory into a sharded module and its optimizers."""
+
+    def __init__(self, path: str, engine: ShardingEngine, optimizers: Optional[Sequence[Optimizer]],
+                 coll: Collective, weights_only: Optional[bool]) -> None:
+        self.path = path
+        self.engine = engine
+        self.coll = coll
+        self.metadata = read_dcp_metadata(path)
+        check_shard_files(path, self.metadata)
+        self.meta = read_meta(path, weights_only)
+        self.info = self.meta.pop(FORMAT_KEY, None) or {}
+        self.entries = _entries(self.metadata)
+        self.optimizer_prefixes = sorted(
+            {p[0] for p, _ in self.entries.values() if _OPTIMIZER_KEY.fullmatch(str(p[0]))},
+            key=lambda s: int(s.split("_")[1]),
+        )
+        self.optimizers = list(optimizers) if optimizers is not None and self.optimizer_prefixes else None
+        if self.optimizers is not None and len(self.optimizers) != len(self.optimizer_prefixes):
+            raise CheckpointMismatchError(
+                f"Sharded checkpoint {path!r} holds the state of {len(self.optimizer_prefixes)} optimizer(s), but "
+                f"this run configured {len(self.optimizers)}; resume with the same optimizers."
+            )
+        self._plan_model()
+
+    # ---------------------------------------------------------------------------------------------- model
+    def _cpu_mesh(self) -> Any:
+        return _mesh(self.engine, "cpu")
+
+    def _target(self, full_shape: tuple[int, ...], dtype: torch.dtype, layout: Optional[ShardLayout]) -> Any:
+        if layout is not None and is_sharded(layout) and len(full_shape) > 0:
+            return _dtensor(torch.zeros(tuple(layout.local_shape), dtype=dtype), layout, self._cpu_mesh())
+        return torch.zeros(full_shape, dtype=dtype)
+
+    def _plan_model(self) -> None:
+        module = self.engine.root
+        own = module.state_dict()
+        managed = managed_keys(self.engine)
+        param_keys = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+        stored = {p[1]: key for key, (p, _) in self.entries.items() if p[0] == "model" and len(p) == 2}
+        self.model_keys: dict[str, str] = {}  # model key -> flat key
+        self.tensor_targets: dict[str, Any] = {}
+        self.bytes_targets: dict[str, Any] = {}
+        self.layouts: dict[str, ShardLayout] = {}
+        for key, value in own.items():
+            flat = stored.get(key)
+            if flat is None:
+                continue
+            storage = self.metadata.state_dict_metadata[flat]
+            slot = managed.get(key)
+            what = "parameter" if key in param_keys else "entry"
+            if isinstance(storage, BytesStorageMetadata):
+                if isinstance(value, torch.Tensor):
+                    raise CheckpointMismatchError(
+                        f"Sharded checkpoint {self.path!r}: {what} {key!r} is a tensor in the model but not in the "
+                        "checkpoint; it is a checkpoint of another model."
+                    )
+                self.bytes_targets[flat] = None
+                self.model_keys[key] = flat
+                continue
+            expected = tuple(slot.layout.shape) if slot is not None else tuple(value.shape)
+            if not isinstance(value, torch.Tensor) or tuple(storage.size) != expected:
+                here = shape_str(expected) if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+                raise CheckpointMismatchError(
+                    f"Sharded checkpoint {self.path!r}: {what} {key!r} has shape {shape_str(storage.size)} in the "
+                    f"checkpoint but {here} in the model; it is a checkpoint of another model."
+                )
+            layout = slot.layout if slot is not None else None
+            self.tensor_targets[flat] = self._target(expected, storage.properties.dtype, layout)
+            if layout is not None:
+                self.layouts[flat] = layout
+            self.model_keys[key] = flat
+        self.unexpected = tuple(k for k in stored if k not in own)
+
+    # --------------------------------------------------------------------------------------------- optimizers
+    def _groups(self, prefix: str) -> list[dict[str, Any]]:
+        groups: dict[str, Any] = {}
+        for flat, (p, _) in self.entries.items():
+            if p[0] == prefix and len(p) > 2 and p[1] == "param_groups":
+                _set(groups, ("g",) + tuple(p[2:]), self.loaded_bytes[flat])
+        return groups.get("g", [])
+
+    def _plan_optimizers(self) -> None:
+        self.optimizer_plans = []
+        if self.optimizers is None:
+            return
+        names = param_names(self.engine.root)
+        for index, (prefix, optimizer) in enumerate(zip(self.optimizer_prefixes, self.optimizers)):
+            groups = self._groups(prefix)
+            here = optimizer.param_groups
+            sizes = [len(g.get("params", [])) for g in groups]
+            here_sizes = [len(g["params"]) for g in here]
+            if sizes != here_sizes:
+                raise CheckpointMismatchError(
+                    f"Sharded checkpoint {self.path!r}: optimizer {index} has parameter groups of sizes {sizes} in "
+                    f"the checkpoint but {here_sizes} in this run; resume with the same optimizer configuration."
+                )
+            params = optimizer_params(optimizer)
+            saved_ids = [str(p) for g in groups for p in g["params"]]
+            keyed = self.info.get("optimizer_keys")
+            if keyed is None:  # not written by this project: names if they are this model's names
+                keyed = "fqn" if all(pid in names.values() for pid in saved_ids) else "index"
+            if keyed == "fqn":
+                for position, (saved, param) in enumerate(zip(saved_ids, params)):
+                    current = names.get(id(param))
+                    if saved != current:
+                        raise CheckpointMismatchError(
+                            f"Sharded checkpoint {self.path!r}: optimizer {index}'s parameter {position} is {saved!r} "
+                            f"in the checkpoint but {current!r} in this run; it is a checkpoint of another model."
+                        )
+            position_of = {saved: i for i, saved in enumerate(saved_ids)}
+            state_targets: dict[str, tuple[int, tuple, str]] = {}  # flat -> (param index, path under the entry)
+            for flat, (p, storage) in self.entries.items():
+                if p[0] != prefix or len(p) < 4 or p[1] != "state":
+                    continue
+                position = position_of.get(str(p[2]))
+                if position is None:
+                    continue
+                param = params[position]
+                slot = self.engine._slot_by_param.get(id(param))
+                layout = slot.layout if slot is not None else None
+                if isinstance(storage, BytesStorageMetadata):
+                    state_targets[flat] = (position, tuple(p[3:]), "bytes")
+                    continue
+                full = tuple(storage.size)
+                rows = layout is not None and len(p) == 4 and full == tuple(layout.shape)
+                self.tensor_targets[flat] = self._target(full, storage.properties.dtype, layout if rows else None)
+                if rows:
+                    self.layouts[flat] = layout
+                state_targets[flat] = (position, tuple(p[3:]), "tensor")
+            self.optimizer_plans.append((groups, state_targets))
+
+    # --------------------------------------------------------------------------------------------- loading
+    def _local(self, flat: str, value: Any) -> Any:
+        """This rank's rows of a loaded target (DTensor -> its local tensor; 0-dim sharded -> sliced)."""
+        if hasattr(value, "to_local"):
+            return value.to_local()
+        layout = self.layouts.get(flat)
+        if layout is not None and is_sharded(layout):
+            return layout.local_slice(value).clone()
+        return value
+
+    def run(self) -> dict[str, Any]:
+        """Load (two rounds of DCP reads: the small non-tensor entries, then the tensors) and build the dict."""
+        # Round 1: all non-tensor entries of the model and the optimizers (param_groups, hyper-parameters).
+        bytes_keys = dict(self.bytes_targets)
+        if self.optimizers is not None:
+            for flat, (p, storage) in self.entries.items():
+                if p[0] in self.optimizer_prefixes and isinstance(storage, BytesStorageMetadata):
+                    bytes_keys[flat] = None
+            # Tensor-valued hyper-parameters (a tensor lr) belong to round 1 as well.
+            for flat, (p, storage) in self.entries.items():
+                if p[0] in self.optimizer_prefixes and p[1] == "param_groups" and isinstance(
+                        storage, TensorStorageMetadata):
+                    bytes_keys[flat] = torch.zeros(tuple(storage.size), dtype=storage.properties.dtype)
+        _load(bytes_keys, self.path, self.coll)
+        self.loaded_bytes = bytes_keys
+        self._plan_optimizers()  # raises the same mismatch on every rank: all read the same entries
+        # Round 2: the tensors, each rank reading the rows it holds under the current layout.
+        _load(self.tensor_targets, self.path, self.coll)
+        loaded = {**self.tensor_targets, **self.loaded_bytes}
+        state = ShardedStateDict(
+            {key: self._local(flat, loaded[flat]) for key, flat in self.model_keys.items()},
+            unexpected_keys=self.unexpected, source=self.path,
+        )
+        checkpoint = dict(self.meta)
+        checkpoint["state_dict"] = state
+        if self.optimizers is not None:
+            checkpoint["optimizer_states"] = [self._optimizer_state(*plan) for plan in self.optimizer_plans]
+        return checkpoint
+
+    def _optimizer_state(self, groups: list[dict[str, Any]], state_targets: dict) -> ShardedOptimizerState:
+        loaded = {**self.tensor_targets, **self.loaded_bytes}
+        state: dict[int, dict[str, Any]] = {}
+        for flat, (position, sub, _kind) in state_targets.items():
+            entry = state.setdefault(position, {})
+            _set(entry, sub, self._local(flat, loaded[flat]))
+        new_groups, start = [], 0
+        for group in groups:
+            n = len(group["params"])
+            new_groups.append({**group, "params": list(range(start, start + n))})
+            start += n
+        return ShardedOptimizerState({"state": state, "param_groups": new_groups})
+
+
+def load_sharded_checkpoint(
+    path: str,
+    engine: ShardingEngine,
+    optimizers: Optional[Sequence[Optimizer]] = None,
+    *,
+    coll: Optional[Collective] = None,
+    weights_only: Optional[bool] = None,
+) -> dict[str, Any]:
+    """Read a sharded directory on every rank: the Lightning checkpoint dict with ``state_dict`` a
+    :class:`ShardedStateDict` and (if ``optimizers`` is given and the checkpoint has them) ``optimizer_states`` as
+    :class:`ShardedOptimizerState` entries, each holding this rank's rows under the current layout."""
+    coll = coll or Collective()
+    problem, loader = None, None
+    try:
+        loader = _ShardedLoad(path, engine, optimizers, coll, weights_only)
+    except Exception as exc:  # noqa: BLE001 - every rank learns of it before any further collective
+        problem = exc
+    coll.agree(problem)
+    assert loader is not None
+    return loader.run()
+
+
+# ===================================================================================================== offline
+def read_sharded_checkpoint_full(path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """A sharded directory as one full checkpoint in Lightning's layout (plain ``torch.optim`` optimizer state), read
+    in this process alone, without a process group."""
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+
+    metadata = read_dcp_metadata(path)
+    check_shard_files(path, metadata)
+    meta = read_meta(path, weights_only)
+    meta.pop(FORMAT_KEY, None)
+    tensors: dict[str, Any] = {}
+    try:
+        dcp.load(tensors, checkpoint_id=path, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointLoadError(
+            f"Could not read sharded checkpoint {path!r}: {type(exc).__name__}: {exc}", path
+        ) from exc
+    checkpoint = dict(meta)
+    checkpoint["state_dict"] = tensors.pop("model", {})
+    prefixes = sorted((k for k in tensors if _OPTIMIZER_KEY.fullmatch(k)), key=lambda s: int(s.split("_")[1]))
+    if prefixes:
+        checkpoint["optimizer_states"] = [to_index_keyed(tensors.pop(k)) for k in prefixes]
+    checkpoint.update(tensors)
+    return checkpoint
