@@ -12,9 +12,10 @@ What it counts, per rank (``ShardingMonitor`` measures the same components durin
 - ``optimizer_state``: the optimizer's tensors for the shards (AdamW: ``exp_avg``, ``exp_avg_sq`` and a 4-byte
   ``step`` per parameter).
 - ``gathered_params``: the most full (unsharded) parameter bytes alive at once during forward and backward.
-  FULL_SHARD keeps the root unit gathered for the whole step and gathers every other unit, with the units around
-  it, only while it computes, so the peak is the root plus the largest chain of nested units. SHARD_GRAD_OP keeps
-  every unit gathered from its forward until its backward, so the peak is the whole model. NO_SHARD computes on
+  FULL_SHARD (and HYBRID_SHARD) keeps the root unit gathered for the whole step and gathers every other unit, with
+  the units around it, only while it computes, so the peak is the root plus the largest chain of nested units.
+  SHARD_GRAD_OP (and HYBRID_SHARD_ZERO2) keeps every unit gathered from its forward until its backward, so the
+  peak is the whole model. NO_SHARD computes on
   the parameters themselves and gathers nothing. Full buffers are padded to ``ceil(rows / world_size)`` rows per
   rank, as the engine allocates them.
 
@@ -117,8 +118,11 @@ def estimate_memory(
     Args:
         model: the model as it will be sharded (the LightningModule, or the plain ``nn.Module`` given to
             ``fully_shard``); may live on the meta device.
-        world_size: ranks in the shard group.
-        sharding_strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"``.
+        world_size: ranks in the shard group: all ranks, or for the hybrid strategies the ranks of one shard group
+            (by default one node's processes).
+        sharding_strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, ``"HYBRID_SHARD"`` (memory as
+            FULL_SHARD within the shard group) or ``"HYBRID_SHARD_ZERO2"`` (as SHARD_GRAD_OP); the hybrid ones add
+            the all-reduce of each gradient shard across replicas to ``all_reduce_bytes``.
         mixed_precision: ``None`` (parameters keep their dtype), a Lightning precision flag (``"32-true"``,
             ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ``"16-true"``), or an object with ``param_dtype``
             and ``reduce_dtype`` attributes such as torch's ``MixedPrecision``: shards stay in the model's dtype,
@@ -180,11 +184,13 @@ def estimate_memory(
         if sharded:
             is_root = unit is model
             # FULL_SHARD frees every unit but the root after forward and gathers it again for backward.
-            regathers = strategy is ShardingStrategy.FULL_SHARD and not is_root
+            regathers = strategy.reshard_after_forward and not is_root
             all_gather += unit_shard_padded * (2 if regathers else 1)
             reduce_scatter += n * unit_grad_padded
+            if strategy.is_hybrid:  # the reduced gradient shard is then all-reduced across the replicas
+                all_reduce += unit_grad_padded
 
-    if strategy is ShardingStrategy.FULL_SHARD:
+    if strategy.reshard_after_forward:
         gathered = max(sum(full_bytes[id(u)] for u in chain) for chain in _unit_chains(model, unit_modules))
     else:
         gathered = sum(full_bytes.values())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import tempfile
-from typing import Any, Optional
+from typing import Any
 
 import lightning.fabric.utilities.imports as _fabric_imports
 import lightning.pytorch as pl
@@ -39,7 +39,7 @@ def is_interactive() -> bool:
 
 
 def choose_launcher(
-    strategy: "pl.strategies.ParallelStrategy",
+    strategy: pl.strategies.ParallelStrategy,
     start_method: str,
     cluster_environment: ClusterEnvironment,
     num_processes: int,
@@ -102,7 +102,7 @@ class FSDPMultiProcessingLauncher(_MultiProcessingLauncher):
     """
 
     @override
-    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[_WorkerOutput]:
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         fitting = trainer.state.fn == TrainerFn.FITTING
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None

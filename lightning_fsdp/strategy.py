@@ -142,8 +142,10 @@ class FSDPStrategy(ParallelStrategy):
         state_dict_type: checkpoint format; ``"full"`` (one file in Lightning's usual layout).
         sync_module_states: broadcast rank 0's initial parameters and buffers before sharding.
         param_init_fn: called on each meta-device module to materialise it (default: its ``reset_parameters``).
-        backward_prefetch, forward_prefetch, limit_all_gathers: accepted and validated for compatibility with torch's
-            FSDP; they only affect speed and memory, and this release issues collectives without prefetching.
+        backward_prefetch: ``"BACKWARD_PRE"`` (default: gather the next unit of backward when the current one's
+            backward starts), ``"BACKWARD_POST"`` (after its gradients are reduced) or ``None``.
+        forward_prefetch: gather the next unit (in the order recorded on the first step) before the current computes.
+        limit_all_gathers: at most two units' full parameters (besides the root's) gathered or in flight.
         cpu_offload: keep shards, gradients and optimizer state in host memory (``True`` or torch's
             ``CPUOffload(offload_params=True)``); on a CPU run it is accepted and changes nothing.
         ignored_modules, ignored_states: modules / parameters (objects, or their names in the LightningModule) that
@@ -191,11 +193,7 @@ class FSDPStrategy(ParallelStrategy):
         self.sharding_strategy = parse_sharding_strategy(sharding_strategy)
         self.auto_wrap_policy = parse_auto_wrap_policy(auto_wrap_policy)
         self.activation_checkpointing_policy = parse_checkpointing_policy(activation_checkpointing_policy)
-        self.state_dict_type = parse_state_dict_type(state_dict_type)
-        if self.state_dict_type is not StateDictType.FULL:
-            raise NotImplementedError(
-                f"state_dict_type={state_dict_type!r} is not available yet; valid choices in this release: 'full'."
-            )
+        self.state_dict_type = parse_state_dict_type(state_dict_type)  # full, sharded or local
         self.backward_prefetch = parse_backward_prefetch(backward_prefetch)
         self.mixed_precision = parse_mixed_precision(mixed_precision)
         cpu_offload = getattr(cpu_offload, "offload_params", cpu_offload)  # torch's CPUOffload(offload_params=...)
@@ -448,6 +446,9 @@ class FSDPStrategy(ParallelStrategy):
             ignored_modules=_resolve(module, self.ignored_modules),
             ignored_states=_resolve(module, self.ignored_states),
             cpu_offload=self.cpu_offload and self.root_device.type != "cpu",
+            forward_prefetch=self.forward_prefetch,
+            backward_prefetch=self.backward_prefetch,
+            limit_all_gathers=self.limit_all_gathers,
         )
 
     def _groups(self) -> tuple[Optional[Any], Optional[Any]]:
@@ -560,28 +561,144 @@ class FSDPStrategy(ParallelStrategy):
         return tensor
 
     # ------------------------------------------------------------------------------------------ checkpoints
+    # full: one file through checkpoint_io (rank 0 writes). sharded / local: a directory every rank writes its part
+    # of (lightning_fsdp.checkpoint.sharded / .local), replaced atomically. Loading recognises the format from the
+    # path, whatever state_dict_type is: a full file or a sharded directory at any world size, a local one at its own.
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.engine is not None
+        if self.state_dict_type is StateDictType.SHARDED:
+            from lightning_fsdp.checkpoint.sharded import sharded_model_state_dict
+
+            return sharded_model_state_dict(self.engine)
+        if self.state_dict_type is StateDictType.LOCAL:
+            from lightning_fsdp.checkpoint.local import local_model_state_dict
+
+            return local_model_state_dict(self.engine)
         return full_model_state_dict(self.engine)
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        from lightning_fsdp.checkpoint.common import ShardedStateDict, load_sharded_model_state_dict
+
         assert self.engine is not None
-        load_full_model_state_dict(self.engine, checkpoint["state_dict"], strict=strict)
+        state = checkpoint["state_dict"]
+        if isinstance(state, ShardedStateDict):  # read from a sharded/local directory: already this rank's rows
+            load_sharded_model_state_dict(self.engine, state, strict=strict)
+        else:
+            load_full_model_state_dict(self.engine, state, strict=strict)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         assert self.engine is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if self.state_dict_type is StateDictType.SHARDED:
+            from lightning_fsdp.checkpoint.sharded import sharded_optimizer_state_dict
+
+            return sharded_optimizer_state_dict(self.engine, optimizer)
+        if self.state_dict_type is StateDictType.LOCAL:
+            from lightning_fsdp.checkpoint.local import local_optimizer_state_dict
+
+            return local_optimizer_state_dict(optimizer)
         return full_optimizer_state_dict(self.engine, optimizer)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        from lightning_fsdp.checkpoint.common import ShardedOptimizerState, to_index_keyed
+
         assert self.engine is not None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            load_full_optimizer_state_dict(self.engine, optimizer, state)
+            if isinstance(state, ShardedOptimizerState):  # from a sharded/local directory: already this rank's rows
+                optimizer.load_state_dict(state)
+            else:  # plain torch.optim layout, or keyed by parameter name (Lightning's consolidate_checkpoint)
+                load_full_optimizer_state_dict(self.engine, optimizer, to_index_keyed(state))
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+    ) -> None:
+        if self.state_dict_type is StateDictType.FULL:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        self._check_directory_checkpoint_path(filepath, storage_options)
+        assert self.engine is not None
+        if self.state_dict_type is StateDictType.SHARDED:
+            from lightning_fsdp.checkpoint.sharded import save_sharded_checkpoint
+
+            save_sharded_checkpoint(checkpoint, filepath)
+        else:
+            from lightning_fsdp.checkpoint.local import save_local_checkpoint
+
+            optimizers = self.optimizers if "optimizer_states" in checkpoint else None
+            save_local_checkpoint(checkpoint, filepath, self.engine, optimizers)
+
+    def _check_directory_checkpoint_path(self, filepath: Any, storage_options: Optional[Any]) -> None:
+        from lightning_fsdp.checkpoint.atomic_io import _is_local
+
+        kind = self.state_dict_type.value
+        if storage_options is not None:
+            raise TypeError(
+                f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported with state_dict_type={kind!r}:"
+                " sharded and local checkpoints are written by every rank directly, not through the CheckpointIO."
+            )
+        if not _is_local(filepath):
+            raise NotImplementedError(
+                f"state_dict_type={kind!r} writes to local (or network-mounted) file systems only, not to "
+                f"{str(filepath)!r}; use state_dict_type='full' with a CheckpointIO for remote storage."
+            )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        import os
+
+        from lightning_fsdp.checkpoint.atomic_io import _is_local
+
+        path = self.broadcast(checkpoint_path)
+        if not _is_local(path) or not os.path.isdir(path):
+            return super().load_checkpoint(path, weights_only=weights_only)
+        return self._load_directory_checkpoint(os.fspath(path), weights_only)
+
+    def _load_directory_checkpoint(self, path: str, weights_only: Optional[bool]) -> dict[str, Any]:
+        from lightning_fsdp.checkpoint.common import Collective
+        from lightning_fsdp.checkpoint.paths import LOCAL, checkpoint_kind
+
+        coll = Collective()
+        kind, problem = None, None
+        try:
+            kind = checkpoint_kind(path)
+            if self.engine is None:
+                raise RuntimeError(
+                    f"Cannot load the {kind} checkpoint directory {path!r} before the model is sharded; the Trainer "
+                    "loads it after setup (ckpt_path=...)."
+                )
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below, before any other collective
+            problem = exc
+        coll.agree(problem)
+        assert self.engine is not None
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else None
+        if kind == LOCAL:
+            from lightning_fsdp.checkpoint.local import load_local_checkpoint
+
+            return load_local_checkpoint(path, self.engine, optimizers, coll=coll, weights_only=weights_only)
+        from lightning_fsdp.checkpoint.sharded import load_sharded_checkpoint
+
+        return load_sharded_checkpoint(path, self.engine, optimizers, coll=coll, weights_only=weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        import os
+
+        from lightning_fsdp.checkpoint.atomic_io import _is_local
+        from lightning_fsdp.checkpoint.paths import remove_checkpoint_path
+
+        if not self.is_global_zero:
+            return
+        if _is_local(filepath) and os.path.isdir(filepath):  # a sharded/local checkpoint directory
+            remove_checkpoint_path(os.fspath(filepath))
+        else:
+            self.checkpoint_io.remove_checkpoint(filepath)
 
     # ------------------------------------------------------------------------------------------ registry
     @classmethod

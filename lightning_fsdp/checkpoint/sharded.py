@@ -501,7 +501,10 @@ def load_sharded_checkpoint(
 def read_sharded_checkpoint_full(path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
     """A sharded directory as one full checkpoint in Lightning's layout (plain ``torch.optim`` optimizer state), read
     in this process alone, without a process group."""
+    # What Lightning's consolidate_checkpoint does (lightning.fabric.utilities.load._load_distributed_checkpoint):
+    # the public dcp.load copies into a new dict, so an empty state dict to be filled needs the inner function.
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     metadata = read_dcp_metadata(path)
     check_shard_files(path, metadata)
@@ -509,7 +512,8 @@ def read_sharded_checkpoint_full(path: str, weights_only: Optional[bool] = None)
     meta.pop(FORMAT_KEY, None)
     tensors: dict[str, Any] = {}
     try:
-        dcp.load(tensors, checkpoint_id=path, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(tensors, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(
             f"Could not read sharded checkpoint {path!r}: {type(exc).__name__}: {exc}", path

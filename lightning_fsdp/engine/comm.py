@@ -8,6 +8,7 @@ gloo, NCCL and HCCL alike. Reductions are always SUM followed by an explicit div
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,8 @@ class CommStats:
     all_gather_calls: int = 0
     reduce_scatter_calls: int = 0
     all_reduce_calls: int = 0
-    # The largest number of units whose full parameters were alive at the same time.
+    # The largest number of non-root units whose full parameters were alive (or being gathered) at once. The root
+    # is left out: its parameters stay gathered from its forward to its backward by design.
     peak_gathered_units: int = 0
 
     def reset(self) -> None:
@@ -45,14 +47,17 @@ class Communicator:
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.stats = CommStats()
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
-        """``output`` (N * shard.numel(),) receives every rank's ``shard`` in rank order."""
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False) -> Any:
+        """``output`` (N * shard.numel(),) receives every rank's ``shard`` in rank order.
+
+        With ``async_op`` the returned work handle must be waited on before ``output`` is read.
+        """
         self.stats.all_gather_bytes += shard.numel() * shard.element_size()
         self.stats.all_gather_calls += 1
         if self.world_size == 1:
             output.copy_(shard)
-            return
-        all_gather_flat(output, shard, group=self.group)
+            return None
+        return all_gather_flat(output, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> None:
         """SUM-reduce ``full`` (N * output.numel(),) across ranks; this rank receives its slice in ``output``."""

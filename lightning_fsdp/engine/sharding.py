@@ -13,6 +13,7 @@ from lightning_fsdp.config import (
     MixedPrecision,
     ShardingStrategy,
     parse_auto_wrap_policy,
+    parse_backward_prefetch,
     parse_mixed_precision,
     parse_sharding_strategy,
 )
@@ -44,6 +45,9 @@ def fully_shard(
     sync_module_states: bool = False,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     mixed_precision: MixedPrecision | None = None,
+    forward_prefetch: bool = False,
+    backward_prefetch: Any = "BACKWARD_PRE",
+    limit_all_gathers: bool = True,
 ) -> ShardingEngine:
     """Shard ``module``'s parameters in place across ``process_group`` (default: the whole world).
 
@@ -123,7 +127,9 @@ def fully_shard(
     managed = {id(s.param) for u in units for s in u.slots}
     ignored_params = [p for p in module.parameters() if id(p) not in managed]
     engine = ShardingEngine(module, units, shard_comm, replicate_comm, strategy, mixed_precision=mixed_precision,
-                            ignored_params=ignored_params)
+                            ignored_params=ignored_params, forward_prefetch=forward_prefetch,
+                            backward_prefetch=parse_backward_prefetch(backward_prefetch),
+                            limit_all_gathers=limit_all_gathers)
     module.__dict__[_ENGINE_ATTR] = engine
     return engine
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lightning_fsdp.config import MixedPrecision, ShardingStrategy
+from lightning_fsdp.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from lightning_fsdp.engine.comm import Communicator
 from lightning_fsdp.engine.unit import FlatUnit
 
@@ -37,6 +37,9 @@ class ShardingEngine:
         *,
         mixed_precision: MixedPrecision | None = None,
         ignored_params: list[nn.Parameter] | None = None,
+        forward_prefetch: bool = False,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        limit_all_gathers: bool = True,
     ) -> None:
         self.root = root
         self.units = units  # root unit first, then module pre-order: the fixed order for leftover reductions
@@ -47,6 +50,15 @@ class ShardingEngine:
         self.mixed_precision = mixed_precision or MixedPrecision()
         self._in_backward = False
         self._handles: list[Any] = []
+        # Prefetching follows the order units ran in during the first training step (identical on every rank, so
+        # every rank issues the same prefetches). If the order changes later, an unused prefetch is completed and
+        # freed at the end of the step: it wastes a gather, never gathers wrongly or deadlocks.
+        self.forward_prefetch = forward_prefetch
+        self.backward_prefetch = backward_prefetch
+        self.limit_all_gathers = limit_all_gathers
+        self._order: list[FlatUnit] = []
+        self._order_frozen = False
+        self._position: dict[int, int] = {}
         self._slot_by_param = {id(s.param): s for u in units for s in u.slots}
         self.ignored_params = list(ignored_params or [])
         self._ignored_ids = {id(p) for p in self.ignored_params}
@@ -81,8 +93,15 @@ class ShardingEngine:
         if unit.forward_depth == 0:
             if unit is self.root_unit and torch.is_grad_enabled() and not self._in_backward:
                 self._begin_step()
-            self._update_peak()
+            if not self._order_frozen and not self._in_backward and unit is not self.root_unit \
+                    and id(unit) not in self._position:
+                self._position[id(unit)] = len(self._order)
+                self._order.append(unit)
+            self._make_room(unit)
             unit.gather()
+            self._update_peak()
+            if self.forward_prefetch and not self._in_backward:
+                self._prefetch(self._neighbour(unit, +1))
         unit.forward_depth += 1
         mp = self.mixed_precision
         if mp.param_dtype is not None and (
@@ -111,8 +130,11 @@ class ShardingEngine:
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        self._update_peak()
+        self._make_room(unit)
         unit.gather()
+        self._update_peak()
+        if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            self._prefetch(self._neighbour(unit, -1))
 
     def _on_grad_ready(self, unit: FlatUnit) -> None:
         unit.grads_ready += 1
@@ -120,6 +142,36 @@ class ShardingEngine:
             unit.reduce_grads()
             unit.reduced = True
             unit.reshard()
+            if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+                self._prefetch(self._neighbour(unit, -1))
+
+    def _neighbour(self, unit: FlatUnit, step: int) -> FlatUnit | None:
+        """The unit after (+1) or before (-1) ``unit`` in the recorded forward order; backward runs it reversed."""
+        if not self._order_frozen or id(unit) not in self._position:
+            return None
+        index = self._position[id(unit)] + step
+        return self._order[index] if 0 <= index < len(self._order) else None
+
+    def _prefetch(self, unit: FlatUnit | None) -> None:
+        if unit is None or unit.is_alive or not unit.sharded:
+            return
+        if self.limit_all_gathers and self._alive_units() >= 2:
+            return  # at most two units' full parameters in flight
+        unit.start_gather(async_op=True)
+        self._update_peak()
+
+    def _make_room(self, unit: FlatUnit) -> None:
+        """Before gathering ``unit``: drop prefetches the order no longer needs, to stay within the limit."""
+        if not self.limit_all_gathers or unit.is_alive or unit is self.root_unit:
+            return
+        for other in self.units:
+            if self._alive_units() < 2:
+                return
+            if other is not unit and other.is_prefetched:
+                other.reshard()
+
+    def _alive_units(self) -> int:
+        return sum(1 for u in self.units if u is not self.root_unit and u.sharded and u.is_alive)
 
     def _finish_backward(self) -> None:
         for unit in reversed(self.units):
@@ -129,6 +181,7 @@ class ShardingEngine:
             unit.reduced = False
             unit.grads_ready = 0
         self._in_backward = False
+        self._order_frozen = True
 
     def _begin_step(self) -> None:
         for unit in self.units:
@@ -136,9 +189,8 @@ class ShardingEngine:
             unit.reduced = False
 
     def _update_peak(self) -> None:
-        alive = 1 + sum(1 for u in self.units if u.sharded and u.is_gathered)
         stats = self.shard_comm.stats
-        stats.peak_gathered_units = max(stats.peak_gathered_units, alive)
+        stats.peak_gathered_units = max(stats.peak_gathered_units, self._alive_units())
 
     # ------------------------------------------------------------------------------------- user utilities
     @contextmanager

@@ -61,6 +61,7 @@ class FlatUnit:
         self.slots = sorted(slots, key=lambda s: not s.trainable)
         self.trainable_slots = [s for s in self.slots if s.trainable]
         self.is_gathered = False
+        self._pending: tuple | None = None  # an all-gather in flight: (work, input kept alive, output buffer)
         self._check_uniform_dtype()
         # Fixed now: once sharded, the parameters may live elsewhere (CPU offload).
         self.dtype = self.slots[0].param.dtype if self.slots else torch.float32
@@ -130,23 +131,54 @@ class FlatUnit:
         """Make every parameter of the unit full-size in its modules (one all-gather when sharded)."""
         if self.is_gathered:
             return
-        if not self._aliases_shard and self.slots:
-            storage = self.full_flat.untyped_storage()
-            storage.resize_(self.full_flat.numel() * self.full_flat.element_size())
-            n = self.world_size
-            shard = self.flat_shard.to(self.device, self.compute_dtype)  # no copy in full precision on one device
-            if not self.sharded:
+        if self._pending is None:
+            self.start_gather(async_op=False)
+        self._finish_gather()
+
+    @property
+    def is_alive(self) -> bool:
+        """Full parameters allocated: gathered, or a (prefetch) gather in flight."""
+        return self.is_gathered or self._pending is not None
+
+    @property
+    def is_prefetched(self) -> bool:
+        """A gather was issued ahead of need and the unit has not been used yet."""
+        return self._pending is not None
+
+    def start_gather(self, *, async_op: bool = True) -> None:
+        """Issue this unit's all-gather; with ``async_op`` it overlaps whatever runs until ``gather()``."""
+        if self.is_alive:
+            return
+        self._pending = ()
+        if self._aliases_shard or not self.slots:
+            return
+        storage = self.full_flat.untyped_storage()
+        storage.resize_(self.full_flat.numel() * self.full_flat.element_size())
+        shard = self.flat_shard.to(self.device, self.compute_dtype)  # no copy in full precision on one device
+        if not self.sharded:
+            with torch.no_grad():
+                self.full_flat.copy_(shard)
+            return
+        n = self.world_size
+        if len(self.slots) == 1:
+            # One parameter: rank-major and parameter-major layouts coincide, so gather in place.
+            work = self.shard_comm.all_gather(self.full_flat, shard, async_op=async_op)
+            self._pending = (work, shard, None)
+        else:
+            gathered = torch.empty(n * self.shard_numel, dtype=self.compute_dtype, device=self.device)
+            work = self.shard_comm.all_gather(gathered, shard, async_op=async_op)
+            self._pending = (work, shard, gathered)
+
+    def _finish_gather(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending:
+            work, _shard, gathered = pending
+            if work is not None:
+                work.wait()
+            if gathered is not None:
                 with torch.no_grad():
-                    self.full_flat.copy_(shard)
-            elif len(self.slots) == 1:
-                # One parameter: rank-major and parameter-major layouts coincide, so gather in place.
-                self.shard_comm.all_gather(self.full_flat, shard)
-            else:
-                gathered = torch.empty(n * self.shard_numel, dtype=self.compute_dtype, device=self.device)
-                self.shard_comm.all_gather(gathered, shard)
-                with torch.no_grad():
-                    torch.split_with_sizes_copy(gathered.view(n, self.shard_numel), self._split_sizes, dim=1,
-                                                out=self._full_regions)
+                    torch.split_with_sizes_copy(gathered.view(self.world_size, self.shard_numel), self._split_sizes,
+                                                dim=1, out=self._full_regions)
         self._install(full=True)
         self.is_gathered = True
 
@@ -168,6 +200,9 @@ class FlatUnit:
 
     def reshard(self) -> None:
         """Put the shards back into the modules and release the full parameters' memory."""
+        if self._pending is not None:
+            # A prefetch that was not used (the execution order changed): complete it, then drop it.
+            self._finish_gather()
         if not self.is_gathered:
             return
         self._install(full=False)

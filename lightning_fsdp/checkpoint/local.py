@@ -1,0 +1,320 @@
+"""Local checkpoints: one file per rank with its raw shards; the fastest to write and read.
+
+Layout of the directory:
+
+* ``rank-{r}.pt`` (one per rank): ``torch.save`` of this rank's model state dict as it is in memory (each sharded
+  parameter is a view of its unit's flat shard buffer, so the buffer is written once, as it is, without copies) and
+  its ``optimizer.state_dict()`` (state tensors hold this rank's rows), plus the rank and world size.
+* ``meta.pt``: the non-tensor parts of the Lightning checkpoint (epoch, global_step, loops, callbacks, lr_schedulers,
+  ...) and a ``"lightning_fsdp"`` entry: format and version, world size, every model entry's shape and, for sharded
+  parameters, the rows each shard rank holds, and each optimizer's parameter names per group.
+
+It loads only at the world size and shard layout that wrote it; anything else (another world size, a changed model,
+another sharding strategy) raises :class:`~lightning_fsdp.checkpoint.common.CheckpointMismatchError` naming the
+difference. ``lightning-fsdp convert`` turns it into a full file (which then loads anywhere, or converts to sharded).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError
+from lightning_fsdp.checkpoint.common import (
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    CheckpointMismatchError,
+    Collective,
+    ShardedOptimizerState,
+    ShardedStateDict,
+    managed_keys,
+    optimizer_params,
+    param_names,
+    shape_str,
+)
+from lightning_fsdp.checkpoint.paths import (
+    META_FILE,
+    commit_directory,
+    file_problem,
+    local_rank_file,
+    prepare_temp_dir,
+    remove_path,
+    remove_stale_temps,
+)
+from lightning_fsdp.engine import ShardingEngine
+
+
+# ===================================================================================================== saving
+def local_model_state_dict(engine: ShardingEngine) -> dict[str, Any]:
+    """The module's state dict as it is: this rank's rows of sharded parameters (views, no copies)."""
+    return engine.root.state_dict()
+
+
+def local_optimizer_state_dict(optimizer: Optimizer) -> dict[str, Any]:
+    return optimizer.state_dict()
+
+
+def layout_info(engine: ShardingEngine, optimizers: Optional[Sequence[Optimizer]], world_size: int) -> dict[str, Any]:
+    """What a local checkpoint must match to be loaded: the ``"lightning_fsdp"`` entry of its ``meta.pt``."""
+    managed = managed_keys(engine)
+    entries: dict[str, Any] = {}
+    for key, value in engine.root.state_dict().items():
+        slot = managed.get(key)
+        if slot is not None:
+            layout = slot.layout
+            entries[key] = {"shape": tuple(int(s) for s in layout.shape), "dtype": str(slot.param.dtype),
+                            "rows": [layout.rows_of(r) for r in range(layout.world_size)]}
+        elif isinstance(value, torch.Tensor):
+            entries[key] = {"shape": tuple(int(s) for s in value.shape), "dtype": str(value.dtype), "rows": None}
+        else:
+            entries[key] = {"shape": None, "dtype": type(value).__name__, "rows": None}
+    names = param_names(engine.root)
+    optimizer_names = None
+    if optimizers is not None:
+        optimizer_names = [[[names.get(id(p), "?") for p in group["params"]] for group in opt.param_groups]
+                           for opt in optimizers]
+    return {"format": "local", "version": FORMAT_VERSION, "world_size": world_size,
+            "shard_world_size": engine.shard_comm.world_size,
+            "entries": entries, "optimizers": optimizer_names}
+
+
+def _write_file(obj: Any, file: str) -> None:
+    """``torch.save`` into ``file`` and make it durable (a seam for tests that kill a rank mid-write)."""
+    with open(file, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_local_checkpoint(checkpoint: Mapping[str, Any], path: str, engine: ShardingEngine,
+                          optimizers: Optional[Sequence[Optimizer]], coll: Optional[Collective] = None) -> None:
+    """Write a checkpoint built from :func:`local_model_state_dict` / :func:`local_optimizer_state_dict` to the
+    directory ``path``, atomically: every rank writes its file into a temporary directory, which rank 0 renames into
+    place once all have succeeded. Call on every rank."""
+    coll = coll or Collective()
+    path = coll.broadcast(os.path.abspath(os.fspath(path)))
+    tmp, problem = None, None
+    if coll.is_rank0:
+        try:
+            tmp = prepare_temp_dir(path)
+        except Exception as exc:  # noqa: BLE001
+            problem = exc
+    coll.agree_from_rank0(problem)
+    tmp = coll.broadcast(tmp)
+    rest = dict(checkpoint)
+    state = rest.pop("state_dict", {})
+    optimizer_states = rest.pop("optimizer_states", None)
+    problem = None
+    try:
+        _write_file({"format": "local", "version": FORMAT_VERSION, "rank": coll.rank, "world_size": coll.world_size,
+                     "shard_rank": engine.shard_comm.rank, "state_dict": state, "optimizer_states": optimizer_states},
+                    os.path.join(tmp, local_rank_file(coll.rank)))
+        if coll.is_rank0:
+            rest[FORMAT_KEY] = layout_info(engine, optimizers if optimizer_states is not None else None,
+                                           coll.world_size)
+            AtomicCheckpointIO().save_checkpoint(rest, os.path.join(tmp, META_FILE))
+    except Exception as exc:  # noqa: BLE001
+        problem = exc
+    try:
+        coll.agree(problem)
+    except BaseException:
+        if coll.is_rank0:
+            remove_path(tmp)
+        raise
+    problem = None
+    if coll.is_rank0:
+        try:
+            commit_directory(tmp, path)
+            remove_stale_temps(path)
+        except Exception as exc:  # noqa: BLE001
+            problem = exc
+            remove_path(tmp)
+    coll.agree_from_rank0(problem)
+
+
+# ===================================================================================================== loading
+def read_local_meta(path: str, weights_only: Optional[bool] = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(Lightning part, ``"lightning_fsdp"`` entry) of a local checkpoint's ``meta.pt``."""
+    meta_file = os.path.join(path, META_FILE)
+    meta = AtomicCheckpointIO().load_checkpoint(meta_file, weights_only=weights_only)
+    info = meta.pop(FORMAT_KEY, None)
+    if not isinstance(info, Mapping) or info.get("format") != "local":
+        raise CheckpointLoadError(
+            f"{meta_file!r} does not describe a local checkpoint (no 'lightning_fsdp' entry with format 'local').",
+            meta_file,
+        )
+    if info.get("version") != FORMAT_VERSION:
+        raise CheckpointLoadError(
+            f"Local checkpoint {path!r} has format version {info.get('version')}, this release reads version "
+            f"{FORMAT_VERSION}.",
+            meta_file,
+        )
+    return meta, dict(info)
+
+
+def _read_rank_file(path: str, rank: int, world_size: int, weights_only: Optional[bool]) -> dict[str, Any]:
+    file = os.path.join(path, local_rank_file(rank))
+    problem = file_problem(file)
+    if problem is not None:
+        raise CheckpointLoadError(f"Local checkpoint {path!r} is damaged: {problem}; rank {rank} needs it.", file)
+    data = AtomicCheckpointIO().load_checkpoint(file, weights_only=weights_only)
+    if data.get("rank") != rank or data.get("world_size") != world_size:
+        raise CheckpointLoadError(
+            f"{file!r} holds the shards of rank {data.get('rank')} of {data.get('world_size')}, not of rank {rank} of "
+            f"{world_size}; the checkpoint directory was assembled from different saves.",
+            file,
+        )
+    return data
+
+
+def _check_layout(path: str, info: Mapping[str, Any], engine: ShardingEngine, coll: Collective) -> tuple[str, ...]:
+    """Raise :class:`CheckpointMismatchError` naming the first difference; the checkpoint keys the model lacks."""
+    if info["world_size"] != coll.world_size:
+        raise CheckpointMismatchError(
+            f"Local checkpoint {path!r} was written by {info['world_size']} ranks, this run has {coll.world_size}. A "
+            "local checkpoint loads only at the world size that wrote it; convert it with `lightning-fsdp convert "
+            "SRC DST` (a full file loads at any world size) or save with state_dict_type='sharded'."
+        )
+    entries: Mapping[str, Any] = info["entries"]
+    managed = managed_keys(engine)
+    own = engine.root.state_dict()
+    params = {name for name, _ in engine.root.named_parameters(remove_duplicate=False)}
+    for key, value in own.items():
+        entry = entries.get(key)
+        if entry is None:
+            continue
+        what = "parameter" if key in params else "entry"
+        slot = managed.get(key)
+        here = tuple(slot.layout.shape) if slot is not None else (
+            tuple(value.shape) if isinstance(value, torch.Tensor) else None)
+        stored = tuple(entry["shape"]) if entry["shape"] is not None else None
+        if here != stored:
+            raise CheckpointMismatchError(
+                f"Local checkpoint {path!r}: {what} {key!r} has shape "
+                f"{shape_str(stored) if stored is not None else 'None (not a tensor)'} in the checkpoint but "
+                f"{shape_str(here) if here is not None else 'None (not a tensor)'} in the model."
+            )
+        rows_here = [slot.layout.rows_of(r) for r in range(slot.layout.world_size)] if slot is not None else None
+        rows_stored = [tuple(r) for r in entry["rows"]] if entry["rows"] is not None else None
+        if rows_here != rows_stored:
+            raise CheckpointMismatchError(
+                f"Local checkpoint {path!r}: {what} {key!r} is split into rows {rows_stored} across ranks in the "
+                f"checkpoint but {rows_here} in this run (another sharding strategy or process group?). A local "
+                "checkpoint needs the same shard layout; use a sharded or full checkpoint to change it."
+            )
+    return tuple(k for k in entries if k not in own)
+
+
+def _check_optimizers(path: str, info: Mapping[str, Any], engine: ShardingEngine,
+                      optimizers: Sequence[Optimizer]) -> None:
+    stored = info.get("optimizers") or []
+    if len(stored) != len(optimizers):
+        raise CheckpointMismatchError(
+            f"Local checkpoint {path!r} holds the state of {len(stored)} optimizer(s), but this run configured "
+            f"{len(optimizers)}; resume with the same optimizers."
+        )
+    names = param_names(engine.root)
+    for index, (groups, optimizer) in enumerate(zip(stored, optimizers)):
+        here = [[names.get(id(p), "?") for p in group["params"]] for group in optimizer.param_groups]
+        if [len(g) for g in groups] != [len(g) for g in here]:
+            raise CheckpointMismatchError(
+                f"Local checkpoint {path!r}: optimizer {index} has parameter groups of sizes "
+                f"{[len(g) for g in groups]} in the checkpoint but {[len(g) for g in here]} in this run."
+            )
+        for position, (a, b) in enumerate(zip([n for g in groups for n in g], [n for g in here for n in g])):
+            if a != b:
+                raise CheckpointMismatchError(
+                    f"Local checkpoint {path!r}: optimizer {index}'s parameter {position} is {a!r} in the checkpoint "
+                    f"but {b!r} in this run."
+                )
+
+
+def load_local_checkpoint(
+    path: str,
+    engine: ShardingEngine,
+    optimizers: Optional[Sequence[Optimizer]] = None,
+    *,
+    coll: Optional[Collective] = None,
+    weights_only: Optional[bool] = None,
+) -> dict[str, Any]:
+    """Read this rank's file of a local checkpoint (on every rank): the Lightning checkpoint dict with ``state_dict``
+    a :class:`ShardedStateDict` and ``optimizer_states`` (when ``optimizers`` is given and the checkpoint has them)
+    :class:`ShardedOptimizerState` entries. Mismatches and damaged files raise on every rank."""
+    coll = coll or Collective()
+    problem, checkpoint = None, None
+    try:
+        meta, info = read_local_meta(path, weights_only)
+        unexpected = _check_layout(path, info, engine, coll)
+        load_optimizers = optimizers is not None and info.get("optimizers") is not None
+        if load_optimizers:
+            _check_optimizers(path, info, engine, optimizers)
+        data = _read_rank_file(path, coll.rank, coll.world_size, weights_only)
+        own = engine.root.state_dict()
+        state = ShardedStateDict({k: v for k, v in data["state_dict"].items() if k in own},
+                                 unexpected_keys=unexpected, source=path)
+        checkpoint = dict(meta)
+        checkpoint["state_dict"] = state
+        if load_optimizers:
+            checkpoint["optimizer_states"] = [ShardedOptimizerState(s) for s in data["optimizer_states"]]
+    except Exception as exc:  # noqa: BLE001 - every rank learns of it
+        problem = exc
+    coll.agree(problem)
+    assert checkpoint is not None
+    return checkpoint
+
+
+# ===================================================================================================== offline
+def _concat_rows(pieces: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    rows = torch.cat([p.reshape(p.shape[0], -1) if p.dim() > 0 else p.reshape(1, -1) for p in pieces], dim=0)
+    return rows.reshape(shape)
+
+
+def read_local_checkpoint_full(path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """A local checkpoint directory as one full checkpoint in Lightning's layout, assembled from every rank's file in
+    this process alone (no process group)."""
+    meta, info = read_local_meta(path, weights_only)
+    world = info["world_size"]
+    files = [_read_rank_file(path, r, world, weights_only) for r in range(world)]
+    # The first global rank holding each shard rank's rows (with a subgroup as shard group, groups repeat).
+    entries: Mapping[str, Any] = info["entries"]
+    holders: dict[int, int] = {}
+    for rank, data in enumerate(files):
+        holders.setdefault(int(data.get("shard_rank", rank)), rank)
+    state: dict[str, Any] = {}
+    for key, entry in entries.items():
+        if entry["rows"] is None or len(entry["rows"]) == 1:
+            state[key] = files[0]["state_dict"][key]
+        else:
+            state[key] = _concat_rows([files[holders[r]]["state_dict"][key] for r in range(len(entry["rows"]))],
+                                      tuple(entry["shape"]))
+    checkpoint = dict(meta)
+    checkpoint["state_dict"] = state
+    optimizer_names = info.get("optimizers")
+    if optimizer_names is not None:
+        optimizer_states = []
+        for index, groups in enumerate(optimizer_names):
+            names = [n for g in groups for n in g]
+            first = files[0]["optimizer_states"][index]
+            full_state: dict[int, dict[str, Any]] = {}
+            for position, name in enumerate(names):
+                entry = entries.get(name)
+                if position not in first["state"]:
+                    continue
+                new_entry = {}
+                for key, value in first["state"][position].items():
+                    rows = entry["rows"] if entry is not None else None
+                    if rows is not None and len(rows) > 1 and isinstance(value, torch.Tensor) and value.dim() > 0:
+                        pieces = [files[holders[r]]["optimizer_states"][index]["state"][position][key]
+                                  for r in range(len(rows))]
+                        local_rows = [end - start for start, end in rows]
+                        if [p.shape[0] for p in pieces] == local_rows:
+                            value = _concat_rows(pieces, tuple(entry["shape"]))
+                    new_entry[key] = value
+                full_state[position] = new_entry
+            optimizer_states.append({"state": full_state, "param_groups": first["param_groups"]})
+        checkpoint["optimizer_states"] = optimizer_states
+    return checkpoint
