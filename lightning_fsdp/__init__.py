@@ -8,6 +8,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from accelerators import HPUAccelerator, register_hpu_accelerator
 from lightning_fsdp.config import BackwardPrefetch, MixedPrecision, ShardingStrategy, StateDictType
 from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
+from lightning_fsdp.estimate import MemoryEstimate, estimate_memory
+from lightning_fsdp.monitor import ShardingMonitor
 from lightning_fsdp.strategy import FSDPStrategy
 
 __version__ = "0.1.0"
@@ -15,10 +17,13 @@ __all__ = [
     "BackwardPrefetch",
     "FSDPStrategy",
     "HPUAccelerator",
+    "MemoryEstimate",
     "MixedPrecision",
     "ShardingEngine",
+    "ShardingMonitor",
     "ShardingStrategy",
     "StateDictType",
+    "estimate_memory",
     "fully_shard",
     "get_engine",
 ]

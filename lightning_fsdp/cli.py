@@ -47,7 +47,7 @@ class FSDPLightningCLI(LightningCLI):
         return super().init_parser(**kwargs)
 
 
-def _convert_entry() -> Callable[[list[str]], Any] | None:
+def _convert_entry() -> Callable[[list[str]], int | None] | None:
     """``lightning_fsdp.checkpoint.convert.main`` if that module exists; imported only when asked for."""
     try:
         module = importlib.import_module(_CONVERT_MODULE)
@@ -58,25 +58,31 @@ def _convert_entry() -> Callable[[list[str]], Any] | None:
     return getattr(module, "main", None)
 
 
-def main(args: Sequence[str] | None = None) -> Any:
-    """Run the command with ``args`` (default: ``sys.argv[1:]``); returns the ``FSDPLightningCLI`` it ran."""
+def main(args: Sequence[str] | None = None) -> int | None:
+    """Run the command with ``args`` (default: ``sys.argv[1:]``).
+
+    Returns the exit status for the console script (``sys.exit(main())``): ``convert``'s, or ``None`` (success)
+    after a Lightning subcommand; errors raise or exit on their own.
+    """
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] == ["convert"]:
         convert = _convert_entry()
         if convert is not None:
+            # The converter's contract: main(argv: list[str]) -> int | None, parsing argv itself.
             return convert(argv[1:])
         # Not installed: fall through, and LightningCLI reports 'convert' as an invalid choice with the valid ones.
     description = "Lightning's CLI with the fsdp_custom strategy (lightning-fsdp)."
     if _convert_entry() is not None:
         description += " Also: 'lightning-fsdp convert --help' converts checkpoints between formats."
-    return FSDPLightningCLI(
+    FSDPLightningCLI(
         model_class=None,  # any LightningModule, by class_path
         datamodule_class=None,  # any LightningDataModule, by class_path (optional)
         # None lets LightningCLI read sys.argv itself (it warns when given both).
         args=None if args is None else argv,
         parser_kwargs={"description": description},
     )
+    return None
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -101,6 +101,11 @@ class FSDPMultiProcessingLauncher(_MultiProcessingLauncher):
     rank 0's shards and would not load into the main process's full-size model.
     """
 
+    @property
+    def start_method(self) -> str:
+        """``"fork"``, ``"forkserver"`` or ``"spawn"``."""
+        return self._start_method
+
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         fitting = trainer.state.fn == TrainerFn.FITTING

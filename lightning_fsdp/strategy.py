@@ -21,7 +21,6 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -51,6 +50,7 @@ from lightning_fsdp.config import (
     parse_state_dict_type,
 )
 from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
+from lightning_fsdp.launcher import choose_launcher
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class FSDPStrategy(ParallelStrategy):
             ``"HYBRID_SHARD_ZERO2"`` (shard within a node, replicate across nodes).
         device_mesh: for the hybrid strategies, a 2-D DeviceMesh with dims (replicate, shard), instead of the
             default node layout; or pass ``process_group=(shard_group, replicate_group)``.
-        auto_wrap_policy: which modules become units: a set of module classes, a callable
+        auto_wrap_policy: which modules become units: a set of module classes (or their import paths), a callable
             ``(module, recurse, nonwrapped_numel) -> bool``, or an int minimum parameter count. The root takes the rest.
         activation_checkpointing_policy: modules whose forward is recomputed in backward instead of keeping their
             activations: a set of module classes (or import paths) or a callable ``(module) -> bool``.
@@ -154,7 +154,8 @@ class FSDPStrategy(ParallelStrategy):
             the engine run on it only.
         device_id: an int or ``torch.device`` (HPU needs a device object); must name this rank's device.
         process_group_backend: overrides the backend chosen from the accelerator (gloo/nccl/hccl).
-        start_method: ``"popen"`` (re-run the script per rank, the default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        start_method: ``"popen"`` (re-run the script per rank, the default; forks in a notebook), ``"spawn"``,
+            ``"fork"`` or ``"forkserver"``.
     """
 
     strategy_name = "fsdp_custom"
@@ -356,11 +357,11 @@ class FSDPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------------------ processes, groups
     @override
     def _configure_launcher(self) -> None:
+        # A script re-run per rank by default; forks in a notebook (refused where fork is unsafe).
         assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+        self._launcher = choose_launcher(
+            self, self._start_method, self.cluster_environment, self.num_processes, self.num_nodes
+        )
 
     @override
     def setup_environment(self) -> None:
@@ -422,7 +423,9 @@ class FSDPStrategy(ParallelStrategy):
             self._check_optimizers()
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            # With CPU offload the optimizer state belongs beside the shards, in host memory.
+            offloaded = self.cpu_offload and self.root_device.type != "cpu"
+            _optimizers_to_device(self.optimizers, torch.device("cpu") if offloaded else self.root_device)
 
     def _shard(self, module: pl.LightningModule) -> ShardingEngine:
         engine = get_engine(module)
@@ -471,8 +474,8 @@ class FSDPStrategy(ParallelStrategy):
             return
         wanted = self.device_id
         if isinstance(wanted, int):
-            wanted = torch.device(self.root_device.type, wanted)
-        root = self.root_device
+            wanted = torch.device(self.device.type, wanted)
+        root = self.device  # as the accelerator names it (hpu:0 even where the test double computes on CPU)
         if wanted.type != root.type or (wanted.index is not None and root.index is not None and wanted.index != root.index):
             raise ValueError(
                 f"device_id={self.device_id!r} does not match this rank's device {root}; the accelerator and "
@@ -654,8 +657,9 @@ class FSDPStrategy(ParallelStrategy):
         from lightning_fsdp.checkpoint.atomic_io import _is_local
 
         path = self.broadcast(checkpoint_path)
-        if not _is_local(path) or not os.path.isdir(path):
+        if not _is_local(path) or not os.path.exists(path) or os.path.isfile(path):
             return super().load_checkpoint(path, weights_only=weights_only)
+        # A directory (sharded or local checkpoint), or a special file that must not be opened (a FIFO would block).
         return self._load_directory_checkpoint(os.fspath(path), weights_only)
 
     def _load_directory_checkpoint(self, path: str, weights_only: Optional[bool]) -> dict[str, Any]:

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import lightning as L
 import lightning.fabric.utilities.imports as fabric_imports
-import lightning.pytorch.trainer.connectors.accelerator_connector as accelerator_connector
 import pytest
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors import accelerator_connector
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_fsdp  # noqa: F401  registers "fsdp_custom"
@@ -54,7 +54,7 @@ def test_interactive_session_forks(interactive, monkeypatch):
     for start_method in ("popen", "fork"):
         launcher = _choose(start_method)
         assert isinstance(launcher, FSDPMultiProcessingLauncher)
-        assert launcher._start_method == "fork"
+        assert launcher.start_method == "fork"
         assert launcher.is_interactive_compatible
 
 
@@ -104,9 +104,40 @@ def _strategy_forks_in_notebooks() -> bool:
         mp.undo()
 
 
+class _Linear(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(5, 3)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_strategy_forks_in_notebooks():
+    assert _strategy_forks_in_notebooks()
+
+
+def test_forked_ranks_send_the_full_trained_weights_back(monkeypatch):
+    # Lightning's own fork/spawn launcher sends rank 0's state_dict(), which under sharding holds rank 0's rows
+    # only (here a (2, 5) weight for a (3, 5) model) and fails to load into the main process's model.
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    torch.manual_seed(0)
+    model = _Linear()
+    before = model.net.weight.detach().clone()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 5)), batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="fsdp_custom_fork", max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, data)
+    assert isinstance(trainer.strategy.launcher, FSDPMultiProcessingLauncher)
+    assert model.net.weight.shape == (3, 5)
+    assert not torch.equal(model.net.weight, before)  # trained in the children, received here
+    assert trainer.state.finished
+
+
 def test_notebook_trains_checkpoints_and_plots_in_a_real_kernel(tmp_path, monkeypatch):
-    if not _strategy_forks_in_notebooks():
-        pytest.xfail("FSDPStrategy._configure_launcher does not call lightning_fsdp.launcher.choose_launcher yet")
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
 
@@ -123,7 +154,7 @@ def test_notebook_trains_checkpoints_and_plots_in_a_real_kernel(tmp_path, monkey
     assert not errors, errors
     text = "".join(o.get("text", "") for cell in code for o in cell.outputs if o.output_type == "stream")
 
-    assert "processes started with: FSDPMultiProcessingLauncher fork" in text
+    assert "processes started by: FSDPMultiProcessingLauncher with fork" in text
     # Training lowered the loss, logged at every step by rank 0 (4 epochs x 512 samples / (2 ranks x 16)).
     match = re.search(r"steps: (\d+), first loss: ([\d.]+), last loss: ([\d.]+)", text)
     assert match, text[-2000:]
