@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning as L
 import pytest
 
 import lightning_fsdp  # noqa: F401
