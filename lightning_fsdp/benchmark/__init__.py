@@ -46,7 +46,8 @@ from lightning_fsdp.benchmark.memory import (
     LiveTensorBytes,
     model_state_bytes,
 )
-from lightning_fsdp.benchmark.variants import REFERENCE, VARIANTS, engine_options, parse_variants
+from lightning_fsdp.benchmark.report import paired_ratio
+from lightning_fsdp.benchmark.variants import REFERENCE, VARIANTS, engine_options
 
 __all__ = ["BenchmarkConfig", "run_benchmark", "VARIANTS", "REFERENCE"]
 
@@ -259,6 +260,7 @@ def _memory_run(rank: int, world: int, key: str, cfg: BenchmarkConfig, tokens: t
         result["peak_live_bytes"] = live.peak
         result["live_at_start_bytes"] = live.at_window_start
         result["peak_live_overall_bytes"] = live.peak_overall
+        result["live_bytes_all_threads"] = live.all_threads
     except Exception as error:  # noqa: BLE001 - reported as a failed variant; the others go on
         result = _failure(error)
         _say(rank, f"{variant.name} ws={world} FAILED in the memory run: {result['error']}")
@@ -274,7 +276,14 @@ def _memory_run(rank: int, world: int, key: str, cfg: BenchmarkConfig, tokens: t
 def _mark(folder: str, rank: int, phase: str, budget: float) -> None:
     """Tell the parent which phase started, and how long it may take before the processes count as hung."""
     if rank == 0:
-        Path(folder, "phase.json").write_text(json.dumps({"phase": phase, "since": time.time(), "budget": budget}))
+        _write_json(Path(folder, "phase.json"), {"phase": phase, "since": time.time(), "budget": budget})
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Write whole or not at all: the parent polls for these files while the workers run."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(payload))
+    os.replace(partial, path)
 
 
 def _worker(rank: int, world: int, folder: str, keys: list[str], cfg_dict: dict[str, Any], timing: bool) -> None:
@@ -291,11 +300,11 @@ def _worker(rank: int, world: int, folder: str, keys: list[str], cfg_dict: dict[
         if timing:
             _mark(folder, rank, "timing", cfg.variant_timeout * len(keys))
             for key, payload in _Interleaved(rank, world, keys, cfg).run(tokens).items():
-                Path(folder, f"timing-{key}-rank{rank}.json").write_text(json.dumps(payload))
+                _write_json(Path(folder, f"timing-{key}-rank{rank}.json"), payload)
         for key in keys:
             _mark(folder, rank, f"memory-{key}", cfg.variant_timeout)
             payload = _memory_run(rank, world, key, cfg, tokens)
-            Path(folder, f"memory-{key}-rank{rank}.json").write_text(json.dumps(payload))
+            _write_json(Path(folder, f"memory-{key}-rank{rank}.json"), payload)
     finally:
         dist.destroy_process_group()
 
@@ -322,7 +331,9 @@ def _run_group(world: int, keys: list[str], cfg: BenchmarkConfig, *, timing: boo
             with tempfile.TemporaryDirectory(prefix="lfsdp-bench-") as folder:
                 context = mp.start_processes(_worker, args=(world, folder, remaining, asdict(cfg), need_timing),
                                              nprocs=world, start_method="spawn", join=False)
-                problem = _wait(context, folder) or "processes exited before reporting"
+                expected = [f"{kind}-{k}-rank{r}.json" for k in remaining for r in range(world)
+                            for kind in (("timing", "memory") if need_timing else ("memory",))]
+                problem = _wait(context, folder, expected) or "processes exited before reporting"
                 if need_timing:
                     for key in remaining:
                         results[key]["timing"] = _read(folder, "timing", key, world) or [
@@ -355,8 +366,10 @@ def _run_group(world: int, keys: list[str], cfg: BenchmarkConfig, *, timing: boo
     return results
 
 
-def _wait(context: Any, folder: str) -> str | None:
-    """Join the processes; kill them when a phase runs past its budget. Returns what went wrong, if anything."""
+def _wait(context: Any, folder: str, expected: list[str], grace: float = 60.0) -> str | None:
+    """Join the processes; kill them when a phase runs past its budget, or when every result is written and they
+    still have not exited ``grace`` seconds later (a teardown that hangs). Returns what went wrong, if anything."""
+    all_written_at = None
     while True:
         try:
             if context.join(timeout=1.0):
@@ -364,11 +377,13 @@ def _wait(context: Any, folder: str) -> str | None:
         except Exception as error:  # noqa: BLE001 - a rank died (signal) or raised outside a variant
             _kill(context)
             return f"process failed: {str(error).strip().splitlines()[0]}"
+        if all_written_at is None and all(Path(folder, name).exists() for name in expected):
+            all_written_at = time.time()
+        if all_written_at is not None and time.time() - all_written_at > grace:
+            _kill(context)
+            return None
         marker = Path(folder, "phase.json")
-        try:
-            phase = json.loads(marker.read_text()) if marker.exists() else None
-        except ValueError:  # being written
-            phase = None
+        phase = json.loads(marker.read_text()) if marker.exists() else None
         if phase and time.time() - phase["since"] > phase["budget"]:
             _kill(context)
             return f"timed out after {phase['budget']:.0f} s"
@@ -409,6 +424,7 @@ def _summarise(key: str, parts: dict[str, list[dict]], world: int, param_bytes: 
     row["model_state"] = [m["model_state"] for m in memory]
     row["peak_live_bytes"] = [m["peak_live_bytes"] for m in memory]
     row["live_at_start_bytes"] = [m["live_at_start_bytes"] for m in memory]
+    row["live_bytes_all_threads"] = all(m.get("live_bytes_all_threads", False) for m in memory)
     # Collectives are counted in the profiled run (the timed one carries no instrumentation), per rank: every
     # rank of a symmetric collective moves the same. Model state is the same after either run's last step.
     comm = dict(memory[0].get("comm_per_step") or {})
@@ -494,6 +510,7 @@ def _compare(rows: list[dict], rtol: float) -> None:
             continue
         ref_ms, ms = reference.get("median_step_ms"), row.get("median_step_ms")
         row["ratio_to_reference"] = ms / ref_ms if ms and ref_ms else None
+        row["paired_ratio_to_reference"] = paired_ratio(row, reference)
         ref_loss, loss = reference["final_loss"], row["final_loss"]
         diff = abs(loss - ref_loss) / max(abs(ref_loss), 1e-12)
         row["loss_rel_diff"] = diff

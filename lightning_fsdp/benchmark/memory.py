@@ -7,11 +7,18 @@ Three measures, each stated in the benchmark's output next to its figures:
   a parameter's and is not counted.
 * :class:`LiveTensorBytes` - peak bytes of live tensor storage allocated through torch's CPU allocator, from
   ``torch.profiler``'s memory events (``profile_memory=True``). torch's CPU allocator keeps a running total of the
-  bytes it handed out and has not had back since profiling started, and stamps it on every allocation and free
-  event; the measured run starts profiling before the model is built, so that total is every live tensor of the
-  run (model, shards, gathered parameters, gradients, optimizer state, activations, communication buffers). Raw
-  RSS is not used: glibc keeps freed memory mapped, so RSS says little about what is alive. The profiler slows
-  each operator, so this runs separately from the timed run.
+  bytes it handed out and has not had back, and stamps it on every allocation and free event; the measured run
+  starts profiling before the model is built, so that total is every live tensor of the run (model, shards,
+  gathered parameters, gradients, optimizer state, activations, communication buffers). Raw RSS is not used:
+  glibc keeps freed memory mapped, so RSS says little about what is alive. The profiler slows each operator, so
+  this runs separately from the timed run.
+
+  One trap: the allocator only keeps that total while the *freeing thread* is being profiled. gloo runs
+  collectives on its own worker threads, which often drop the last reference to a buffer that the main thread
+  allocated (an all-gather's staging buffer, a reduce-scatter's input); without care those frees are lost and the
+  total creeps up by about a unit's worth per collective. c10's ``FLAGS_caffe2_report_cpu_memory_usage`` makes the
+  allocator keep the total on every thread, so it is switched on (through ``ctypes``; c10 has no Python setter)
+  for the measurement; with it the total at the start of each step stays flat, as it must.
 * :class:`CollectiveCounter` - bytes passed to ``torch.distributed``'s flat collectives from Python (torch's FSDP1
   and FSDP2 call them by module attribute, so a wrapper sees them). DDP's reducer calls the process group from
   C++ and is not seen; lightning_fsdp's engine keeps its own exact counters (``CommStats``), used instead.
@@ -44,7 +51,8 @@ MODEL_STATE_METHOD = (
 )
 LIVE_BYTES_METHOD = (
     "peak live tensor bytes over the measured steps: torch's CPU allocator total from torch.profiler memory "
-    "events (profile_memory=True), profiling from before the model is built, in a separate short run"
+    "events (profile_memory=True), kept on every thread (c10 FLAGS_caffe2_report_cpu_memory_usage, so frees on "
+    "gloo's worker threads count), profiling from before the model is built, in a separate short run"
 )
 
 _WINDOW = "lightning_fsdp.benchmark.steps"
@@ -95,6 +103,21 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+def _c10_report_flag() -> Any:
+    """c10's ``FLAGS_caffe2_report_cpu_memory_usage`` as a ctypes bool, or None where it cannot be reached."""
+    import ctypes
+    import sys
+
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    names = {"darwin": ["libc10.dylib"], "win32": ["c10.dll"]}.get(sys.platform, ["libc10.so"])
+    for name in names:
+        try:
+            return ctypes.c_bool.in_dll(ctypes.CDLL(os.path.join(lib_dir, name)), "FLAGS_caffe2_report_cpu_memory_usage")
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 class LiveTensorBytes:
     """Peak bytes of live CPU tensor storage, from torch.profiler's allocation events.
 
@@ -112,11 +135,20 @@ class LiveTensorBytes:
         self.peak = 0  # highest live total inside the window
         self.at_window_start = 0  # live total when the window opened
         self.peak_overall = 0  # highest live total anywhere in the block (includes model construction)
+        # Whether frees on every thread were counted (see the module docstring); False: an upper bound.
+        self.all_threads = False
         self._profile: Any = None
+        self._flag: Any = None
+        self._flag_was = False
 
     def __enter__(self) -> LiveTensorBytes:
         from torch.profiler import ProfilerActivity, profile
 
+        self._flag = _c10_report_flag()
+        if self._flag is not None:
+            self._flag_was = self._flag.value
+            self._flag.value = True
+            self.all_threads = True
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         with _quiet_stderr():
             self._profile.__enter__()
@@ -133,6 +165,8 @@ class LiveTensorBytes:
         gc.collect()
         with _quiet_stderr():
             self._profile.__exit__(*exc)
+        if self._flag is not None:
+            self._flag.value = self._flag_was
         if exc[0] is None:
             self._analyse()
 

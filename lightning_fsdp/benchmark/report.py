@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_report", "markdown", "plot", "fmt_bytes"]
+__all__ = ["write_report", "markdown", "plot", "fmt_bytes", "paired_ratio"]
 
 
 def fmt_bytes(value: float | None) -> str:
@@ -56,6 +56,21 @@ def _comm_cells(row: dict[str, Any], param_bytes: int) -> list[str]:
     return cells
 
 
+def paired_ratio(row: dict[str, Any], reference: dict[str, Any] | None) -> float | None:
+    """Median over timed steps of (this variant's step time / the reference's in the same round).
+
+    The variants run interleaved, one step each per round, so a burst of load from other processes lands on the
+    same round of both; the ratio per round cancels most of it, and its median is steadier than a ratio of medians.
+    """
+    if not reference or not row.get("step_ms") or not reference.get("step_ms"):
+        return None
+    ratios = sorted(a / b for a, b in zip(row["step_ms"], reference["step_ms"]) if b > 0)
+    if not ratios:
+        return None
+    mid = len(ratios) // 2
+    return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+
+
 def _max(values: list[float] | None) -> float | None:
     return max(values) if values else None
 
@@ -78,11 +93,14 @@ def markdown(results: dict[str, Any]) -> str:
         f"separate profiled run of {cfg['mem_steps']} steps for memory and collectives. torch {env['torch']}, "
         f"{env['cpus']} CPUs; engine prefetch options: {env['engine_options'] or 'none (no prefetching)'}.",
         "",
-        f"| Variant | Median step (ms) | vs {ref_name} | Peak live / rank | Model state / rank (vs DDP) "
+        f"| Variant | Median step (ms) | vs {ref_name}: ratio of medians (median of per-step ratios) "
+        "| Peak live / rank | Model state / rank (vs DDP) "
         "| All-gathered / step | Reduce-scattered / step | All-reduced / step | Total moved / step | Final loss |",
         "|---|---:|---:|---:|---:|---|---|---|---|---:|",
     ]
     ddp = next((r for r in results["variants"] if r["key"] == "ddp" and r["status"] == "ok"), None)
+    reference = next((r for r in results["variants"] if r["key"] == results["reference"] and r["status"] == "ok"),
+                     None)
     ddp_state = _max([m["total"] for m in ddp["model_state"]]) if ddp else None
     disagreements = []
     for row in results["variants"]:
@@ -98,7 +116,9 @@ def markdown(results: dict[str, Any]) -> str:
             disagreements.append(row["name"])
         lines.append(
             f"| {row['name']} | {_ms(row.get('median_step_ms'))} | {_ratio(row.get('ratio_to_reference'))} "
-            f"| {fmt_bytes(_max(row['peak_live_bytes']))} | {state_cell} | "
+            f"({_ratio(paired_ratio(row, reference))}) "
+            f"| {fmt_bytes(_max(row['peak_live_bytes']))}{'' if row.get('live_bytes_all_threads') else ' (upper bound)'} "
+            f"| {state_cell} | "
             + " | ".join(_comm_cells(row, P)) + f" | {loss} |"
         )
     rtol = cfg["loss_rtol"]
@@ -141,7 +161,9 @@ def markdown(results: dict[str, Any]) -> str:
         "variants are interleaved: both processes hold every variant (same initial weights) and run one step of "
         "each per round on the same batch, in an order rotated every round, each variant on its own process group, "
         "so load from other processes on a shared machine slows all variants alike. Ratio: to "
-        f"{ref_name}'s median in the same run. The timed run carries no profiler or counters.",
+        f"{ref_name}'s median in the same run; in brackets the median over steps of the per-step ratio (both "
+        "variants' step in the same round), which cancels most of the load that hits a round. The timed run carries "
+        "no profiler or counters.",
         f"- **Peak live / rank**: {results['methods']['peak_live']}; the larger of the ranks. Includes model state, "
         "gathered parameters, activations, gradients, optimizer state and communication buffers; not RSS.",
         f"- **Model state / rank**: {results['methods']['model_state']}; the larger of the ranks. "
@@ -173,7 +195,13 @@ _SHORT = {
 
 def plot(results: dict[str, Any], path: Path) -> None:
     """Step time per variant, memory per rank per variant, and per-rank memory against world size."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ImportError(
+            f"the benchmark's plot needs matplotlib: pip install matplotlib (results.md and results.json are already "
+            f"written to {path.parent})"
+        ) from error
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
