@@ -139,7 +139,8 @@ class FSDPStrategy(ParallelStrategy):
         activation_checkpointing_policy: modules whose forward is recomputed in backward instead of keeping their
             activations: a set of module classes (or import paths) or a callable ``(module) -> bool``.
         mixed_precision: a :class:`~lightning_fsdp.MixedPrecision`; or let ``Trainer(precision=...)`` imply one.
-        state_dict_type: checkpoint format; ``"full"`` (one file in Lightning's usual layout).
+        state_dict_type: checkpoint format: ``"full"`` (one file in Lightning's usual layout), ``"sharded"`` (a
+            torch.distributed.checkpoint directory that loads at any world size) or ``"local"`` (a file per rank).
         sync_module_states: broadcast rank 0's initial parameters and buffers before sharding.
         param_init_fn: called on each meta-device module to materialise it (default: its ``reset_parameters``).
         backward_prefetch: ``"BACKWARD_PRE"`` (default: gather the next unit of backward when the current one's

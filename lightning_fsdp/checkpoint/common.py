@@ -148,8 +148,8 @@ def is_sharded(layout: ShardLayout) -> bool:
 
 def is_local_rows(value: Any, layout: ShardLayout) -> bool:
     """Whether ``value`` is a per-row tensor holding this rank's rows of a sharded parameter (its shard, or optimizer
-    state shaped like it)."""
-    return (is_sharded(layout) and isinstance(value, torch.Tensor) and value.dim() > 0
+    state shaped like it). A 0-dim parameter is stored as one row (shape ``(1,)`` or ``(0,)``) at any world size."""
+    return ((is_sharded(layout) or len(layout.shape) == 0) and isinstance(value, torch.Tensor) and value.dim() > 0
             and tuple(value.shape) == tuple(layout.local_shape))
 
 

@@ -32,7 +32,7 @@ from lightning_fsdp.checkpoint.common import (
     ShardedOptimizerState,
     ShardedStateDict,
     managed_keys,
-    optimizer_params,
+    numel,
     param_names,
     shape_str,
 )
@@ -269,8 +269,8 @@ def load_local_checkpoint(
 
 # ===================================================================================================== offline
 def _concat_rows(pieces: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-    rows = torch.cat([p.reshape(p.shape[0], -1) if p.dim() > 0 else p.reshape(1, -1) for p in pieces], dim=0)
-    return rows.reshape(shape)
+    row_numel = numel(shape[1:]) if len(shape) > 1 else 1
+    return torch.cat([p.reshape(-1, row_numel) for p in pieces], dim=0).reshape(shape)
 
 
 def read_local_checkpoint_full(path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -286,7 +286,7 @@ def read_local_checkpoint_full(path: str, weights_only: Optional[bool] = None) -
         holders.setdefault(int(data.get("shard_rank", rank)), rank)
     state: dict[str, Any] = {}
     for key, entry in entries.items():
-        if entry["rows"] is None or len(entry["rows"]) == 1:
+        if entry["rows"] is None:
             state[key] = files[0]["state_dict"][key]
         else:
             state[key] = _concat_rows([files[holders[r]]["state_dict"][key] for r in range(len(entry["rows"]))],
@@ -307,7 +307,7 @@ def read_local_checkpoint_full(path: str, weights_only: Optional[bool] = None) -
                 new_entry = {}
                 for key, value in first["state"][position].items():
                     rows = entry["rows"] if entry is not None else None
-                    if rows is not None and len(rows) > 1 and isinstance(value, torch.Tensor) and value.dim() > 0:
+                    if rows is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
                         pieces = [files[holders[r]]["optimizer_states"][index]["state"][position][key]
                                   for r in range(len(rows))]
                         local_rows = [end - start for start, end in rows]

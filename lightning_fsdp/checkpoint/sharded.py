@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
@@ -26,7 +27,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError
@@ -60,6 +65,7 @@ from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.shard import ShardLayout
 
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)")
+_SCALAR_ROWS = "lightning_fsdp_scalar_rows"
 
 
 # ===================================================================================================== saving
@@ -82,10 +88,14 @@ def _dtensor(local: torch.Tensor, layout: ShardLayout, mesh: Any) -> torch.Tenso
 
 
 def _to_global(local: torch.Tensor, layout: ShardLayout, engine: ShardingEngine) -> torch.Tensor:
-    """This rank's rows as a global tensor for DCP: a DTensor, or (0-dim parameters, which cannot be a Shard(0)
-    DTensor) the gathered value (a collective over the shard group)."""
+    """This rank's rows as a global tensor for DCP: a DTensor, the tensor itself (unsharded), or for a 0-dim
+    parameter (one row, which cannot be a Shard(0) DTensor) the value, gathered over the shard group if sharded."""
     if len(layout.shape) == 0:
-        return _gather_rows(local.detach(), layout, engine).cpu()
+        if is_sharded(layout):
+            return _gather_rows(local.detach(), layout, engine).cpu()
+        return local.detach().reshape(())
+    if not is_sharded(layout):
+        return local
     return _dtensor(local.detach(), layout, _mesh(engine, local.device.type))
 
 
@@ -94,7 +104,7 @@ def sharded_model_state_dict(engine: ShardingEngine) -> dict[str, Any]:
     """The unwrapped model's ``state_dict()`` keys, sharded parameters as DTensors of this rank's rows (no copies)."""
     state = engine.root.state_dict()
     for key, slot in managed_keys(engine).items():
-        if key in state and is_sharded(slot.layout):
+        if key in state:
             state[key] = _to_global(slot.param.data, slot.layout, engine)
     return state
 
@@ -107,6 +117,7 @@ def sharded_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer) -
     params = optimizer_params(optimizer)
     fqns = [names.get(id(p), f"<unnamed parameter {i}>") for i, p in enumerate(params)]
     state: dict[str, dict[str, Any]] = {}
+    scalar_rows: dict[str, list[str]] = {}
     for index, param in enumerate(params):
         entry = state_dict["state"].get(index)
         if entry is None:
@@ -117,25 +128,39 @@ def sharded_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer) -
             value = entry[name]
             if slot is not None and is_local_rows(value, slot.layout):
                 value = _to_global(value, slot.layout, engine)
+                if len(slot.layout.shape) == 0:
+                    scalar_rows.setdefault(fqns[index], []).append(name)
             new_entry[name] = value
         state[fqns[index]] = new_entry
     groups = [{**group, "params": [fqns[i] for i in group["params"]]} for group in state_dict["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    out: dict[str, Any] = {"state": state, "param_groups": groups}
+    if scalar_rows:
+        # A 0-dim parameter's per-element state (exp_avg) and its step counter both save as 0-dim tensors; loading
+        # needs to know which is which to give this rank its row of the former. Kept in meta.pt, not in DCP.
+        out[_SCALAR_ROWS] = scalar_rows
+    return out
 
 
-def _split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(DCP part, meta.pt part) of a Lightning checkpoint dict."""
+def _split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
+    """(DCP part, meta.pt part, per-optimizer 0-dim row-state names) of a Lightning checkpoint dict."""
     rest = dict(checkpoint)
     tensors: dict[str, Any] = {"model": rest.pop("state_dict", {})}
     optimizer_states = rest.pop("optimizer_states", None)
+    scalar_rows = []
     for index, state in enumerate(optimizer_states or []):
+        state = dict(state)
+        scalar_rows.append(state.pop(_SCALAR_ROWS, {}))
         tensors[f"optimizer_{index}"] = state
-    return tensors, rest
+    return tensors, rest, scalar_rows
 
 
-def _format_info(world_size: int, num_optimizers: Optional[int], optimizer_keys: str) -> dict[str, Any]:
-    return {"format": "sharded", "version": FORMAT_VERSION, "world_size": world_size,
+def _format_info(world_size: int, num_optimizers: Optional[int], optimizer_keys: str,
+                 scalar_rows: Optional[list] = None) -> dict[str, Any]:
+    info = {"format": "sharded", "version": FORMAT_VERSION, "world_size": world_size,
             "num_optimizers": num_optimizers, "optimizer_keys": optimizer_keys}
+    if scalar_rows and any(scalar_rows):
+        info["scalar_param_rows"] = scalar_rows
+    return info
 
 
 def save_sharded_checkpoint(checkpoint: Mapping[str, Any], path: str, coll: Optional[Collective] = None) -> None:
@@ -151,14 +176,14 @@ def save_sharded_checkpoint(checkpoint: Mapping[str, Any], path: str, coll: Opti
             problem = exc
     coll.agree_from_rank0(problem)
     tmp = coll.broadcast(tmp)
-    tensors, meta = _split_checkpoint(checkpoint)
+    tensors, meta, scalar_rows = _split_checkpoint(checkpoint)
     num_optimizers = len(checkpoint["optimizer_states"]) if "optimizer_states" in checkpoint else None
-    meta[FORMAT_KEY] = _format_info(coll.world_size, num_optimizers, "fqn")
+    meta[FORMAT_KEY] = _format_info(coll.world_size, num_optimizers, "fqn", scalar_rows)
     try:
         # A failure on any rank raises a CheckpointException on every rank (DCP gathers the results).
         dcp.save(tensors, checkpoint_id=tmp, no_dist=not coll.distributed)
     except BaseException:
-        coll_safe_remove(tmp, coll)
+        _remove_quietly(tmp, coll)
         raise
     problem = None
     if coll.is_rank0:
@@ -172,7 +197,7 @@ def save_sharded_checkpoint(checkpoint: Mapping[str, Any], path: str, coll: Opti
     coll.agree_from_rank0(problem)
 
 
-def coll_safe_remove(tmp: Optional[str], coll: Collective) -> None:
+def _remove_quietly(tmp: Optional[str], coll: Collective) -> None:
     if tmp is not None and coll.is_rank0:
         try:
             remove_path(tmp)
@@ -197,13 +222,15 @@ def save_sharded_from_full(checkpoint: Mapping[str, Any], path: str) -> None:
                 "param_groups": [{**g, "params": [str(p) for p in g["params"]]} for g in state["param_groups"]],
             })
         checkpoint["optimizer_states"] = converted
-    tensors, meta = _split_checkpoint(checkpoint)
+    tensors, meta, _ = _split_checkpoint(checkpoint)
     meta.pop(FORMAT_KEY, None)
     num_optimizers = len(optimizer_states) if optimizer_states is not None else None
     meta[FORMAT_KEY] = _format_info(1, num_optimizers, "index")
     tmp = prepare_temp_dir(path)
     try:
-        dcp.save(tensors, checkpoint_id=tmp, no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": single-process on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(tensors, checkpoint_id=tmp, no_dist=True)
         AtomicCheckpointIO().save_checkpoint(meta, os.path.join(tmp, META_FILE))
         commit_directory(tmp, path)
     except BaseException:
@@ -401,6 +428,7 @@ class _ShardedLoad:
                             f"in the checkpoint but {current!r} in this run; it is a checkpoint of another model."
                         )
             position_of = {saved: i for i, saved in enumerate(saved_ids)}
+            recorded = (self.info.get("scalar_param_rows") or [{}] * len(self.optimizer_prefixes))[index]
             state_targets: dict[str, tuple[int, tuple, str]] = {}  # flat -> (param index, path under the entry)
             for flat, (p, storage) in self.entries.items():
                 if p[0] != prefix or len(p) < 4 or p[1] != "state":
@@ -416,6 +444,11 @@ class _ShardedLoad:
                     continue
                 full = tuple(storage.size)
                 rows = layout is not None and len(p) == 4 and full == tuple(layout.shape)
+                if rows and len(full) == 0:
+                    # A 0-dim parameter: which 0-dim entries are per-element state was recorded at save time;
+                    # without a record (a converted full file), every entry but a step counter is.
+                    names = recorded.get(str(p[2])) if recorded else None
+                    rows = p[3] in names if names is not None else p[3] != "step"
                 self.tensor_targets[flat] = self._target(full, storage.properties.dtype, layout if rows else None)
                 if rows:
                     self.layouts[flat] = layout
@@ -424,12 +457,12 @@ class _ShardedLoad:
 
     # --------------------------------------------------------------------------------------------- loading
     def _local(self, flat: str, value: Any) -> Any:
-        """This rank's rows of a loaded target (DTensor -> its local tensor; 0-dim sharded -> sliced)."""
+        """This rank's rows of a loaded target (DTensor -> its local tensor; a 0-dim parameter -> its row)."""
         if hasattr(value, "to_local"):
             return value.to_local()
         layout = self.layouts.get(flat)
-        if layout is not None and is_sharded(layout):
-            return layout.local_slice(value).clone()
+        if layout is not None:
+            return layout.local_slice(value)
         return value
 
     def run(self) -> dict[str, Any]:
@@ -512,14 +545,22 @@ def read_sharded_checkpoint_full(path: str, weights_only: Optional[bool] = None)
     meta.pop(FORMAT_KEY, None)
     tensors: dict[str, Any] = {}
     try:
-        _load_state_dict(tensors, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            _load_state_dict(tensors, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
+                             no_dist=True)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(
             f"Could not read sharded checkpoint {path!r}: {type(exc).__name__}: {exc}", path
         ) from exc
     checkpoint = dict(meta)
-    checkpoint["state_dict"] = tensors.pop("model", {})
+    model = tensors.pop("model", {})
+    # In the order the model's state dict had when saved (DCP's own order groups entries by the rank that wrote them).
+    paths = metadata.planner_data.values() if isinstance(metadata.planner_data, Mapping) else []
+    order = [path[1] for path in paths if len(path) == 2 and path[0] == "model"]
+    state = {key: model[key] for key in order if key in model}
+    state.update({key: value for key, value in model.items() if key not in state})
+    checkpoint["state_dict"] = state
     prefixes = sorted((k for k in tensors if _OPTIMIZER_KEY.fullmatch(k)), key=lambda s: int(s.split("_")[1]))
     if prefixes:
         checkpoint["optimizer_states"] = [to_index_keyed(tensors.pop(k)) for k in prefixes]

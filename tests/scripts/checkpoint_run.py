@@ -7,6 +7,12 @@ With ``--devices 2`` Lightning's launcher re-runs this script per rank. Rank 0 w
 losses and learning rates, the full parameters and optimizer/scheduler state as found at ``on_train_start`` (i.e.
 just after a resume restored them) and at the end.
 
+``--state-dict-type sharded|local`` (fsdp_custom) writes directory checkpoints instead; ``--save-at-start`` saves
+right after a resume restored the state (to re-save it at another world size); ``--save-weights-only`` saves a
+weights-only checkpoint after fit; ``--model-checkpoint DIR`` adds a ``ModelCheckpoint(save_top_k=1,
+save_last=True)``; ``--kill-in-second-save RANK`` saves to ``--save-in-fit`` again after fit, and that rank SIGKILLs
+itself in the middle of writing its part of that save.
+
 ``--mode killsave``: save a large checkpoint to ``--save`` through ``AtomicCheckpointIO``, and SIGKILL this process
 once ``--kill-after`` bytes of it have reached the temporary file (``--no-atomic``: write the path directly instead,
 as a non-atomic save would).
@@ -67,6 +73,39 @@ def kill_save(path: str, kill_after: int, atomic: bool) -> None:
         with open(path, "wb") as f:
             torch.save(checkpoint, _KillingFile(f, kill_after))
     raise SystemExit("the save finished; the kill did not happen")
+
+
+def _arm_kill_in_save(state_dict_type: str) -> None:
+    """Make this process SIGKILL itself in the middle of writing its part of the next directory checkpoint: after
+    the first tensor of its DCP shard file (sharded), or after 1 KiB of its rank file (local)."""
+
+    def die(what: str) -> None:
+        sys.stdout.write(f"pid {os.getpid()}: killing myself in the middle of {what}\n")
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if state_dict_type == "sharded":
+        import torch.distributed.checkpoint.filesystem as fs
+
+        original = fs._write_item
+
+        def write_item(*a, **k):
+            result = original(*a, **k)
+            stream = a[1]
+            stream.flush()
+            os.fsync(stream.fileno())
+            die("writing a DCP shard file")
+            return result
+
+        fs._write_item = write_item
+    else:
+        import lightning_fsdp.checkpoint.local as local
+
+        def write_file(obj, file):
+            with open(file, "wb") as f:
+                torch.save(obj, _KillingFile(f, 1024))
+
+        local._write_file = write_file
 
 
 # ----------------------------------------------------------------------------------------------------- training
@@ -135,27 +174,41 @@ def train(args) -> None:
                 "global_step": trainer.global_step, "epoch": trainer.current_epoch}
 
     class Snapshot(L.Callback):
+        saved = None
+
         def on_train_start(self, trainer, module):
             self.start = snapshot(trainer, module)
+            if args.save_at_start:
+                trainer.save_checkpoint(args.save_at_start)
 
         def on_train_epoch_end(self, trainer, module):
             # Where ModelCheckpoint saves: a checkpoint taken during fit, at the end of the first epoch.
             if args.save_in_fit and trainer.current_epoch == 0:
+                self.saved = snapshot(trainer, module)
                 trainer.save_checkpoint(args.save_in_fit)
 
     torch.set_num_threads(1)
     if args.strategy == "fsdp":
-        strategy = FSDPStrategy(auto_wrap_policy={Block})  # writes atomically by default
+        from datetime import timedelta
+
+        strategy = FSDPStrategy(auto_wrap_policy={Block}, state_dict_type=args.state_dict_type,
+                                timeout=timedelta(seconds=args.pg_timeout))  # writes atomically by default
     elif args.strategy == "ddp":
         strategy = "ddp"
     else:
         strategy = "auto"
     callback = Snapshot()
+    callbacks = [callback]
+    if args.model_checkpoint:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=args.model_checkpoint, save_top_k=1, save_last=True))
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
-        limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=1, logger=False, enable_checkpointing=False,
+        limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=1, logger=False,
+        enable_checkpointing=bool(args.model_checkpoint),
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        use_distributed_sampler=False, callbacks=[callback],
+        use_distributed_sampler=False, callbacks=callbacks,
     )
     with trainer.init_module():
         module = Module(args.optimizer)
@@ -163,8 +216,15 @@ def train(args) -> None:
     sampler = DistributedSampler(Samples(), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
     loader = DataLoader(Samples(), batch_size=GLOBAL_BATCH // trainer.world_size, sampler=sampler)
     trainer.fit(module, loader, ckpt_path=args.resume)
+    if args.kill_in_second_save is not None:
+        if trainer.global_rank == args.kill_in_second_save:
+            _arm_kill_in_save(args.state_dict_type)
+        trainer.save_checkpoint(args.save_in_fit)
+        raise SystemExit("the second save finished; the kill did not happen")
     if args.save:
         trainer.save_checkpoint(args.save)
+    if args.save_weights_only:
+        trainer.save_checkpoint(args.save_weights_only, weights_only=True)
     end = snapshot(trainer, module)
     validated = None
     if args.validate_ckpt:
@@ -174,6 +234,7 @@ def train(args) -> None:
         validated = full_model_state_dict(engine) if engine is not None else module.state_dict()
     if trainer.is_global_zero:
         torch.save({"records": module.records, "start": callback.start, "end": end, "validated": validated,
+                    "saved": callback.saved,
                     "world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__}, args.out)
 
 
@@ -189,6 +250,13 @@ def main() -> None:
     parser.add_argument("--save", help="trainer.save_checkpoint(path) after fit")
     parser.add_argument("--save-in-fit", help="trainer.save_checkpoint(path) at the end of the first epoch")
     parser.add_argument("--validate-ckpt", help="after fit, trainer.validate(ckpt_path=path) and record the params")
+    parser.add_argument("--state-dict-type", default="full", choices=["full", "sharded", "local"])
+    parser.add_argument("--save-at-start", help="trainer.save_checkpoint(path) at on_train_start (after a resume)")
+    parser.add_argument("--save-weights-only", help="trainer.save_checkpoint(path, weights_only=True) after fit")
+    parser.add_argument("--model-checkpoint", help="add ModelCheckpoint(dirpath=..., save_top_k=1, save_last=True)")
+    parser.add_argument("--kill-in-second-save", type=int, default=None, metavar="RANK",
+                        help="save to --save-in-fit again after fit; rank RANK SIGKILLs itself in the middle of it")
+    parser.add_argument("--pg-timeout", type=float, default=1800.0, help="process group timeout in seconds")
     parser.add_argument("--kill-after", type=int, default=8 << 20)
     parser.add_argument("--no-atomic", action="store_true")
     args = parser.parse_args()

@@ -1,0 +1,147 @@
+"""Lightning runs shared by the sharded/local/convert checkpoint tests (one pytest process runs each at most once).
+
+Every run is a user-style launch of tests/scripts/checkpoint_run.py (training scenarios, rank 0's results) or
+tests/scripts/checkpoint_cases.py (several load scenarios in one process group, every rank's outcome), in its own
+session, killed as a group if it outlives its timeout or fails. Runs write into one temporary folder per pytest
+process, removed at exit. Every training run sees the same global batches (6 samples per step, 3 steps per epoch), so
+a resumed run's steps 4-6 are comparable bit for bit with the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Any, Optional
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUN = os.path.join(ROOT, "tests", "scripts", "checkpoint_run.py")
+CASES = os.path.join(ROOT, "tests", "scripts", "checkpoint_cases.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+
+
+def launch(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session; on timeout or failure kill the whole group (Lightning's launcher starts the
+    other ranks as children of rank 0, which would otherwise be left behind, blocked in a collective)."""
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{cmd} timed out after {timeout}s:\n{out[-3000:]}\n{err[-6000:]}") from None
+    if proc.returncode != 0:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+TRAIN = {
+    # --- sharded: 6 steps saving at step 3 (epoch end), a ModelCheckpoint(save_top_k=1, save_last) folder and a
+    # weights-only directory after fit.
+    "sh_6": ["--state-dict-type", "sharded", "--save-in-fit", "{dir}/sh_3.ckpt", "--model-checkpoint", "{dir}/sh_mc",
+             "--save-weights-only", "{dir}/sh_wo.ckpt"],
+    # 3 steps saving at step 3, then a second save to the same directory during which rank 0 is SIGKILLed.
+    "sh_kill": ["--state-dict-type", "sharded", "--epochs", "1", "--save-in-fit", "{dir}/sh_killed.ckpt",
+                "--kill-in-second-save", "0", "--pg-timeout", "30"],
+    # Resume from the directory that survived the kill; after fit save to it again (replacing it).
+    "sh_resumed": ["--state-dict-type", "sharded", "--resume", "{dir}/sh_killed.ckpt", "--save", "{dir}/sh_killed.ckpt"],
+    # 2 -> 1 and 2 -> 3 ranks, each re-saving what it restored (read back at 2 ranks by the cases run).
+    "sh_2to1": ["--state-dict-type", "sharded", "--devices", "1", "--resume", "{dir}/sh_3.ckpt",
+                "--save-at-start", "{dir}/sh_w1.ckpt"],
+    "sh_2to3": ["--state-dict-type", "sharded", "--devices", "3", "--resume", "{dir}/sh_3.ckpt",
+                "--save-at-start", "{dir}/sh_w3.ckpt"],
+    # --- local
+    "lo_6": ["--state-dict-type", "local", "--save-in-fit", "{dir}/lo_3.ckpt", "--save-weights-only",
+             "{dir}/lo_wo.ckpt"],
+    "lo_kill": ["--state-dict-type", "local", "--epochs", "1", "--save-in-fit", "{dir}/lo_killed.ckpt",
+                "--kill-in-second-save", "1", "--pg-timeout", "30"],
+    "lo_resumed": ["--state-dict-type", "local", "--resume", "{dir}/lo_killed.ckpt", "--save", "{dir}/lo_killed.ckpt"],
+    # --- convert: plain Lightning on one device resumes the converted full file; fsdp_custom (full mode) resumes
+    # the sharded directory converted back from it.
+    "cv_single": ["--strategy", "single", "--devices", "1", "--resume", "{dir}/cv_full.ckpt"],
+    "cv_sharded": ["--resume", "{dir}/cv_sharded.ckpt"],
+}
+NEEDS = {"sh_resumed": "sh_kill", "sh_2to1": "sh_6", "sh_2to3": "sh_6", "lo_resumed": "lo_kill"}
+EXPECTED_TO_DIE = {"sh_kill", "lo_kill"}
+
+
+class Runs:
+    _shared: Optional["Runs"] = None
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="ckpt_runs_")
+        atexit.register(shutil.rmtree, self.dir, True)
+        self.results: dict[str, Any] = {}
+
+    @classmethod
+    def shared(cls) -> "Runs":
+        if cls._shared is None:
+            cls._shared = cls()
+        return cls._shared
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def train(self, name: str) -> Any:
+        """Rank 0's results of a training run (for runs expected to die: the completed process)."""
+        if name not in self.results:
+            if name in NEEDS:
+                self.train(NEEDS[name])
+            out = self.path(f"{name}.pt")
+            args = [a.format(dir=self.dir) for a in TRAIN[name]]
+            proc = launch([sys.executable, RUN, "--out", out, "--epochs", "2", *args])
+            if name in EXPECTED_TO_DIE:
+                assert proc.returncode != 0, f"{name} was expected to die:\n{proc.stdout[-3000:]}"
+                self.results[name] = proc
+            else:
+                assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+                self.results[name] = torch.load(out, weights_only=False)
+        return self.results[name]
+
+    def cases(self, name: str, cases: list[dict], devices: int = 2) -> list[dict]:
+        """Every rank's outcome of each case (see tests/scripts/checkpoint_cases.py)."""
+        if name not in self.results:
+            out = self.path(name)
+            proc = launch([sys.executable, CASES, "--out", out, "--devices", str(devices),
+                           "--cases", json.dumps(cases)])
+            assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+            self.results[name] = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(devices)]
+        return self.results[name]
+
+
+# ------------------------------------------------------------------------------------------------ comparisons
+def assert_tensors_equal(actual: dict, expected: dict, what: str) -> None:
+    assert list(actual) == list(expected), f"{what}: keys differ: {list(actual)} vs {list(expected)}"
+    for key, e in expected.items():
+        a = actual[key]
+        assert a.shape == e.shape and a.dtype == e.dtype, f"{what}[{key}]: {a.shape}/{a.dtype} vs {e.shape}/{e.dtype}"
+        assert torch.equal(a.cpu(), e), f"{what}[{key}]: max abs diff {(a.cpu() - e).abs().max().item()}"
+
+
+def assert_optimizer_equal(actual: dict, expected: dict, what: str) -> None:
+    assert actual["param_groups"] == expected["param_groups"], f"{what}: param_groups differ"
+    assert sorted(actual["state"]) == sorted(expected["state"]), f"{what}: state indices differ"
+    for index, entry in expected["state"].items():
+        got = actual["state"][index]
+        assert sorted(got) == sorted(entry), f"{what}[{index}]: {sorted(got)} vs {sorted(entry)}"
+        for name, value in entry.items():
+            if torch.is_tensor(value):
+                assert got[name].shape == value.shape, f"{what}[{index}][{name}]: {got[name].shape} vs {value.shape}"
+                assert torch.equal(got[name].cpu(), value), f"{what}[{index}][{name}] differs"
+            else:
+                assert got[name] == value, f"{what}[{index}][{name}]: {got[name]} vs {value}"
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in b)
