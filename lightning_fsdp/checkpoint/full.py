@@ -120,8 +120,12 @@ def full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer, *, r
         new_entry = {}
         for name in sorted(entry):
             value = entry[name]
-            if slot is not None and slot.layout.world_size > 1 and _sharded_state_tensor(value, slot.layout):
-                value = _gather_rows(value, slot.layout, engine)
+            if slot is not None and _sharded_state_tensor(value, slot.layout):
+                # Unsharded layouts only need the shape back (a 0-dim parameter's state is held as one row).
+                if slot.layout.world_size > 1:
+                    value = _gather_rows(value, slot.layout, engine)
+                else:
+                    value = value.reshape(slot.layout.shape)
             if keep:
                 new_entry[name] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
         if keep and entry:
