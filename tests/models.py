@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
 VOCAB = 7
 
@@ -47,3 +48,8 @@ def batch(step: int, size: int = 6, length: int = 4) -> tuple[torch.Tensor, torc
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def samples(count: int) -> TensorDataset:
+    """``count`` fixed (input, target) rows: the data set the Lightning test scripts train on."""
+    return TensorDataset(*batch(0, size=count))

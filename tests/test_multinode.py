@@ -31,7 +31,7 @@ import torch
 
 from lightning_fsdp.config import ShardingStrategy
 from lightning_fsdp.engine.shard import ShardLayout
-from tests.models import ToyLM, loss_fn
+from tests.models import ToyLM, loss_fn, samples
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "multinode_run.py"
@@ -180,16 +180,16 @@ def reference() -> dict:
     Bit for bit what the script's ``--reference`` run (Lightning, one device, ``strategy="auto"``) gives, without
     starting a Lightning process.
     """
-    from tests.scripts.multinode_run import GLOBAL_BATCH, STEPS, Samples
+    from tests.scripts.multinode_run import SAMPLES, GLOBAL_BATCH, STEPS
 
     torch.manual_seed(0)
     model = ToyLM()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    data = Samples()
+    data = samples(SAMPLES)
     losses = []
     for step in range(STEPS):
         rows = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
-        x, y = data.x[rows], data.y[rows]
+        x, y = (t[rows] for t in data.tensors)
         optimizer.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()

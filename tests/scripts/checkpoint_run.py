@@ -111,23 +111,13 @@ def _arm_kill_in_save(state_dict_type: str) -> None:
 # ----------------------------------------------------------------------------------------------------- training
 def train(args) -> None:
     import lightning as L
-    from torch.utils.data import DataLoader, Dataset
+    from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
     import lightning_fsdp  # noqa: F401  registers "fsdp_custom"
     from lightning_fsdp import FSDPStrategy
     from lightning_fsdp.checkpoint.full import full_model_state_dict, full_optimizer_state_dict
-    from tests.models import Block, ToyLM, batch, loss_fn
-
-    class Samples(Dataset):
-        def __init__(self) -> None:
-            self.x, self.y = batch(0, size=SAMPLES)
-
-        def __len__(self) -> int:
-            return SAMPLES
-
-        def __getitem__(self, i):
-            return self.x[i], self.y[i]
+    from tests.models import Block, ToyLM, loss_fn, samples
 
     class Module(L.LightningModule):
         def __init__(self, optimizer: str) -> None:
@@ -213,8 +203,8 @@ def train(args) -> None:
     with trainer.init_module():
         module = Module(args.optimizer)
     # Rank r takes samples r, r+N, ...: every step's global batch is the same 6 samples on any number of devices.
-    sampler = DistributedSampler(Samples(), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
-    loader = DataLoader(Samples(), batch_size=GLOBAL_BATCH // trainer.world_size, sampler=sampler)
+    sampler = DistributedSampler(samples(SAMPLES), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
+    loader = DataLoader(samples(SAMPLES), batch_size=GLOBAL_BATCH // trainer.world_size, sampler=sampler)
     trainer.fit(module, loader, ckpt_path=args.resume)
     if args.kill_in_second_save is not None:
         if trainer.global_rank == args.kill_in_second_save:

@@ -11,27 +11,16 @@ import sys
 import lightning as L
 import torch
 import torchmetrics
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
-from tests.models import ToyLM, batch, loss_fn, Block  # noqa: E402
+from tests.models import ToyLM, loss_fn, Block, samples  # noqa: E402
 
 GLOBAL_BATCH = 6
 SAMPLES = 48
-
-
-class Samples(Dataset):
-    def __init__(self) -> None:
-        self.x, self.y = batch(0, size=SAMPLES)
-
-    def __len__(self) -> int:
-        return SAMPLES
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
 
 
 class Module(L.LightningModule):
@@ -117,8 +106,8 @@ def main() -> None:
         module = Module(args.optimizer, meta=args.meta)
     per_rank = GLOBAL_BATCH // args.devices
     # Rank r takes samples r, r+N, ...: every step's global batch is the reference's batch.
-    sampler = DistributedSampler(Samples(), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
-    loader = DataLoader(Samples(), batch_size=per_rank, sampler=sampler)
+    sampler = DistributedSampler(samples(SAMPLES), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
+    loader = DataLoader(samples(SAMPLES), batch_size=per_rank, sampler=sampler)
     if args.meta:
         torch.manual_seed(0)
     trainer.fit(module, loader, loader)

@@ -18,29 +18,18 @@ import sys
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_model_state_dict  # noqa: E402
-from tests.models import Block, ToyLM, batch, loss_fn  # noqa: E402
+from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 8  # divisible by 4 ranks (2 nodes x 2 processes) and by 2
 STEPS = 4
 SAMPLES = GLOBAL_BATCH * STEPS
-
-
-class Samples(Dataset):
-    def __init__(self) -> None:
-        self.x, self.y = batch(0, size=SAMPLES)
-
-    def __len__(self) -> int:
-        return SAMPLES
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
 
 
 class Module(L.LightningModule):
@@ -113,8 +102,8 @@ def main() -> None:
     assert GLOBAL_BATCH % trainer.world_size == 0, (GLOBAL_BATCH, trainer.world_size)
     # Rank r takes samples r, r+W, r+2W, ...: step s's samples over all ranks are exactly [s*G, (s+1)*G), the
     # reference's batch for that step.
-    sampler = DistributedSampler(Samples(), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
-    loader = DataLoader(Samples(), batch_size=GLOBAL_BATCH // trainer.world_size, sampler=sampler)
+    sampler = DistributedSampler(samples(SAMPLES), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
+    loader = DataLoader(samples(SAMPLES), batch_size=GLOBAL_BATCH // trainer.world_size, sampler=sampler)
     trainer.fit(module, loader)
 
     engine = getattr(trainer.strategy, "engine", None)
