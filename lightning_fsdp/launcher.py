@@ -13,9 +13,13 @@ notebook holds the trained weights afterwards.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
+import signal
+import sys
 import tempfile
+import time
 from typing import Any
 
 import lightning.fabric.utilities.imports as _fabric_imports
@@ -28,9 +32,11 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-__all__ = ["FSDPMultiProcessingLauncher", "choose_launcher", "is_interactive"]
+__all__ = ["FSDPMultiProcessingLauncher", "choose_launcher", "is_interactive", "stop_launched_processes"]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+log = logging.getLogger(__name__)
 
 
 def is_interactive() -> bool:
@@ -74,6 +80,48 @@ def choose_launcher(
     if start_method in ("fork", "forkserver"):
         _check_fork_is_safe(start_method, interactive)
     return FSDPMultiProcessingLauncher(strategy, start_method=start_method)
+
+
+def stop_launched_processes(launcher: _Launcher | None, grace_s: float = 2.0) -> list[int]:
+    """Stop the ranks this process re-ran the script for, when it fails: what ``FSDPStrategy.on_exception`` does.
+
+    Lightning's script launcher makes rank 0 the parent of the other ranks of its node. When another rank fails,
+    its child-process observer kills rank 0; but when rank 0 itself fails (its own error, or a collective that timed
+    out because another rank hangs), Lightning only kills the children on ``KeyboardInterrupt``: for any other
+    exception rank 0 exits and leaves them behind, blocked in a collective or hanging forever. Here each child still
+    running gets ``grace_s`` seconds to end by itself (when every rank raised the same error it prints its own
+    traceback), then SIGKILL (SIGTERM on Windows), as Lightning's observer does. Other launchers, and ranks that
+    started no processes, have nothing to stop.
+
+    Returns:
+        The pids that were still running and were signalled.
+    """
+    procs = list(getattr(launcher, "procs", None) or []) if isinstance(launcher, _SubprocessScriptLauncher) else []
+    deadline = time.monotonic() + grace_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed = []
+    sig = signal.SIGTERM if sys.platform == "win32" else signal.SIGKILL
+    if procs and any(p.poll() is None for p in procs):
+        # Lightning's observer thread watches this same list and SIGKILLs this process as soon as it sees a child
+        # that ended with an error, which would cut rank 0 short before it reports its own exception: take the
+        # children out of its sight first (with an empty list it sees nothing left to watch and stops).
+        launcher.procs[:] = []
+    for proc in procs:
+        if proc.poll() is None:
+            log.warning(f"Rank 0 failed: stopping the rank it started (pid {proc.pid}) so it is not left behind.")
+            try:
+                proc.send_signal(sig)
+            except OSError:  # it ended in the meantime
+                continue
+            killed.append(proc.pid)
+    for proc in procs:
+        if proc.pid in killed:
+            try:
+                proc.wait(timeout=10)  # reap it
+            except Exception:  # noqa: BLE001 - stuck in the kernel; nothing more to do from here
+                pass
+    return killed
 
 
 def _check_fork_is_safe(start_method: str, interactive: bool) -> None:

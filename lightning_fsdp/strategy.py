@@ -50,7 +50,7 @@ from lightning_fsdp.config import (
     parse_state_dict_type,
 )
 from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
-from lightning_fsdp.launcher import choose_launcher
+from lightning_fsdp.launcher import choose_launcher, stop_launched_processes
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
 
 log = logging.getLogger(__name__)
@@ -67,20 +67,21 @@ def _is_group_pair(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_process_group(g) for g in value)
 
 
-def _node_groups(world_size: int, per_node: int, rank: int) -> tuple[Any, Any]:
+def _node_groups(world_size: int, per_node: int, rank: int, timeout: Optional[timedelta] = None) -> tuple[Any, Any]:
     """The default hybrid layout: shard within a node's processes, replicate across nodes.
 
-    Every rank creates every group, in the same order, as ``new_group`` requires.
+    Every rank creates every group, in the same order, as ``new_group`` requires. ``timeout`` is the strategy's:
+    ``new_group`` does not inherit the default group's, it would fall back to torch's 30 minutes.
     """
     if per_node < 1 or world_size % per_node:
         raise ValueError(f"world size {world_size} is not a multiple of {per_node} processes per node.")
     shard = replicate = None
     for node in range(world_size // per_node):
-        group = torch.distributed.new_group(list(range(node * per_node, (node + 1) * per_node)))
+        group = torch.distributed.new_group(list(range(node * per_node, (node + 1) * per_node)), timeout=timeout)
         if rank // per_node == node:
             shard = group
     for local in range(per_node):
-        group = torch.distributed.new_group(list(range(local, world_size, per_node)))
+        group = torch.distributed.new_group(list(range(local, world_size, per_node)), timeout=timeout)
         if rank % per_node == local:
             replicate = group
     return shard, replicate
@@ -468,7 +469,7 @@ class FSDPStrategy(ParallelStrategy):
             if not _is_group_pair(group):
                 raise TypeError(f"process_group returned {group!r}; expected a (shard_group, replicate_group) pair.")
             return group[0], group[1]
-        return _node_groups(self.world_size, self.num_processes, self.global_rank)
+        return _node_groups(self.world_size, self.num_processes, self.global_rank, self._timeout)
 
     def _check_device_id(self) -> None:
         if self.device_id is None:
@@ -723,6 +724,13 @@ class FSDPStrategy(ParallelStrategy):
             strategy_registry.register(
                 name, cls, description=f"lightning-fsdp's FSDP strategy ({name})", start_method=start_method, **extra
             )
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # A failing rank 0 must not leave the ranks it started behind, blocked in a collective (Lightning stops
+        # them only on KeyboardInterrupt); see stop_launched_processes.
+        super().on_exception(exception)
+        stop_launched_processes(self._launcher)
 
     @override
     def teardown(self) -> None:

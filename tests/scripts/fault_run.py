@@ -1,0 +1,121 @@
+"""A 2-rank fsdp_custom Lightning run in which one rank fails in the middle of a training step.
+
+Used by tests/test_faults.py. The run trains ToyLM (units per Block) with ``FSDPStrategy(timeout=--timeout s)``;
+at global step ``--fault-step`` the rank ``--fault-rank`` does ``--fault``:
+
+- ``raise``: raises ``RuntimeError("injected fault ...")``;
+- ``exit``: ``os._exit(13)`` (no Python cleanup, no exception handling);
+- ``kill``: SIGKILLs itself;
+- ``hang``: sleeps forever (``time.sleep`` in a loop).
+
+``--where step`` does it at the start of ``training_step``, before the model's forward, so the other rank is
+blocked in the forward's all-gathers; ``--where backward`` does it from a gradient hook on the logits, i.e. in the
+middle of backward, after the forward's all-gathers and before the units' reduce-scatters.
+
+Started plainly (``python fault_run.py ...``) Lightning's launcher re-runs the script for rank 1; started with
+``LOCAL_RANK``/``NODE_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` in the environment (torchrun style)
+each process is one rank and nothing is launched.
+
+Each rank prints ``FAULT-RUN rank=R event=... t=<time.time()>`` lines (flushed) at start, when the fault is
+injected and when training ended normally (which must not happen on any rank).
+"""
+
+import argparse
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
+from lightning_fsdp import FSDPStrategy  # noqa: E402
+from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
+
+GLOBAL_BATCH = 6
+
+
+def say(rank: int, event: str) -> None:
+    sys.stdout.write(f"FAULT-RUN rank={rank} event={event} pid={os.getpid()} t={time.time():.3f}\n")
+    sys.stdout.flush()
+
+
+def inject(fault: str, rank: int, step: int) -> None:
+    say(rank, f"fault-{fault}")
+    if fault == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    if fault == "exit":
+        os._exit(13)
+    if fault == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "hang":
+        while True:
+            time.sleep(3600)
+    raise ValueError(fault)
+
+
+class Module(L.LightningModule):
+    def __init__(self, args) -> None:
+        super().__init__()
+        self.args = args
+        torch.manual_seed(0)
+        self.model = ToyLM()
+
+    def training_step(self, b, i):
+        args = self.args
+        faulty = self.global_rank == args.fault_rank and self.global_step == args.fault_step
+        if faulty and args.where == "step":
+            inject(args.fault, self.global_rank, self.global_step)
+        x, y = b
+        logits = self.model(x)
+        if faulty and args.where == "backward":
+            def hook(grad):
+                inject(args.fault, self.global_rank, self.global_step)
+                return grad
+
+            logits.register_hook(hook)
+        return loss_fn(logits, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Started(L.Callback):
+    def on_train_start(self, trainer, module):
+        say(trainer.global_rank, "train-start")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fault", choices=["raise", "exit", "kill", "hang"], required=True)
+    parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--fault-step", type=int, default=3)
+    parser.add_argument("--where", choices=["step", "backward"], default="step")
+    parser.add_argument("--timeout", type=float, default=20.0, help="FSDPStrategy(timeout=...) in seconds")
+    parser.add_argument("--sharding", default="FULL_SHARD")
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    strategy = FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy=args.sharding,
+                            timeout=timedelta(seconds=args.timeout))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        use_distributed_sampler=False, callbacks=[Started()],
+    )
+    with trainer.init_module():
+        module = Module(args)
+    data = samples(GLOBAL_BATCH * args.steps)
+    sampler = DistributedSampler(data, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
+    trainer.fit(module, DataLoader(data, batch_size=GLOBAL_BATCH // trainer.world_size, sampler=sampler))
+    say(trainer.global_rank, "train-end")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""A rank that raises, dies or hangs in the middle of a step ends the whole job, within the configured timeout.
+
+tests/scripts/fault_run.py trains ToyLM on 2 ranks with ``FSDPStrategy(timeout=timedelta(seconds=TIMEOUT_S))``
+and makes one rank fail at step 3: it raises, ``os._exit``s, SIGKILLs itself or sleeps forever, at the start of
+``training_step`` (the other rank is then blocked in the forward's all-gather) or from a gradient hook in the
+middle of backward (the other rank is in the backward's all-gathers / reduce-scatters).
+
+Two ways of starting the ranks:
+
+- the default launcher for scripts (Lightning's ``_SubprocessScriptLauncher``: rank 0 re-runs the script for
+  rank 1 as its child). The job (rank 0's process) must exit non-zero, name the failure in its output, and leave no
+  process behind.
+- torchrun style: two independent processes with ``MASTER_ADDR``/``MASTER_PORT``/``NODE_RANK``/``LOCAL_RANK``/
+  ``WORLD_SIZE`` set, nobody watching them. The surviving rank must fail by itself (closed connection, or the
+  process group's timeout) and exit non-zero.
+
+Every time is measured from the moment the faulty rank injected its fault (it prints ``time.time()``), so process
+start-up on a loaded machine does not count. A hang can only be noticed through the timeout: those cases must end
+after about ``TIMEOUT_S`` (the gloo error names it: "Timed out waiting 20000ms"), which shows the configured value
+is the one in force, not torch's 30-minute default. Everything is started in sessions of its own and killed by
+process group at the end of each test, whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "fault_run.py"
+TIMEOUT_S = 20  # FSDPStrategy(timeout=...) of every run
+# What may come on top of the fault (or of the timeout, for hangs): Lightning's child-process observer polls every
+# 5 s, the strategy gives rank 1 2 s to end by itself before killing it, then teardown and interpreter exit, on 2
+# shared cores.
+MARGIN_S = 20
+# Start-up (imports, process group, sharding) before the fault; generous, a loaded machine is slow.
+STARTUP_S = 120
+
+_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
+                       "MASTER_ADDR", "MASTER_PORT")
+
+
+def _env(**extra: str) -> dict:
+    """This environment without any launcher's variables (pytest itself may run under SLURM or torchrun)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid`` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        state, _ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
+        if int(pgrp) == pgid and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Job:
+    """Processes started in sessions of their own, their output in files; every group killed on ``close``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+
+    def start(self, args: list[str], env: dict) -> subprocess.Popen:
+        log = self.folder / f"proc{len(self.procs)}.log"
+        with open(log, "wb") as f:  # a file, not a pipe: a process left behind would keep a pipe open
+            proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], env=env, cwd=self.folder, stdout=f,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        self.logs.append(log)
+        return proc
+
+    def output(self, i: int | None = None) -> str:
+        logs = self.logs if i is None else [self.logs[i]]
+        return "\n".join(log.read_text(errors="replace") for log in logs if log.exists())
+
+    def fault_time(self) -> float | None:
+        found = re.search(r"FAULT-RUN rank=\d event=fault-\w+ pid=\d+ t=([\d.]+)", self.output())
+        return float(found.group(1)) if found else None
+
+    def wait_for_exit(self, proc: subprocess.Popen, budget_s: float) -> float | None:
+        """Wait until ``proc`` ends (returns the time.time() it was seen ended) or the fault + ``budget_s`` passed
+        (None); start-up before the fault is allowed ``STARTUP_S``."""
+        started = time.time()
+        while proc.poll() is None:
+            fault = self.fault_time()
+            limit = (fault + budget_s) if fault is not None else (started + STARTUP_S)
+            if time.time() > limit:
+                return None
+            time.sleep(0.1)
+        return time.time()
+
+    def report(self) -> str:
+        return "\n".join(f"--- process {i} (rc={p.poll()}):\n{self.output(i)[-5000:]}" for i, p in enumerate(self.procs))
+
+    def close(self) -> None:
+        for proc in self.procs:
+            _kill_group(proc.pid)
+        for proc in self.procs:
+            proc.wait()
+
+
+@pytest.fixture
+def job(tmp_path):
+    j = Job(tmp_path)
+    yield j
+    j.close()
+
+
+def _fault_args(fault: str, rank: int, where: str, sharding: str = "FULL_SHARD") -> list[str]:
+    return ["--fault", fault, "--fault-rank", str(rank), "--where", where, "--timeout", str(TIMEOUT_S),
+            "--sharding", sharding]
+
+
+def _check_names_failure(output: str, fault: str, rank: int) -> None:
+    if fault == "raise":
+        assert f"injected fault on rank {rank} at step 3" in output
+    elif fault == "hang":
+        # gloo's error on the rank that waited: the configured timeout, in milliseconds.
+        assert re.search(rf"Timed out waiting {TIMEOUT_S * 1000}ms", output), output[-4000:]
+    else:  # exit / kill: the survivor's collective failed on the closed connection, or Lightning's observer saw it
+        assert re.search(r"Connection closed by peer|Connection reset by peer|terminated with code", output), \
+            output[-4000:]
+
+
+def _check_elapsed(fault: str, elapsed: float) -> None:
+    if fault == "hang":
+        # Only the timeout can end a hang: not much before it (the waiting collective may have started a moment
+        # before the fault was printed) and not much after it (torch's default would be 1800 s).
+        assert TIMEOUT_S * 0.8 <= elapsed <= TIMEOUT_S + MARGIN_S, elapsed
+    else:
+        assert elapsed <= MARGIN_S, elapsed
+
+
+POPEN_CASES = [
+    # (fault, faulty rank, where, sharding)
+    ("raise", 1, "step", "FULL_SHARD"),
+    ("exit", 1, "backward", "FULL_SHARD"),
+    ("kill", 1, "step", "FULL_SHARD"),
+    ("hang", 1, "backward", "FULL_SHARD"),
+    ("hang", 1, "step", "HYBRID_SHARD"),  # the default node groups get the configured timeout too
+    ("raise", 0, "backward", "FULL_SHARD"),
+    ("hang", 0, "step", "FULL_SHARD"),
+]
+
+
+@pytest.mark.parametrize("fault,rank,where,sharding", POPEN_CASES, ids=lambda v: str(v))
+def test_default_launcher_job_ends(job, fault, rank, where, sharding):
+    """Started as a script: Lightning's launcher starts rank 1 from rank 0. The job must end, non-zero, in time."""
+    proc = job.start(_fault_args(fault, rank, where, sharding), _env())
+    ended = job.wait_for_exit(proc, TIMEOUT_S + MARGIN_S)
+    assert ended is not None, f"the job did not end in time:\n{job.report()}"
+    fault_at = job.fault_time()
+    assert fault_at is not None, f"the fault was never injected:\n{job.report()}"
+    elapsed = ended - fault_at
+    print(f"\n[faults] launcher {fault}@rank{rank}/{where}/{sharding}: job ended {elapsed:.1f}s after the fault, "
+          f"rc={proc.returncode} (timeout {TIMEOUT_S}s)")
+    output = job.output()
+    assert proc.returncode != 0, job.report()
+    assert "event=train-end" not in output, job.report()
+    _check_names_failure(output, fault, rank)
+    _check_elapsed(fault, elapsed)
+    # Nothing left behind: rank 1 (rank 0's child, same process group) is gone too.
+    deadline = time.monotonic() + 5
+    while _group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _group_members(proc.pid) == [], f"processes left behind:\n{job.report()}"
+
+
+TORCHRUN_CASES = [
+    # (fault, where); the faulty rank is 1, the survivor rank 0 must fail by itself.
+    ("raise", "step"),
+    ("kill", "backward"),
+    ("hang", "step"),
+]
+
+
+@pytest.mark.parametrize("fault,where", TORCHRUN_CASES, ids=lambda v: str(v))
+def test_independent_processes_survivor_fails_by_itself(job, fault, where):
+    """Torchrun style: each rank its own process, no launcher and no observer. Rank 0 must notice on its own."""
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "NODE_RANK": "0", "WORLD_SIZE": "2"}
+    survivor = job.start(_fault_args(fault, 1, where), _env(**common, LOCAL_RANK="0", RANK="0"))
+    faulty = job.start(_fault_args(fault, 1, where), _env(**common, LOCAL_RANK="1", RANK="1"))
+    ended = job.wait_for_exit(survivor, TIMEOUT_S + MARGIN_S)
+    assert ended is not None, f"rank 0 did not end in time:\n{job.report()}"
+    fault_at = job.fault_time()
+    assert fault_at is not None, f"the fault was never injected:\n{job.report()}"
+    elapsed = ended - fault_at
+    print(f"\n[faults] independent {fault}@rank1/{where}: rank 0 ended {elapsed:.1f}s after the fault, "
+          f"rc={survivor.returncode} (timeout {TIMEOUT_S}s)")
+    assert survivor.returncode != 0, job.report()
+    assert "event=train-end" not in job.output(0), job.report()
+    _check_names_failure(job.output(), fault, 1)
+    _check_elapsed(fault, elapsed)
+    if fault == "hang":
+        assert faulty.poll() is None  # still asleep: stopping it is the job scheduler's (torchrun's) part
+    else:
+        assert faulty.wait(timeout=MARGIN_S) != 0, job.report()
