@@ -540,6 +540,16 @@ class FSDPStrategy(ParallelStrategy):
         return box[0]
 
     @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
+            # Trainer(detect_anomaly=True): torch's own NaN check would raise on the rank that produced the NaN only,
+            # leaving the others blocked in their next collective. The engine checks every gradient instead and
+            # names the parameter on every rank (anomaly mode itself, with its forward traces, stays on).
+            with torch.autograd.set_detect_anomaly(True, check_nan=False):
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
     def reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Tensor:

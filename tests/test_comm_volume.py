@@ -1,6 +1,8 @@
 """The engine's own byte counters: per step, FULL_SHARD gathers every unit twice (forward, backward) except the
 root, which stays gathered from its forward to its backward, and reduce-scatters the gradients once; SHARD_GRAD_OP
-gathers once. Together that is the 3x (2x) of the parameter bytes, within padding and the root's saved re-gather."""
+gathers once. Together that is the 3x (2x) of the parameter bytes, within padding and the root's saved re-gather.
+Each rank's chunk of a reduction also carries one used-flag per trainable parameter (k elements per chunk), which
+tells the engine which parameters no rank used."""
 
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ def volumes(rank, world_size):
             per_step.append((stats.all_gather_bytes, stats.reduce_scatter_bytes, stats.all_reduce_bytes,
                              stats.peak_gathered_units))
         padded = {u.name: u.shard_numel * 4 for u in engine.units}
-        padded_grads = {u.name: u.grad_numel * 4 for u in engine.units}
+        # Reduction input per rank: N chunks of (padded gradient rows + one used-flag per trainable parameter).
+        padded_grads = {u.name: (u.grad_numel + len(u.trainable_slots)) * 4 for u in engine.units}
         results[strategy] = (per_step, padded, padded_grads)
     return results
 
@@ -77,7 +80,9 @@ def test_shard_grad_op_gathers_once(measured):
 
 def test_no_shard_only_all_reduces(measured):
     _, trainable, _ = _model_bytes()
-    for per_step, _, _ in (r["NO_SHARD"] for r in measured):
+    for per_step, _, with_flags in (r["NO_SHARD"] for r in measured):
         for gathered, scattered, reduced, _ in per_step:
             assert (gathered, scattered) == (0, 0)
-            assert reduced == trainable
+            assert reduced == sum(with_flags.values())  # N=1 chunk: the gradients plus one flag per parameter
+            flags = 4 * sum(1 for p in ToyLM(dim=16).parameters() if p.requires_grad)  # parameters() lists a tie once
+            assert reduced == trainable + flags

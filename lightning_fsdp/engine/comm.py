@@ -7,6 +7,7 @@ gloo, NCCL and HCCL alike. Reductions are always SUM followed by an explicit div
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,12 +41,45 @@ class CommStats:
 class Communicator:
     """Collectives over one process group (the shard group), with byte accounting."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> None:
         self.group = group
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
+        self.device = device or torch.device("cpu")  # where this group's collectives take tensors (NCCL: GPU)
         self.stats = CommStats()
+        # Turns an ``agree`` tag into words for the error message; the engine installs one that names units.
+        self.describe_tag: Callable[[int], str] = lambda tag: f"collective #{tag}"
+
+    def agree(self, tag: int) -> None:
+        """With anomaly checking on, confirm every rank is about to issue the same collective (``tag``).
+
+        A module that runs on some ranks and not on others (data-dependent control flow) would otherwise pair one
+        rank's all-gather with another rank's reduce-scatter: a hang, or a silent mix of unrelated tensors when the
+        sizes happen to match. Costs one small all-gather per collective, so it only runs under
+        ``torch.autograd.set_detect_anomaly(True)`` (``Trainer(detect_anomaly=True)``).
+        """
+        if self.world_size == 1 or not torch.is_anomaly_enabled():
+            return
+        mine = torch.tensor([tag], dtype=torch.int64, device=self.device)
+        every = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
+        all_gather_flat(every, mine, group=self.group)
+        tags = every.tolist()
+        if len(set(tags)) > 1:
+            listing = "; ".join(f"rank {r}: {self.describe_tag(t)}" for r, t in enumerate(tags))
+            raise RuntimeError(
+                f"Ranks are about to issue different collectives ({listing}). A wrapped module ran on some ranks "
+                "but not on others (control flow that depends on the data differs between ranks). Every rank must "
+                "run the same sharded units in the same order; parameters skipped inside a unit are fine."
+            )
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` in rank order (pickled; for small reports, not tensors of the step)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False) -> Any:
         """``output`` (N * shard.numel(),) receives every rank's ``shard`` in rank order.

@@ -84,8 +84,8 @@ def fully_shard(
     ignored_ids = ignored_module_set(module, ignored)
     ignored_param_ids = frozenset(id(p) for p in ignored_param_objs)
 
-    shard_comm = Communicator(process_group)
-    replicate_comm = Communicator(replicate_group) if replicate_group is not None else None
+    shard_comm = Communicator(process_group, device)
+    replicate_comm = Communicator(replicate_group, device) if replicate_group is not None else None
     sharded = strategy is not ShardingStrategy.NO_SHARD
     world, rank = (shard_comm.world_size, shard_comm.rank) if sharded else (1, 0)
 

@@ -2,9 +2,11 @@
 
 Per unit and step: gather before forward; free after forward (FULL_SHARD, except the root, whose parameters are
 needed again as soon as backward starts); gather again when the gradient of the unit's output arrives; reduce the
-gradients once every trainable parameter of the unit has received its gradient; free. A callback queued on the
-autograd engine finishes whatever a step left open (units whose parameters were unused), in a fixed unit order so
-every rank issues the same collectives in the same order.
+gradients when the gradient of the unit's inputs has been computed, i.e. when the unit's whole backward is done;
+free. That trigger does not depend on which parameters received gradients, so a parameter that one rank skips
+(data-dependent control flow inside a unit) does not change the order of collectives between ranks. A callback
+queued on the autograd engine finishes whatever a step left open (units whose inputs need no gradient, the root),
+in a fixed unit order, so every rank issues the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -17,11 +19,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_fsdp.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from lightning_fsdp.engine.comm import Communicator
 from lightning_fsdp.engine.unit import FlatUnit
+
+# ``Communicator.agree`` tags of collectives that belong to no unit (unit tags are non-negative).
+_TAG_IGNORED_GRAD, _TAG_CLIP, _TAG_ANOMALY = -1, -2, -3
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the gradients of those inputs are known: by then the
+    autograd engine has run every node the unit's forward created (they were created later, and it runs ready nodes
+    newest first), including the gradient accumulation of the unit's parameters."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
 
 
 class ShardingEngine:
@@ -62,14 +83,23 @@ class ShardingEngine:
         self._slot_by_param = {id(s.param): s for u in units for s in u.slots}
         self.ignored_params = list(ignored_params or [])
         self._ignored_ids = {id(p) for p in self.ignored_params}
-        for unit in units:
+        names = {id(p): name for name, p in root.named_parameters(remove_duplicate=False)}
+        self._reduced_units: list[FlatUnit] = []
+        self._nonfinite_ignored: list[str] = []
+        for index, unit in enumerate(units):
+            unit.index = index
             unit.forward_depth = 0
-            unit.grads_ready = 0
+            unit.forward_calls = 0  # outermost calls this step that will see a backward
+            unit.backward_calls = 0
             unit.reduced = False
             self._register_hooks(unit)
+        for comm in (shard_comm, replicate_comm):
+            if comm is not None:
+                comm.describe_tag = self._describe_tag
         for param in self.ignored_params:
             if param.requires_grad:
-                self._handles.append(param.register_hook(self._average_ignored_grad))
+                name = names.get(id(param), "?")
+                self._handles.append(param.register_hook(lambda grad, name=name: self._average_ignored_grad(grad, name)))
 
     # ------------------------------------------------------------------------------------------------ hooks
     def _register_hooks(self, unit: FlatUnit) -> None:
@@ -81,8 +111,6 @@ class ShardingEngine:
         self._handles.append(
             unit.module.register_forward_hook(lambda module, args, output: self._post_forward(unit, output))
         )
-        for slot in unit.trainable_slots:
-            self._handles.append(slot.full.register_post_accumulate_grad_hook(lambda _p: self._on_grad_ready(unit)))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -104,11 +132,23 @@ class ShardingEngine:
                 self._prefetch(self._neighbour(unit, +1))
         unit.forward_depth += 1
         mp = self.mixed_precision
+        changed = False
         if mp.param_dtype is not None and (
             mp.cast_forward_inputs or (unit is self.root_unit and mp.cast_root_forward_inputs)
         ):
-            return _cast_floating(args, mp.param_dtype), _cast_floating(kwargs, mp.param_dtype)
-        return None
+            args, kwargs = _cast_floating(args, mp.param_dtype), _cast_floating(kwargs, mp.param_dtype)
+            changed = True
+        if unit.forward_depth == 1 and unit.trainable_slots and torch.is_grad_enabled() and not self._in_backward:
+            flat, spec = tree_flatten((args, kwargs))
+            wanted = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if wanted:
+                unit.forward_calls += 1
+                marked = _PostBackward.apply(lambda: self._post_backward(unit), *(flat[i] for i in wanted))
+                for i, tensor in zip(wanted, marked):
+                    flat[i] = tensor
+                args, kwargs = tree_unflatten(flat, spec)
+                changed = True
+        return (args, kwargs) if changed else None
 
     def _post_forward(self, unit: FlatUnit, output: Any) -> None:
         unit.forward_depth -= 1
@@ -136,14 +176,19 @@ class ShardingEngine:
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             self._prefetch(self._neighbour(unit, -1))
 
-    def _on_grad_ready(self, unit: FlatUnit) -> None:
-        unit.grads_ready += 1
-        if unit.grads_ready == len(unit.trainable_slots):
-            unit.reduce_grads()
-            unit.reduced = True
-            unit.reshard()
-            if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-                self._prefetch(self._neighbour(unit, -1))
+    def _post_backward(self, unit: FlatUnit) -> None:
+        unit.backward_calls += 1
+        if unit.backward_calls != unit.forward_calls or unit.reduced:
+            return  # the unit ran more than once this step: wait for the backward of its first call
+        self._reduce(unit)
+        unit.reshard()
+        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            self._prefetch(self._neighbour(unit, -1))
+
+    def _reduce(self, unit: FlatUnit) -> None:
+        unit.reduce_grads()
+        unit.reduced = True
+        self._reduced_units.append(unit)
 
     def _neighbour(self, unit: FlatUnit, step: int) -> FlatUnit | None:
         """The unit after (+1) or before (-1) ``unit`` in the recorded forward order; backward runs it reversed."""
@@ -174,19 +219,79 @@ class ShardingEngine:
         return sum(1 for u in self.units if u is not self.root_unit and u.sharded and u.is_alive)
 
     def _finish_backward(self) -> None:
-        for unit in reversed(self.units):
-            if unit.trainable_slots and not unit.reduced:
-                unit.reduce_grads()
-            unit.reshard()
-            unit.reduced = False
-            unit.grads_ready = 0
-        self._in_backward = False
-        self._order_frozen = True
+        try:
+            for unit in reversed(self.units):
+                if unit.trainable_slots and not unit.reduced:
+                    self._reduce(unit)
+                unit.reshard()
+            self._check_no_late_gradients()
+            self._restore_none_gradients()
+            if torch.is_anomaly_enabled():
+                self._report_nonfinite()
+        finally:
+            self._reduced_units.clear()
+            self._begin_step()
+            self._in_backward = False
+            self._order_frozen = True
 
     def _begin_step(self) -> None:
         for unit in self.units:
-            unit.grads_ready = 0
             unit.reduced = False
+            unit.forward_calls = 0
+            unit.backward_calls = 0
+
+    def _check_no_late_gradients(self) -> None:
+        # A gradient that arrived after its unit was reduced would silently join the next step's reduction.
+        late = [s.fqn for u in self.units for s in u.trainable_slots if s.full.grad is not None]
+        if late:
+            raise RuntimeError(
+                f"Gradients for {late} arrived after their unit had been reduced. This happens when a sharded "
+                "module's parameters are used outside its forward (e.g. by another module); wrap the modules so "
+                "that the unit owning a parameter encloses every use of it."
+            )
+
+    def _restore_none_gradients(self) -> None:
+        """Parameters no rank used this backward get ``None`` back, as in a single process (one host sync)."""
+        counts = [u.used_counts for u in self._reduced_units if u.used_counts is not None and u.used_counts.numel()]
+        if counts and not bool((torch.cat([c.to(self.root_unit.device) for c in counts]) > 0).all()):
+            for unit in self._reduced_units:
+                unit.drop_unused_grads()
+
+    def _report_nonfinite(self) -> None:
+        """Anomaly checking: name every parameter whose gradient was NaN or Inf on some rank, on every rank."""
+        local = [name for u in self._reduced_units for name in u.nonfinite] + self._nonfinite_ignored
+        self._nonfinite_ignored = []
+        for unit in self._reduced_units:
+            unit.nonfinite = []
+        reports = [(self.shard_comm, self.shard_comm.rank)]
+        if self.replicate_comm is not None:
+            reports.append((self.replicate_comm, self.replicate_comm.rank))
+        found: dict[str, set[str]] = {}
+        for name in local:
+            found.setdefault(name, set()).add(f"rank {dist.get_rank() if dist.is_initialized() else 0}")
+        for comm, _rank in reports:
+            comm.agree(_TAG_ANOMALY)
+            merged: dict[str, set[str]] = {}
+            for other in comm.all_gather_object(found):
+                for name, where in other.items():
+                    merged.setdefault(name, set()).update(where)
+            found = merged
+        if found:
+            listing = ", ".join(f"{name!r} ({', '.join(sorted(where))})" for name, where in sorted(found.items()))
+            raise FloatingPointError(
+                f"Non-finite gradient (NaN or Inf) in parameter(s) {listing}, found by anomaly checking before "
+                "the gradients were reduced; the ranks named are those whose own gradient was not finite."
+            )
+
+    def _describe_tag(self, tag: int) -> str:
+        fixed = {_TAG_IGNORED_GRAD: "all-reduce of an ignored parameter's gradient",
+                 _TAG_CLIP: "all-reduce of the gradient norm", _TAG_ANOMALY: "the end-of-backward anomaly report"}
+        if tag in fixed:
+            return fixed[tag]
+        index, kind = divmod(tag, 3)
+        what = ("all-gather of", "gradient reduction of", "replica all-reduce of")[kind]
+        name = self.units[index].name if 0 <= index < len(self.units) else f"#{index}"
+        return f"{what} unit {name or '<root>'!r}"
 
     def _update_peak(self) -> None:
         stats = self.shard_comm.stats
@@ -208,13 +313,17 @@ class ShardingEngine:
                 if not keep:
                     unit.reshard()
 
-    def _average_ignored_grad(self, grad: torch.Tensor) -> torch.Tensor:
+    def _average_ignored_grad(self, grad: torch.Tensor, name: str) -> torch.Tensor:
         # An ignored parameter is whole on every rank; its incoming gradient (this backward's contribution, before
         # accumulation into .grad) is averaged like DDP's, so accumulation across micro-batches stays correct.
+        if torch.is_anomaly_enabled() and not bool(torch.isfinite(grad).all()):
+            self._nonfinite_ignored.append(name)
         grad = grad.clone()
         ranks = self.shard_comm.world_size
+        self.shard_comm.agree(_TAG_IGNORED_GRAD)
         self.shard_comm.all_reduce(grad)
         if self.replicate_comm is not None and self.replicate_comm.world_size > 1:
+            self.replicate_comm.agree(_TAG_IGNORED_GRAD)
             self.replicate_comm.all_reduce(grad)
             ranks *= self.replicate_comm.world_size
         return grad.div_(ranks)
@@ -240,10 +349,12 @@ class ShardingEngine:
         device = self.root_unit.device
         if math.isinf(norm_type):
             local = _max_abs(sharded, device)
+            self.shard_comm.agree(_TAG_CLIP)
             self.shard_comm.all_reduce(local, op=dist.ReduceOp.MAX)
             total = torch.maximum(local, _max_abs(replicated, device))
         else:
             local = _pow_sum(sharded, norm_type, device)
+            self.shard_comm.agree(_TAG_CLIP)
             self.shard_comm.all_reduce(local)
             total = (local + _pow_sum(replicated, norm_type, device)) ** (1.0 / norm_type)
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

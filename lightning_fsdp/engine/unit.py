@@ -18,6 +18,11 @@ from lightning_fsdp.engine.comm import Communicator, all_gather_flat
 from lightning_fsdp.engine.shard import ShardLayout
 
 
+# Kinds of a unit's collectives, for ``FlatUnit.tag``.
+GATHER, REDUCE, REPLICATE = range(3)
+_KINDS = 3
+
+
 @dataclass(eq=False)
 class ParamSlot:
     """One managed parameter: the user's Parameter object (holds the local shard) and where modules use it."""
@@ -72,6 +77,12 @@ class FlatUnit:
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         # CPU offload keeps the shards (and so their gradients and the optimizer state) in host memory.
         self.shard_device = shard_device or self.device
+        self.index = 0  # position in the engine's unit list: names this unit's collectives for ``Communicator.agree``
+        # After a reduction: per trainable parameter, how many ranks had a gradient for it (> 0: some rank used it),
+        # and whether its shard already had a gradient (accumulation). Read once per backward by the engine.
+        self.used_counts: torch.Tensor | None = None
+        self._had_grad: list[bool] = []
+        self.nonfinite: list[str] = []  # anomaly checking: parameters whose local gradient was not finite
         self._build_buffers()
 
     # ----------------------------------------------------------------------------------------------- layout
@@ -160,6 +171,7 @@ class FlatUnit:
                 self.full_flat.copy_(shard)
             return
         n = self.world_size
+        self.shard_comm.agree(self.tag(GATHER))
         if len(self.slots) == 1:
             # One parameter: rank-major and parameter-major layouts coincide, so gather in place.
             work = self.shard_comm.all_gather(self.full_flat, shard, async_op=async_op)
@@ -217,39 +229,63 @@ class FlatUnit:
                 module._parameters[attr] = tensor
 
     # ------------------------------------------------------------------------------------------ gradients
+    def tag(self, kind: int) -> int:
+        """This unit's collective of ``kind`` (GATHER, REDUCE, REPLICATE) as one integer for ``Communicator.agree``."""
+        return self.index * _KINDS + kind
+
     def reduce_grads(self) -> None:
-        """Average this step's full gradients across ranks into the shards' ``.grad`` (accumulating)."""
+        """Average this step's full gradients across ranks into the shards' ``.grad`` (accumulating).
+
+        Each rank also contributes, per parameter, 1 if it has a gradient and 0 if not, packed behind its chunk of
+        the same collective: the engine reads the sums at the end of backward and leaves ``.grad`` as ``None`` for
+        parameters no rank used, as a single process would.
+        """
         if not self.trainable_slots:
             return
         grads = []
+        used = []
         for slot in self.trainable_slots:
             grad = slot.full.grad
+            used.append(grad is not None)
             if grad is None:
                 # Unused in this step on this rank; another rank may have used it, so it still takes part.
                 grad = torch.zeros(slot.layout.shape, dtype=self.compute_dtype, device=self.device)
             grads.append(grad.reshape(slot.layout.rows, -1) if grad.dim() == 0 else grad)
             slot.full.grad = None
+        if torch.is_anomaly_enabled():
+            finite = torch.stack([torch.isfinite(g).all() for g in grads]).tolist()
+            self.nonfinite = [s.fqn for s, ok in zip(self.trainable_slots, finite) if not ok]
+        self._had_grad = [slot.param.grad is not None for slot in self.trainable_slots]
         n = self.world_size
+        k = len(grads)
         ranks = self.shard_comm.world_size * (self.replicate_comm.world_size if self.replicate_comm else 1)
+        flags = torch.tensor(used, dtype=self.reduce_dtype, device=self.device)
         # float16 sums can overflow: divide before summing there, after summing everywhere else.
         pre_divide = self.reduce_dtype == torch.float16
         if self.sharded:
-            # _chunk_cat pads each gradient to ceil(d0/N) rows per rank and lays the ranks out one after another.
-            flat_in = torch._chunk_cat(grads, dim=0, num_chunks=n).view(-1).to(self.reduce_dtype)
+            # _chunk_cat pads each gradient to ceil(d0/N) rows per rank and lays the ranks out one after another;
+            # the flags, repeated once per rank, end every rank's chunk.
+            flat_in = torch._chunk_cat(grads + [flags.expand(n, k)], dim=0, num_chunks=n).view(-1)
+            flat_in = flat_in.to(self.reduce_dtype)
             if pre_divide:
                 flat_in.div_(ranks)
-            reduced = torch.empty(self.grad_numel, dtype=self.reduce_dtype, device=self.device)
+            reduced = torch.empty(self.grad_numel + k, dtype=self.reduce_dtype, device=self.device)
+            self.shard_comm.agree(self.tag(REDUCE))
             self.shard_comm.reduce_scatter(reduced, flat_in)
         else:
-            reduced = torch.cat([g.reshape(-1).to(self.reduce_dtype) for g in grads])
+            reduced = torch.cat([g.reshape(-1).to(self.reduce_dtype) for g in grads] + [flags])
             if pre_divide:
                 reduced.div_(ranks)
+            self.shard_comm.agree(self.tag(REDUCE))
             self.shard_comm.all_reduce(reduced)
         if self.replicate_comm is not None and self.replicate_comm.world_size > 1:
+            self.replicate_comm.agree(self.tag(REPLICATE))
             self.replicate_comm.all_reduce(reduced)
         if not pre_divide:
             reduced.div_(ranks)
-        reduced = reduced.to(self.shard_device, self.dtype)
+        # Divided, the sums stay > 0 exactly where some rank had a gradient, which is all the engine asks.
+        self.used_counts = reduced[self.grad_numel :]
+        reduced = reduced[: self.grad_numel].to(self.shard_device, self.dtype)
         for slot in self.trainable_slots:
             layout = slot.layout
             grad = reduced[slot.offset : slot.offset + layout.local_numel].view(layout.local_shape)
@@ -257,6 +293,14 @@ class FlatUnit:
                 slot.param.grad = grad
             else:
                 slot.param.grad += grad
+
+    def drop_unused_grads(self) -> None:
+        """After the engine saw that some parameter of this unit had no gradient on any rank: give it ``None``
+        again (its reduced gradient is exactly zero) unless an earlier micro-batch had given it one."""
+        used = self.used_counts.tolist() if self.used_counts is not None else []
+        for slot, count, had in zip(self.trainable_slots, used, self._had_grad):
+            if count == 0 and not had:
+                slot.param.grad = None
 
     # ------------------------------------------------------------------------------------------- accounting
     def local_param_bytes(self) -> int:
