@@ -16,7 +16,7 @@ Two ways of starting the ranks:
 
 Every time is measured from the moment the faulty rank injected its fault (it prints ``time.time()``), so process
 start-up on a loaded machine does not count. A hang can only be noticed through the timeout: those cases must end
-after about ``TIMEOUT_S`` (the gloo error names it: "Timed out waiting 20000ms"), which shows the configured value
+after about ``TIMEOUT_S`` (the gloo error names it: "Timed out waiting 10000ms"), which shows the configured value
 is the one in force, not torch's 30-minute default. Everything is started in sessions of its own and killed by
 process group at the end of each test, whatever happened.
 """
@@ -36,7 +36,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "fault_run.py"
-TIMEOUT_S = 20  # FSDPStrategy(timeout=...) of every run
+TIMEOUT_S = 10  # FSDPStrategy(timeout=...) of every run
 # What may come on top of the fault (or of the timeout, for hangs): Lightning's child-process observer polls every
 # 5 s, the strategy gives rank 1 2 s to end by itself before killing it, then teardown and interpreter exit, on 2
 # shared cores.
@@ -227,3 +227,19 @@ def test_independent_processes_survivor_fails_by_itself(job, fault, where):
         assert faulty.poll() is None  # still asleep: stopping it is the job scheduler's (torchrun's) part
     else:
         assert faulty.wait(timeout=MARGIN_S) != 0, job.report()
+
+
+def test_nan_gradient_under_detect_anomaly_is_named(job):
+    """Trainer(detect_anomaly=True): rank 1's NaN gradient stops the job on every rank with the parameter's name.
+
+    Rank 0's own gradient is finite, so its message naming rank 1 shows the ranks shared their findings; torch's
+    own NaN check (which FSDPStrategy turns off during backward) would have raised on rank 1 only."""
+    proc = job.start(["--fault", "nan", "--fault-rank", "1", "--timeout", str(TIMEOUT_S), "--detect-anomaly"], _env())
+    ended = job.wait_for_exit(proc, MARGIN_S)
+    assert ended is not None, f"the job did not end in time:\n{job.report()}"
+    output = job.output()
+    assert proc.returncode != 0, job.report()
+    assert re.search(r"FloatingPointError: Non-finite gradient \(NaN or Inf\) in parameter\(s\) 'model.tiny' \(rank 1\)",
+                     output), job.report()
+    assert "returned nan values" not in output, job.report()  # not torch's one-rank check
+    assert "Timed out" not in output, job.report()

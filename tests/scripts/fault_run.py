@@ -6,7 +6,9 @@ at global step ``--fault-step`` the rank ``--fault-rank`` does ``--fault``:
 - ``raise``: raises ``RuntimeError("injected fault ...")``;
 - ``exit``: ``os._exit(13)`` (no Python cleanup, no exception handling);
 - ``kill``: SIGKILLs itself;
-- ``hang``: sleeps forever (``time.sleep`` in a loop).
+- ``hang``: sleeps forever (``time.sleep`` in a loop);
+- ``nan``: adds a term with a finite value and a NaN gradient for ``tiny`` to the loss (run with
+  ``--detect-anomaly``: every rank must stop with an error naming the parameter and the rank).
 
 ``--where step`` does it at the start of ``training_step``, before the model's forward, so the other rank is
 blocked in the forward's all-gathers; ``--where backward`` does it from a gradient hook on the logits, i.e. in the
@@ -69,10 +71,14 @@ class Module(L.LightningModule):
     def training_step(self, b, i):
         args = self.args
         faulty = self.global_rank == args.fault_rank and self.global_step == args.fault_step
-        if faulty and args.where == "step":
+        if faulty and args.where == "step" and args.fault != "nan":
             inject(args.fault, self.global_rank, self.global_step)
         x, y = b
         logits = self.model(x)
+        if faulty and args.fault == "nan":
+            say(self.global_rank, "fault-nan")
+            # d sqrt(u)/du is inf at u = 0, times du/dtiny = 0: NaN, while the loss stays finite.
+            return loss_fn(logits, y) + (self.model.tiny[0, 0] * 0).sqrt()
         if faulty and args.where == "backward":
             def hook(grad):
                 inject(args.fault, self.global_rank, self.global_step)
@@ -92,13 +98,14 @@ class Started(L.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fault", choices=["raise", "exit", "kill", "hang"], required=True)
+    parser.add_argument("--fault", choices=["raise", "exit", "kill", "hang", "nan"], required=True)
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=3)
     parser.add_argument("--where", choices=["step", "backward"], default="step")
     parser.add_argument("--timeout", type=float, default=20.0, help="FSDPStrategy(timeout=...) in seconds")
     parser.add_argument("--sharding", default="FULL_SHARD")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--detect-anomaly", action="store_true", help="Trainer(detect_anomaly=True)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -107,7 +114,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        use_distributed_sampler=False, callbacks=[Started()],
+        use_distributed_sampler=False, callbacks=[Started()], detect_anomaly=args.detect_anomaly,
     )
     with trainer.init_module():
         module = Module(args)
