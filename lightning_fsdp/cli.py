@@ -18,12 +18,14 @@ with the same arguments.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_fsdp
 
@@ -45,6 +47,43 @@ class FSDPLightningCLI(LightningCLI):
         kwargs.setdefault("dump_header", [f"lightning.pytorch=={pl.__version__}",
                                           f"lightning_fsdp=={lightning_fsdp.__version__}"])
         return super().init_parser(**kwargs)
+
+    def instantiate_classes(self) -> None:
+        """Build the configured objects; a value they refuse is a usage error, reported like a bad argument.
+
+        The strategy, the trainer and the other classes of the config validate their arguments in their constructors
+        (on every rank, before any process starts). Their ``ValueError`` / ``TypeError`` names the value and the valid
+        choices; printing it as ``lightning-fsdp: error: ...`` with exit status 2 (as for an unknown option) beats a
+        traceback through jsonargparse. ``LIGHTNING_FSDP_DEBUG=1`` (or ``JSONARGPARSE_DEBUG=1``) shows the traceback.
+        """
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError, MisconfigurationException) as err:
+            if _debug():
+                raise
+            print(f"{_PROG}: error: the configuration could not be instantiated: {_config_error_text(err)}\n"
+                  f"(set LIGHTNING_FSDP_DEBUG=1 to see the traceback)", file=sys.stderr)
+            sys.exit(2)
+
+
+_PROG = "lightning-fsdp"
+
+
+def _debug() -> bool:
+    return any(os.environ.get(name, "").lower() not in ("", "0", "false", "no")
+               for name in ("LIGHTNING_FSDP_DEBUG", "JSONARGPARSE_DEBUG"))
+
+
+def _config_error_text(err: BaseException) -> str:
+    """The error's message; for jsonargparse's "Does not validate against any of the Union subtypes" (a class given by
+    class_path whose constructor refused a value) only the constructor's own message, without the namespace dump."""
+    text = str(err)
+    if "Union subtypes" not in text or "\nErrors:\n" not in text:
+        return text
+    body = text.split("\nErrors:\n", 1)[1].split("\nGiven value type:", 1)[0]
+    reasons = [line.strip()[2:] for line in body.splitlines() if line.strip().startswith("- ")]
+    reasons = [r for r in reasons if not r.startswith("Expected a <class")]
+    return "; ".join(reasons) if reasons else text
 
 
 def _convert_entry() -> Callable[[list[str]], int | None] | None:

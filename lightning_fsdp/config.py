@@ -56,14 +56,14 @@ class StateDictType(enum.Enum):
     LOCAL = "local"
 
 
-def _parse_enum(value: Any, enum_cls: type[enum.Enum], option: str) -> enum.Enum:
+def _parse_enum(value: Any, enum_cls: type[enum.Enum], option: str, *, none_ok: bool = False) -> enum.Enum:
     if isinstance(value, enum_cls):
         return value
     if isinstance(value, str):
         for member in enum_cls:
             if value.upper() == member.name or value == member.value:
                 return member
-    choices = ", ".join(repr(m.value) for m in enum_cls)
+    choices = ", ".join(repr(m.value) for m in enum_cls) + (" or None" if none_ok else "")
     raise ValueError(f"{option}={value!r} is not valid; choose one of {choices}.")
 
 
@@ -74,7 +74,7 @@ def parse_sharding_strategy(value: Any) -> ShardingStrategy:
 def parse_backward_prefetch(value: Any) -> BackwardPrefetch | None:
     if value is None:
         return None
-    return _parse_enum(value, BackwardPrefetch, "backward_prefetch")  # type: ignore[return-value]
+    return _parse_enum(value, BackwardPrefetch, "backward_prefetch", none_ok=True)  # type: ignore[return-value]
 
 
 def parse_state_dict_type(value: Any) -> StateDictType:
@@ -110,10 +110,12 @@ def parse_module_classes(value: Any, option: str) -> tuple[type[nn.Module], ...]
         )
     classes = []
     for item in value:
-        if isinstance(item, str):
-            item = _import_class(item, option)
+        named = item if isinstance(item, str) else None
+        if named is not None:
+            item = _import_class(named, option)
         if not (isinstance(item, type) and issubclass(item, nn.Module)):
-            raise TypeError(f"{option} contains {item!r}, which is not an nn.Module subclass.")
+            what = f"names {named!r}, which is {item!r}," if named is not None else f"contains {item!r}, which is"
+            raise TypeError(f"{option} {what} not an nn.Module subclass.")
         classes.append(item)
     return tuple(classes)
 
@@ -145,8 +147,26 @@ def parse_auto_wrap_policy(value: Any) -> WrapPolicy:
     if isinstance(value, (set, frozenset, list, tuple)):
         return WrapPolicy(classes=parse_module_classes(value, "auto_wrap_policy"))
     if callable(value):
+        check_call_signature(value, "auto_wrap_policy", "(module, recurse, nonwrapped_numel)")
         return WrapPolicy(fn=value)
     raise TypeError(_wrap_policy_error(value))
+
+
+def check_call_signature(fn: Callable[..., Any], option: str, call: str) -> None:
+    """Raise a ``TypeError`` naming ``option`` if ``fn`` cannot be called with the positional arguments ``call``
+    lists (e.g. ``"(module)"``): caught here, on every rank, rather than as a bare TypeError once sharding starts.
+    Callables whose signature Python cannot inspect are accepted as they are."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    count = len(call.strip("()").split(","))
+    try:
+        signature.bind(*([None] * count))
+    except TypeError as err:
+        raise TypeError(f"{option}={fn!r} cannot be called as {option}{call}: {err}.") from None
 
 
 def _wrap_policy_error(value: Any) -> str:
@@ -200,16 +220,25 @@ def parse_mixed_precision(value: Any) -> MixedPrecision | None:
     if value is None or isinstance(value, MixedPrecision):
         return value
     if isinstance(value, dict):
-        return MixedPrecision(**{k: _parse_dtype(v) if k.endswith("_dtype") else v for k, v in value.items()})
+        fields = list(MixedPrecision.__dataclass_fields__)
+        unknown = [k for k in value if k not in fields]
+        if unknown:
+            raise ValueError(
+                f"mixed_precision={value!r} has unknown field(s) {', '.join(map(repr, unknown))}; the fields of "
+                f"MixedPrecision are {', '.join(fields)}."
+            )
+        return MixedPrecision(**{k: _parse_dtype(v, k) if k.endswith("_dtype") else v for k, v in value.items()})
     raise TypeError(f"mixed_precision={value!r} is not valid; expected lightning_fsdp.MixedPrecision, a dict or None.")
 
 
-def _parse_dtype(value: Any) -> Any:
+def _parse_dtype(value: Any, field: str) -> Any:
     # YAML configs spell dtypes as strings: "bfloat16", "torch.float16".
     if isinstance(value, str):
         name = value.removeprefix("torch.")
         dtype = getattr(torch, name, None)
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{value!r} is not a torch dtype; use e.g. 'bfloat16', 'float16' or 'float32'.")
+            raise ValueError(
+                f"MixedPrecision({field}={value!r}) is not a torch dtype; use e.g. 'bfloat16', 'float16' or 'float32'."
+            )
         return dtype
     return value

@@ -136,6 +136,8 @@ def estimate_memory(
     Returns:
         A :class:`MemoryEstimate`; ``print()`` it for a table.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model={model!r} is not valid; expected an nn.Module (it may live on the meta device).")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is not valid; expected a positive int.")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -244,8 +246,13 @@ def _parse_mixed_precision(value: Any) -> tuple[torch.dtype | None, torch.dtype 
     if isinstance(value, (str, int)):
         # The mapping the strategy itself applies to Trainer(precision=...); it rejects unknown flags with the
         # valid choices.
-        from lightning_fsdp.precision import FSDPPrecision
+        from lightning_fsdp.precision import SUPPORTED_PRECISION, FSDPPrecision
 
+        if str(value) not in SUPPORTED_PRECISION:
+            raise ValueError(
+                f"mixed_precision={value!r} is not a precision flag this strategy supports; choose one of "
+                f"{', '.join(map(repr, SUPPORTED_PRECISION))}, a lightning_fsdp.MixedPrecision, or None."
+            )
         value = FSDPPrecision(str(value)).mixed_precision_config
         if value is None:
             return None, None

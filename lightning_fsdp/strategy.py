@@ -43,6 +43,7 @@ from lightning_fsdp.checkpoint.full import (
 from lightning_fsdp.config import (
     MixedPrecision,
     StateDictType,
+    check_call_signature,
     parse_mixed_precision,
     parse_auto_wrap_policy,
     parse_backward_prefetch,
@@ -115,6 +116,38 @@ def _resolve(root: nn.Module, items: list) -> list:
         else:
             resolved.append(item)
     return resolved
+
+
+def _check_lightning_arguments(accelerator: Any, parallel_devices: Any, cluster_environment: Any, checkpoint_io: Any,
+                               precision_plugin: Any, process_group_backend: Any, timeout: Any) -> None:
+    """Type checks for the arguments Lightning's Trainer normally fills in, so a wrong one given by hand fails here,
+    on every rank, instead of as an AttributeError deep inside setup or a process-group error on some ranks."""
+    from lightning.fabric.accelerators import Accelerator
+
+    for name, value, kind, expected in (
+        ("accelerator", accelerator, Accelerator, "a lightning Accelerator instance (or pass accelerator= to the "
+                                                  "Trainer)"),
+        ("cluster_environment", cluster_environment, ClusterEnvironment, "a lightning ClusterEnvironment instance"),
+        ("checkpoint_io", checkpoint_io, CheckpointIO, "a lightning CheckpointIO instance"),
+        ("precision_plugin", precision_plugin, Precision, "a lightning Precision plugin (or pass precision= to the "
+                                                          "Trainer, e.g. 'bf16-mixed')"),
+    ):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"{name}={value!r} is not valid; expected {expected} or None.")
+    if parallel_devices is not None and not (
+        isinstance(parallel_devices, (list, tuple)) and all(isinstance(d, torch.device) for d in parallel_devices)
+    ):
+        raise TypeError(f"parallel_devices={parallel_devices!r} is not valid; expected a list of torch.device or None.")
+    if process_group_backend is not None and not (isinstance(process_group_backend, str) and process_group_backend):
+        raise TypeError(
+            f"process_group_backend={process_group_backend!r} is not valid; expected a backend name such as 'gloo', "
+            "'nccl' or 'hccl', or None (chosen from the accelerator)."
+        )
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout={timeout!r} is not valid; expected a datetime.timedelta (e.g. timedelta(minutes=30)) "
+                        "or None.")
+    if timeout is not None and timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout={timeout!r} is not valid; a process-group timeout must be positive.")
 
 
 def _has_meta_tensors(module: nn.Module) -> bool:
@@ -212,6 +245,10 @@ class FSDPStrategy(ParallelStrategy):
             )
         if param_init_fn is not None and not callable(param_init_fn):
             raise TypeError(f"param_init_fn={param_init_fn!r} is not callable.")
+        if param_init_fn is not None:
+            check_call_signature(param_init_fn, "param_init_fn", "(module)")
+        if callable(activation_checkpointing_policy) and not isinstance(activation_checkpointing_policy, type):
+            check_call_signature(activation_checkpointing_policy, "activation_checkpointing_policy", "(module)")
         if device_id is not None and not (
             isinstance(device_id, torch.device) or (isinstance(device_id, int) and not isinstance(device_id, bool)
                                                     and device_id >= 0)
@@ -245,6 +282,8 @@ class FSDPStrategy(ParallelStrategy):
         self.ignored_states = _as_list(ignored_states, "ignored_states", (nn.Module, nn.Parameter, str))
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not valid; choose one of {_START_METHODS}.")
+        _check_lightning_arguments(accelerator, parallel_devices, cluster_environment, checkpoint_io,
+                                   precision_plugin, process_group_backend, timeout)
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
         self.sync_module_states = sync_module_states
@@ -594,10 +633,22 @@ class FSDPStrategy(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        from lightning_fsdp.checkpoint.common import ShardedStateDict, load_sharded_model_state_dict
+        from collections.abc import Mapping
+
+        from lightning_fsdp.checkpoint.common import (
+            CheckpointMismatchError,
+            ShardedStateDict,
+            load_sharded_model_state_dict,
+        )
 
         assert self.engine is not None
-        state = checkpoint["state_dict"]
+        state = checkpoint.get("state_dict")
+        if not isinstance(state, Mapping):  # the same file on every rank: every rank raises here
+            what = "no 'state_dict' entry" if state is None else f"a {type(state).__name__} as 'state_dict'"
+            raise CheckpointMismatchError(
+                f"The checkpoint holds {what} (its entries: {sorted(map(str, checkpoint))}); a Lightning checkpoint "
+                "keeps the model's weights there."
+            )
         if isinstance(state, ShardedStateDict):  # read from a sharded/local directory: already this rank's rows
             load_sharded_model_state_dict(self.engine, state, strict=strict)
         else:
@@ -620,10 +671,16 @@ class FSDPStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        from lightning_fsdp.checkpoint.common import ShardedOptimizerState, to_index_keyed
+        from lightning_fsdp.checkpoint.common import CheckpointMismatchError, ShardedOptimizerState, to_index_keyed
 
         assert self.engine is not None
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):  # zip() would silently skip the difference
+            raise CheckpointMismatchError(
+                f"The checkpoint holds the state of {len(states)} optimizer(s), but this run configured "
+                f"{len(self.optimizers)}; resume with the same optimizers."
+            )
+        for optimizer, state in zip(self.optimizers, states):
             if isinstance(state, ShardedOptimizerState):  # from a sharded/local directory: already this rank's rows
                 optimizer.load_state_dict(state)
             else:  # plain torch.optim layout, or keyed by parameter name (Lightning's consolidate_checkpoint)

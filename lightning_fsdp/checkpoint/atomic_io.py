@@ -82,9 +82,23 @@ def _describe_damage(path: str) -> str:
             return (f"the file ({size} bytes) is truncated or corrupt: it is not a complete PyTorch zip archive "
                     f"({exc}); it was probably written by a save that did not finish")
         return f"the file ({size} bytes) is a PyTorch zip archive, but its contents could not be read"
-    if head[:1] == b"\x80":
+    if head[:2] in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05"):
         return f"the file ({size} bytes) is a legacy pickle checkpoint that could not be read (truncated or corrupt?)"
     return f"the file ({size} bytes) is not a PyTorch checkpoint (it does not start like a zip archive or a pickle)"
+
+
+def _container_intact(path: str) -> bool:
+    """Whether the file is a complete zip archive or starts like a pickle: then a refusal by the weights-only
+    unpickler is about an object in it, not about damage (torch reports garbage bytes as a refused object too)."""
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if head.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                return archive.testzip() is None
+        except (zipfile.BadZipFile, OSError, EOFError):
+            return False
+    return head in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -155,7 +169,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             with open(path, "rb") as f:
                 checkpoint = torch.load(f, map_location=map_location, weights_only=weights_only)
         except Exception as exc:  # noqa: BLE001 - re-raised with the file named; the original is kept as __cause__
-            if isinstance(exc, pickle.UnpicklingError) and "weights_only" in str(exc).lower().replace(" ", "_"):
+            if (isinstance(exc, pickle.UnpicklingError) and "weights_only" in str(exc).lower().replace(" ", "_")
+                    and _container_intact(path)):
                 problem = ("torch.load(weights_only=True) refused an object in it; load it with weights_only=False "
                            "if you trust the file")
             else:

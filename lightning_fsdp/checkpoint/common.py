@@ -207,7 +207,14 @@ def load_sharded_model_state_dict(engine: ShardingEngine, state: ShardedStateDic
 def to_index_keyed(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """An optimizer state dict whose ``param_groups`` list parameter *names* (as Lightning's consolidation of a sharded
     checkpoint gives it) re-keyed by position, i.e. plain ``torch.optim`` layout. Index-keyed input passes through."""
-    groups = state_dict["param_groups"]
+    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) and "params" in g for g in groups) or \
+            not isinstance(state_dict.get("state"), Mapping):
+        found = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+        raise CheckpointMismatchError(
+            "The checkpoint's optimizer state is not a torch.optim state dict ('state' and 'param_groups' with their "
+            f"'params'); found {found}."
+        )
     order = [p for g in groups for p in g["params"]]
     if all(isinstance(p, int) for p in order):
         return dict(state_dict)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError
@@ -36,6 +37,12 @@ def load_as_full(src: str, weights_only: Optional[bool] = False) -> dict[str, An
 
         return read_local_checkpoint_full(src, weights_only=weights_only)
     checkpoint = AtomicCheckpointIO().load_checkpoint(src, weights_only=weights_only)
+    if not isinstance(checkpoint.get("state_dict"), Mapping):
+        raise CheckpointLoadError(
+            f"{src!r} is not a Lightning checkpoint: it has no 'state_dict' entry with the model's weights (its "
+            f"entries: {sorted(map(str, checkpoint))}).",
+            src,
+        )
     if "optimizer_states" in checkpoint:
         checkpoint["optimizer_states"] = [to_index_keyed(s) for s in checkpoint["optimizer_states"]]
     return checkpoint

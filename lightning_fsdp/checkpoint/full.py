@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_fsdp.checkpoint.common import CheckpointMismatchError
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import all_gather_flat
 from lightning_fsdp.engine.shard import ShardLayout
@@ -67,10 +68,15 @@ def load_full_model_state_dict(engine: ShardingEngine, state: Mapping[str, Any],
         if key not in state:
             continue
         value = state[key]
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointMismatchError(
+                f"Checkpoint entry {key!r} is a {type(value).__name__}, not a tensor; the model's parameter is a tensor "
+                f"of shape {tuple(slot.layout.shape)}. The checkpoint is damaged or belongs to another model."
+            )
         if tuple(value.shape) != tuple(slot.layout.shape):
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"Checkpoint tensor {key!r} has shape {tuple(value.shape)}, the model's parameter has "
-                f"{tuple(slot.layout.shape)}."
+                f"{tuple(slot.layout.shape)}; it is a checkpoint of another model."
             )
         slot.param.data.copy_(slot.layout.local_slice(value.to(slot.param.device, slot.param.dtype)))
     # Let nn.Module handle buffers, unmanaged parameters and strictness; managed parameters are already loaded,
@@ -83,9 +89,10 @@ def load_full_model_state_dict(engine: ShardingEngine, state: Mapping[str, Any],
     result = module.load_state_dict(rest, strict=False)
     missing = [k for k in result.missing_keys if k not in managed] + missing_managed
     if strict and (missing or result.unexpected_keys):
-        raise RuntimeError(
+        raise CheckpointMismatchError(
             f"Error loading state dict into {type(module).__name__}: missing keys {missing}, "
-            f"unexpected keys {list(result.unexpected_keys)}."
+            f"unexpected keys {list(result.unexpected_keys)}. Load with strict=False (LightningModule.strict_loading "
+            "= False) to skip them."
         )
 
 
@@ -137,6 +144,20 @@ def full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer, *, r
 
 def load_full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer, state_dict: Mapping) -> None:
     """Load a plain ``torch.optim`` state dict (same on every rank) into an optimizer over shards."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    if not isinstance(groups, list) or not isinstance(state_dict.get("state"), Mapping):
+        found = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+        raise CheckpointMismatchError(
+            f"The checkpoint's optimizer state is not a torch.optim state dict (with 'state' and 'param_groups'); "
+            f"found {found}."
+        )
+    sizes = [len(g.get("params", ())) if isinstance(g, Mapping) else None for g in groups]
+    here = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != here:
+        raise CheckpointMismatchError(
+            f"The checkpoint's {type(optimizer).__name__} state has parameter groups of sizes {sizes}, but this run's "
+            f"has {here}; resume with the same optimizer configuration."
+        )
     params = [p for group in optimizer.param_groups for p in group["params"]]
     local_state = {}
     for index, entry in state_dict["state"].items():

@@ -17,6 +17,7 @@ Layout (the one Lightning's ``FSDPStrategy(state_dict_type="sharded")`` writes, 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -309,12 +311,28 @@ def _load(targets: dict[str, Any], path: str, coll: Collective) -> None:
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
         dcp.load(targets, checkpoint_id=path, planner=planner, no_dist=not coll.distributed)
-    except Exception as exc:  # noqa: BLE001 - DCP raises the same CheckpointException on every rank
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises the same one on every rank
         raise CheckpointLoadError(
             f"Could not read sharded checkpoint {path!r}: a shard file could not be read (truncated or corrupt?). "
-            f"Underlying error: {type(exc).__name__}: {exc}",
+            f"Underlying error: {_read_failure(exc)}",
             path,
         ) from exc
+
+
+def _read_failure(exc: BaseException) -> str:
+    """What went wrong in a DCP read, short. ``CheckpointException`` (a ``BaseException``, so ``except Exception``
+    does not see it) carries each failing rank's exception; its own text is only the list of ranks."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and isinstance(failures, Mapping) and failures:
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            error = failure[0] if isinstance(failure, tuple) else failure  # torch keeps (exception, traceback)
+            text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            if isinstance(error, pickle.UnpicklingError):  # torch's text would suggest weights_only=False
+                text = "the stored bytes are not a serialized tensor (the shard data is corrupt)"
+            parts.append(f"rank {rank}: {type(error).__name__}: {text[:300]}")
+        return "; ".join(parts)
+    return f"{type(exc).__name__}: {exc}"
 
 
 class _ShardedLoad:
@@ -549,9 +567,11 @@ def read_sharded_checkpoint_full(path: str, weights_only: Optional[bool] = None)
             warnings.simplefilter("ignore", UserWarning)
             _load_state_dict(tensors, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
                              no_dist=True)
-    except Exception as exc:  # noqa: BLE001
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001
         raise CheckpointLoadError(
-            f"Could not read sharded checkpoint {path!r}: {type(exc).__name__}: {exc}", path
+            f"Could not read sharded checkpoint {path!r}: a shard file could not be read (truncated or corrupt?). "
+            f"Underlying error: {_read_failure(exc)}",
+            path,
         ) from exc
     checkpoint = dict(meta)
     model = tensors.pop("model", {})

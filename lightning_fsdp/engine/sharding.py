@@ -12,6 +12,7 @@ from torch import nn
 from lightning_fsdp.config import (
     MixedPrecision,
     ShardingStrategy,
+    check_call_signature,
     parse_auto_wrap_policy,
     parse_backward_prefetch,
     parse_mixed_precision,
@@ -61,17 +62,38 @@ def fully_shard(
     ``cpu_offload``: shards, their gradients and so the optimizer state live in host memory; a unit's shard is
     copied to ``device`` only to be gathered, and reduced gradients are copied back.
     """
+    # Every argument is checked before the first collective (sync_module_states' broadcasts, the gathers), so a
+    # bad one raises the same error on every rank instead of leaving the others waiting.
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard(module={module!r}) is not valid; expected an nn.Module.")
     strategy = parse_sharding_strategy(sharding_strategy)
     if strategy.is_hybrid and replicate_group is None:
         raise ValueError(f"sharding_strategy={strategy.value!r} needs a replicate_group beside the shard group.")
+    for name, group in (("process_group", process_group), ("replicate_group", replicate_group)):
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"{name}={group!r} is not valid; expected a torch.distributed.ProcessGroup or None.")
     policy = parse_auto_wrap_policy(auto_wrap_policy)
     mixed_precision = parse_mixed_precision(mixed_precision) or MixedPrecision()
+    backward_prefetch = parse_backward_prefetch(backward_prefetch)
+    for name, flag in (("cpu_offload", cpu_offload), ("sync_module_states", sync_module_states),
+                       ("forward_prefetch", forward_prefetch), ("limit_all_gathers", limit_all_gathers)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}={flag!r} is not valid; expected True or False.")
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(f"param_init_fn={param_init_fn!r} is not callable.")
+    if param_init_fn is not None:
+        check_call_signature(param_init_fn, "param_init_fn", "(module)")
     if get_engine(module) is not None:
         raise ValueError(f"{type(module).__name__} is already sharded; call fully_shard once per module.")
-    device = torch.device(device)
-    ignored = list(ignored_modules or ())
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        reason = str(err).splitlines()[0] if isinstance(err, RuntimeError) else f"a {type(device).__name__}"
+        raise ValueError(f"device={device!r} is not valid ({reason}); expected a torch.device or a device string "
+                         "such as 'cpu' or 'cuda:0'.") from None
+    ignored = _items(ignored_modules, "ignored_modules", nn.Module)
     ignored_param_objs = []
-    for item in ignored_states or ():
+    for item in _items(ignored_states, "ignored_states", nn.Module):
         if isinstance(item, nn.Module):
             ignored.append(item)
         elif isinstance(item, nn.Parameter):
@@ -81,6 +103,16 @@ def fully_shard(
     for item in ignored:
         if not isinstance(item, nn.Module):
             raise TypeError(f"ignored_modules contains {item!r}; expected nn.Module objects.")
+    submodules = {id(m) for m in module.modules()}
+    for item in ignored:
+        if id(item) not in submodules:
+            raise ValueError(f"ignored_modules contains a {type(item).__name__} that is not a submodule of "
+                             f"{type(module).__name__} (a module of another model instance?).")
+    own_params = {id(p) for p in module.parameters()}
+    for param in ignored_param_objs:
+        if id(param) not in own_params:
+            raise ValueError(f"ignored_states contains a parameter of shape {tuple(param.shape)} that is not a "
+                             f"parameter of {type(module).__name__} (a parameter of another model instance?).")
     ignored_ids = ignored_module_set(module, ignored)
     ignored_param_ids = frozenset(id(p) for p in ignored_param_objs)
 
@@ -128,10 +160,21 @@ def fully_shard(
     ignored_params = [p for p in module.parameters() if id(p) not in managed]
     engine = ShardingEngine(module, units, shard_comm, replicate_comm, strategy, mixed_precision=mixed_precision,
                             ignored_params=ignored_params, forward_prefetch=forward_prefetch,
-                            backward_prefetch=parse_backward_prefetch(backward_prefetch),
+                            backward_prefetch=backward_prefetch,
                             limit_all_gathers=limit_all_gathers)
     module.__dict__[_ENGINE_ATTR] = engine
     return engine
+
+
+def _items(value: Any, option: str, single: type) -> list:
+    """``ignored_modules`` / ``ignored_states`` as a list: an iterable of objects, or one object on its own."""
+    if value is None:
+        return []
+    if isinstance(value, (single, nn.Parameter)):
+        return [value]
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{option}={value!r} is not valid; expected an iterable of nn.Module (or nn.Parameter) objects.")
+    return list(value)
 
 
 def _module_name(root: nn.Module, target: nn.Module) -> str:
