@@ -26,7 +26,7 @@ reduce-scatter. For an end-to-end figure on an accelerator, compare with ``Shard
 
 The communication a training step issues is predicted as well (``all_gather_bytes``, ``reduce_scatter_bytes``,
 ``all_reduce_bytes``, counted like ``CommStats``: the bytes this rank puts into each collective), assuming every
-unit runs once forward and once backward per step.
+unit runs once forward and once backward per step. Reductions include one used-flag per trainable parameter.
 """
 
 from __future__ import annotations
@@ -162,6 +162,7 @@ def estimate_memory(
     full_bytes: dict[int, int] = {}  # per unit: its padded full buffer, the bytes a gather makes alive
     for unit in unit_modules:
         unit_full = unit_shard_padded = unit_grad_padded = 0
+        unit_flags = 0  # each reduction also carries one used-flag per trainable parameter (FlatUnit.reduce_grads)
         for param in owned[id(unit)]:
             layout = ShardLayout(param.shape, n, r)
             stored = _itemsize(param.dtype)
@@ -176,8 +177,9 @@ def estimate_memory(
                 grads += local
                 optimizer_state += tensors_per_param * local + scalar_bytes
                 unit_grad_padded += layout.padded_numel * reduced_size
+                unit_flags += reduced_size
                 if not sharded:  # NO_SHARD all-reduces full gradients instead of reduce-scattering them
-                    all_reduce += param.numel() * reduced_size
+                    all_reduce += (param.numel() + 1) * reduced_size
         # A NO_SHARD unit computes on its own parameters, unless it computes in another dtype: then it holds a full
         # copy in that dtype while it runs, as a sharded unit does. (A unit's parameters share one dtype.)
         unit_dtype = owned[id(unit)][0].dtype if owned[id(unit)] else None
@@ -188,9 +190,9 @@ def estimate_memory(
             # FULL_SHARD frees every unit but the root after forward and gathers it again for backward.
             regathers = strategy.reshard_after_forward and not is_root
             all_gather += unit_shard_padded * (2 if regathers else 1)
-            reduce_scatter += n * unit_grad_padded
+            reduce_scatter += n * (unit_grad_padded + unit_flags)
             if strategy.is_hybrid:  # the reduced gradient shard is then all-reduced across the replicas
-                all_reduce += unit_grad_padded
+                all_reduce += unit_grad_padded + unit_flags
 
     if strategy.reshard_after_forward:
         gathered = max(sum(full_bytes[id(u)] for u in chain) for chain in _unit_chains(model, unit_modules))

@@ -83,7 +83,8 @@ def choose_launcher(
 
 
 def stop_launched_processes(launcher: _Launcher | None, grace_s: float = 2.0) -> list[int]:
-    """Stop the ranks this process re-ran the script for, when it fails: what ``FSDPStrategy.on_exception`` does.
+    """Stop the ranks this process re-ran the script for: run at the exit of a rank 0 whose fit failed
+    (``FSDPStrategy.on_exception`` registers it).
 
     Lightning's script launcher makes rank 0 the parent of the other ranks of its node. When another rank fails,
     its child-process observer kills rank 0; but when rank 0 itself fails (its own error, or a collective that timed

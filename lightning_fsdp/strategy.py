@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -302,6 +303,7 @@ class FSDPStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._stop_at_exit = False  # stop_launched_processes registered to run when this process exits
         self._start_method = start_method
         self.engine: Optional[ShardingEngine] = None
 
@@ -795,9 +797,13 @@ class FSDPStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # A failing rank 0 must not leave the ranks it started behind, blocked in a collective (Lightning stops
-        # them only on KeyboardInterrupt); see stop_launched_processes.
+        # them only on KeyboardInterrupt); see stop_launched_processes. Only once rank 0 exits, though: a script
+        # that catches the error and carries on (an error every rank raised, such as a checkpoint that does not
+        # match) keeps its ranks.
         super().on_exception(exception)
-        stop_launched_processes(self._launcher)
+        if not self._stop_at_exit:
+            self._stop_at_exit = True
+            atexit.register(stop_launched_processes, self._launcher, 5.0)
 
     @override
     def teardown(self) -> None:

@@ -92,7 +92,9 @@ def test_monitor_logs_each_rank_and_shows_what_sharding_saves(logged):
         # NO_SHARD keeps the whole model on each rank and computes on it directly.
         assert value(no_shard, rank, "param_bytes") == unsharded
         assert value(no_shard, rank, "gathered_peak_bytes") == 0
-        assert value(no_shard, rank, "all_reduce_bytes") == unsharded  # fp32 gradients, all-reduced
+        # fp32 gradients all-reduced, with one used-flag per parameter.
+        flags = 4 * sum(1 for p in _gpt_on_meta().parameters() if p.requires_grad)
+        assert value(no_shard, rank, "all_reduce_bytes") == unsharded + flags
         # SHARD_GRAD_OP holds every unit at the end of forward; FULL_SHARD at most the root and one Block.
         assert value(full, rank, "gathered_peak_bytes") < value(grad_op, rank, "gathered_peak_bytes")
         # FULL_SHARD gathers the Blocks twice (forward, backward), SHARD_GRAD_OP once: same reduce-scatter.
@@ -122,7 +124,8 @@ def test_estimate_components_for_a_simple_model():
     # shard (padded: ceil(rows / 2) rows, 60 floats) across replicas.
     hybrid = estimate_memory(model, 2, "HYBRID_SHARD_ZERO2", optimizer="sgd_momentum", auto_wrap_policy={nn.Linear})
     assert (hybrid.model_state, hybrid.gathered_params) == (estimate.model_state, estimate.gathered_params)
-    assert (estimate.all_reduce_bytes, hybrid.all_reduce_bytes) == (0, 60 * 4)
+    # Plus the reduction's used-flags: one per parameter, 4 parameters.
+    assert (estimate.all_reduce_bytes, hybrid.all_reduce_bytes) == (0, 60 * 4 + 4 * 4)
 
 
 def test_full_shard_peak_is_the_root_and_the_largest_unit():

@@ -259,7 +259,7 @@ class FlatUnit:
         n = self.world_size
         k = len(grads)
         ranks = self.shard_comm.world_size * (self.replicate_comm.world_size if self.replicate_comm else 1)
-        flags = torch.tensor(used, dtype=self.reduce_dtype, device=self.device)
+        flags = torch.tensor(used, dtype=self.compute_dtype, device=self.device)  # the gradients' dtype
         # float16 sums can overflow: divide before summing there, after summing everywhere else.
         pre_divide = self.reduce_dtype == torch.float16
         if self.sharded:
