@@ -150,3 +150,28 @@ def test_names_resolve_to_submodules_and_parameters():
     assert _resolve(model, ["block2", "tiny"]) == [model.block2, model.tiny]
     with pytest.raises(ValueError, match="'nope' names no submodule or parameter of ToyLM"):
         _resolve(model, ["nope"])
+
+
+def test_wrap_policies_never_make_a_container_without_forward_a_unit():
+    from torch import nn
+
+    from lightning_fsdp.config import parse_auto_wrap_policy
+    from lightning_fsdp.engine.wrap import select_unit_modules
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(1, 1) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Holder()
+    # A size rule passes over the ModuleList (its hooks would never run) and leaves its parameters to the parent.
+    assert select_unit_modules(model, parse_auto_wrap_policy(4)) == [model]
+    assert select_unit_modules(model, parse_auto_wrap_policy(2)) == [model, *model.layers]
+    # Naming it explicitly is a mistake the user should hear about.
+    with pytest.raises(ValueError, match="ModuleList, which has no forward"):
+        select_unit_modules(model, parse_auto_wrap_policy({nn.ModuleList}))

@@ -109,6 +109,16 @@ def _gather_rows(local: torch.Tensor, layout: ShardLayout, engine: ShardingEngin
     return out[: layout.rows].reshape(layout.shape)
 
 
+def _per_parameter(name: str, value: Any, layout: ShardLayout) -> bool:
+    """Whether a full optimizer-state entry has one value per parameter element (so each rank takes its rows).
+
+    A 0-dim parameter's state (``exp_avg``, ``momentum_buffer``) is 0-dim too, like the ``step`` counter every
+    torch optimizer keeps; ``step`` is the one 0-dim entry that is not per element."""
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(layout.shape):
+        return False
+    return value.dim() > 0 or name != "step"
+
+
 def _sharded_state_tensor(value: Any, layout: ShardLayout) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(layout.local_shape)
 
@@ -165,8 +175,7 @@ def load_full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer,
         slot = engine._slot_by_param.get(id(param))
         new_entry = {}
         for name, value in entry.items():
-            if (slot is not None and isinstance(value, torch.Tensor) and value.dim() > 0
-                    and tuple(value.shape) == tuple(slot.layout.shape)):
+            if slot is not None and _per_parameter(name, value, slot.layout):
                 value = slot.layout.local_slice(value).clone()
             new_entry[name] = value
         local_state[index] = new_entry

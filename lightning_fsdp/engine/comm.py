@@ -93,20 +93,25 @@ class Communicator:
             return None
         return all_gather_flat(output, shard, group=self.group, async_op=async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> None:
-        """SUM-reduce ``full`` (N * output.numel(),) across ranks; this rank receives its slice in ``output``."""
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, async_op: bool = False) -> Any:
+        """SUM-reduce ``full`` (N * output.numel(),) across ranks; this rank receives its slice in ``output``.
+
+        With ``async_op`` the returned work handle (None when there is nothing to wait for) must be waited on
+        before ``output`` is read, and ``full`` kept alive until then."""
         self.stats.reduce_scatter_bytes += full.numel() * full.element_size()
         self.stats.reduce_scatter_calls += 1
         if self.world_size == 1:
             output.copy_(full)
-            return
-        reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group)
+            return None
+        return reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, *, async_op: bool = False
+                   ) -> Any:
         self.stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
         self.stats.all_reduce_calls += 1
         if self.world_size > 1:
-            dist.all_reduce(tensor, op=op, group=self.group)
+            return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        return None
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         if self.world_size > 1:

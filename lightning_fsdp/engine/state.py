@@ -91,6 +91,7 @@ class ShardingEngine:
             unit.forward_depth = 0
             unit.forward_calls = 0  # outermost calls this step that will see a backward
             unit.backward_calls = 0
+            unit.untracked_calls = 0  # calls whose inputs need no gradient: no signal when their backward ends
             unit.reduced = False
             self._register_hooks(unit)
         for comm in (shard_comm, replicate_comm):
@@ -141,7 +142,9 @@ class ShardingEngine:
         if unit.forward_depth == 1 and unit.trainable_slots and torch.is_grad_enabled() and not self._in_backward:
             flat, spec = tree_flatten((args, kwargs))
             wanted = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if wanted:
+            if not wanted:
+                unit.untracked_calls += 1
+            else:
                 unit.forward_calls += 1
                 marked = _PostBackward.apply(lambda: self._post_backward(unit), *(flat[i] for i in wanted))
                 for i, tensor in zip(wanted, marked):
@@ -178,17 +181,26 @@ class ShardingEngine:
 
     def _post_backward(self, unit: FlatUnit) -> None:
         unit.backward_calls += 1
-        if unit.backward_calls != unit.forward_calls or unit.reduced:
-            return  # the unit ran more than once this step: wait for the backward of its first call
+        if unit.backward_calls != unit.forward_calls or unit.untracked_calls or unit.reduced:
+            # The unit ran more than once this step: wait for the backward of its first call. A call whose inputs
+            # needed no gradient gives no signal when its backward ends: the end of backward reduces the unit.
+            return
         self._reduce(unit)
         unit.reshard()
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch(self._neighbour(unit, -1))
 
     def _reduce(self, unit: FlatUnit) -> None:
+        # One reduction in flight at a time: the previous unit's had this unit's whole backward to complete, and
+        # waiting for it here bounds the full-size gradient buffers kept alive to two units'.
+        self._finish_reductions()
         unit.reduce_grads()
         unit.reduced = True
         self._reduced_units.append(unit)
+
+    def _finish_reductions(self) -> None:
+        for unit in self._reduced_units:
+            unit.finish_reduce()
 
     def _neighbour(self, unit: FlatUnit, step: int) -> FlatUnit | None:
         """The unit after (+1) or before (-1) ``unit`` in the recorded forward order; backward runs it reversed."""
@@ -224,6 +236,7 @@ class ShardingEngine:
                 if unit.trainable_slots and not unit.reduced:
                     self._reduce(unit)
                 unit.reshard()
+            self._finish_reductions()
             self._check_no_late_gradients()
             self._restore_none_gradients()
             if torch.is_anomaly_enabled():
@@ -239,6 +252,7 @@ class ShardingEngine:
             unit.reduced = False
             unit.forward_calls = 0
             unit.backward_calls = 0
+            unit.untracked_calls = 0
 
     def _check_no_late_gradients(self) -> None:
         # A gradient that arrived after its unit was reduced would silently join the next step's reduction.

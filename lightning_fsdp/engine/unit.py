@@ -83,6 +83,7 @@ class FlatUnit:
         self.used_counts: torch.Tensor | None = None
         self._had_grad: list[bool] = []
         self.nonfinite: list[str] = []  # anomaly checking: parameters whose local gradient was not finite
+        self._pending_reduce: tuple | None = None  # a reduction in flight: (work, output, input kept alive, ...)
         self._build_buffers()
 
     # ----------------------------------------------------------------------------------------------- layout
@@ -234,7 +235,8 @@ class FlatUnit:
         return self.index * _KINDS + kind
 
     def reduce_grads(self) -> None:
-        """Average this step's full gradients across ranks into the shards' ``.grad`` (accumulating).
+        """Start averaging this step's full gradients across ranks into the shards' ``.grad``; ``finish_reduce``
+        completes it. The collective runs while backward goes on with other units.
 
         Each rank also contributes, per parameter, 1 if it has a gradient and 0 if not, packed behind its chunk of
         the same collective: the engine reads the sums at the end of backward and leaves ``.grad`` as ``None`` for
@@ -255,7 +257,6 @@ class FlatUnit:
         if torch.is_anomaly_enabled():
             finite = torch.stack([torch.isfinite(g).all() for g in grads]).tolist()
             self.nonfinite = [s.fqn for s, ok in zip(self.trainable_slots, finite) if not ok]
-        self._had_grad = [slot.param.grad is not None for slot in self.trainable_slots]
         n = self.world_size
         k = len(grads)
         ranks = self.shard_comm.world_size * (self.replicate_comm.world_size if self.replicate_comm else 1)
@@ -271,13 +272,27 @@ class FlatUnit:
                 flat_in.div_(ranks)
             reduced = torch.empty(self.grad_numel + k, dtype=self.reduce_dtype, device=self.device)
             self.shard_comm.agree(self.tag(REDUCE))
-            self.shard_comm.reduce_scatter(reduced, flat_in)
+            work = self.shard_comm.reduce_scatter(reduced, flat_in, async_op=True)
         else:
-            reduced = torch.cat([g.reshape(-1).to(self.reduce_dtype) for g in grads] + [flags])
+            reduced = flat_in = torch.cat([g.reshape(-1).to(self.reduce_dtype) for g in grads] + [flags])
             if pre_divide:
                 reduced.div_(ranks)
             self.shard_comm.agree(self.tag(REDUCE))
-            self.shard_comm.all_reduce(reduced)
+            work = self.shard_comm.all_reduce(reduced, async_op=True)
+        self._pending_reduce = (work, reduced, flat_in, pre_divide, ranks)
+
+    @property
+    def is_reducing(self) -> bool:
+        return self._pending_reduce is not None
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction ``reduce_grads`` started and add its result to the shards' ``.grad``."""
+        if self._pending_reduce is None:
+            return
+        work, reduced, _flat_in, pre_divide, ranks = self._pending_reduce
+        self._pending_reduce = None
+        if work is not None:
+            work.wait()
         if self.replicate_comm is not None and self.replicate_comm.world_size > 1:
             self.replicate_comm.agree(self.tag(REPLICATE))
             self.replicate_comm.all_reduce(reduced)
@@ -286,6 +301,7 @@ class FlatUnit:
         # Divided, the sums stay > 0 exactly where some rank had a gradient, which is all the engine asks.
         self.used_counts = reduced[self.grad_numel :]
         reduced = reduced[: self.grad_numel].to(self.shard_device, self.dtype)
+        self._had_grad = [slot.param.grad is not None for slot in self.trainable_slots]
         for slot in self.trainable_slots:
             layout = slot.layout
             grad = reduced[slot.offset : slot.offset + layout.local_numel].view(layout.local_shape)

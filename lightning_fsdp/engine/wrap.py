@@ -23,6 +23,16 @@ def _wants_wrap(policy: WrapPolicy, module: nn.Module, nonwrapped_numel: int) ->
     return policy.min_num_params is not None and nonwrapped_numel >= policy.min_num_params
 
 
+def _has_forward(module: nn.Module) -> bool:
+    """False for containers such as ``nn.ModuleList`` / ``nn.ModuleDict`` that are never called themselves."""
+    return type(module).forward is not nn.Module.forward
+
+
+def _named_by_policy(policy: WrapPolicy, module: nn.Module, nonwrapped_numel: int) -> bool:
+    return bool(policy.classes and isinstance(module, policy.classes)) or bool(
+        policy.fn is not None and policy.fn(module, False, nonwrapped_numel))
+
+
 def select_unit_modules(root: nn.Module, policy: WrapPolicy, ignored: Iterable[nn.Module] = ()) -> list[nn.Module]:
     """Modules that become units, root first, then in module registration (pre-)order.
 
@@ -49,6 +59,13 @@ def select_unit_modules(root: nn.Module, policy: WrapPolicy, ignored: Iterable[n
         else:
             remainder = total
         if module is not root and _wants_wrap(policy, module, remainder):
+            if not _has_forward(module):
+                if policy.min_num_params is not None and not _named_by_policy(policy, module, remainder):
+                    return remainder  # a size rule skips containers, as torch's does; the parent takes them
+                raise ValueError(
+                    f"The wrap policy selects a {type(module).__name__}, which has no forward of its own: a unit's "
+                    "hooks run around its forward, so it cannot be a unit. Wrap the modules inside it instead."
+                )
             wrapped.add(id(module))
             return 0
         return remainder
