@@ -61,7 +61,12 @@ def reference(optimizer_name, accumulate, clip):
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def sharded_cases(rank, world_size):
+def sharded_cases(rank, world_size, direct_gather_min_numel=None):
+    from lightning_fsdp.engine.unit import FlatUnit
+
+    if direct_gather_min_numel is not None:
+        # Which parameters are all-gathered on their own, straight into place, instead of through the staging buffer.
+        FlatUnit.direct_gather_min_numel = direct_gather_min_numel
     results = {}
     for strategy, (opt, accumulate, clip) in itertools.product(STRATEGIES, SCHEDULES):
         torch.manual_seed(0)
@@ -80,9 +85,14 @@ def references():
     return {(opt, acc, clip): reference(opt, acc, clip) for opt, acc, clip in SCHEDULES}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_losses_and_parameters_match_unsharded_training(world_size, references):
-    per_rank = run_distributed(sharded_cases, world_size)
+@pytest.mark.parametrize("world_size,direct_gather_min_numel", [
+    (2, None),  # the default: ToyLM's parameters are all small, one staged all-gather per unit
+    (3, None),
+    (2, 1),  # every parameter gathered on its own, straight into place
+    (3, 30),  # some in place (the 7x5 embedding, Block weights), the rest staged together
+])
+def test_losses_and_parameters_match_unsharded_training(world_size, direct_gather_min_numel, references):
+    per_rank = run_distributed(sharded_cases, world_size, direct_gather_min_numel)
     unwrapped_names = [n for n, _ in ToyLM().named_parameters()]
     for key, (losses, params, names) in per_rank[0].items():
         strategy, opt, accumulate, clip = key

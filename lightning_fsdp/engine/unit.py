@@ -42,6 +42,12 @@ class ParamSlot:
 class FlatUnit:
     """Gather, free and gradient reduction for one unit's parameters, one flat collective each."""
 
+    # Parameters whose full (padded) size reaches this many elements are all-gathered on their own, straight into
+    # place: for one parameter the ranks' chunks laid end to end are its rows, so it needs no staging buffer and no
+    # copy-out. Smaller ones share one collective through a staging buffer, which keeps the number of collectives
+    # per unit small. 2**18 float32 elements are 1 MiB.
+    direct_gather_min_numel = 2**18
+
     def __init__(
         self,
         *,
@@ -115,6 +121,10 @@ class FlatUnit:
         full_numel = 0 if self._aliases_shard else n * self.shard_numel
         self.full_flat = torch.empty(full_numel, dtype=self.compute_dtype, device=self.device)
         self._split_sizes = [s.layout.padded_numel for s in self.slots]
+        direct = self.sharded and len(self.slots) > 1
+        self._direct = [i for i, slot in enumerate(self.slots)
+                        if direct and n * slot.layout.padded_numel >= self.direct_gather_min_numel]
+        self._staged = [i for i in range(len(self.slots)) if i not in self._direct]
         self._full_regions = []
         with torch.no_grad():
             for slot in self.slots:
@@ -133,6 +143,8 @@ class FlatUnit:
                 slot.full = full
                 slot.param.data = shard_view
         if not self._aliases_shard:
+            self._staged_sizes = [self._split_sizes[i] for i in self._staged]
+            self._staged_regions = [self._full_regions[i] for i in self._staged]
             self._free_full()
 
     # --------------------------------------------------------------------------------------- gather / free
@@ -164,10 +176,9 @@ class FlatUnit:
         self._pending = ()
         if self._aliases_shard or not self.slots:
             return
-        storage = self.full_flat.untyped_storage()
-        storage.resize_(self.full_flat.numel() * self.full_flat.element_size())
         shard = self.flat_shard.to(self.device, self.compute_dtype)  # no copy in full precision on one device
         if not self.sharded:
+            self._allocate_full()
             with torch.no_grad():
                 self.full_flat.copy_(shard)
             return
@@ -175,23 +186,48 @@ class FlatUnit:
         self.shard_comm.agree(self.tag(GATHER))
         if len(self.slots) == 1:
             # One parameter: rank-major and parameter-major layouts coincide, so gather in place.
+            self._allocate_full()
             work = self.shard_comm.all_gather(self.full_flat, shard, async_op=async_op)
-            self._pending = (work, shard, None)
-        else:
-            gathered = torch.empty(n * self.shard_numel, dtype=self.compute_dtype, device=self.device)
-            work = self.shard_comm.all_gather(gathered, shard, async_op=async_op)
-            self._pending = (work, shard, gathered)
+            self._pending = ([work], shard, None)
+            return
+        works = []
+        if self._direct:
+            self._allocate_full()
+            for i in self._direct:
+                slot = self.slots[i]
+                chunk = shard[slot.offset : slot.offset + slot.layout.padded_numel]
+                works.append(self.shard_comm.all_gather(self._full_regions[i].view(-1), chunk, async_op=async_op))
+        gathered = None
+        if self._staged:
+            # The full buffer is allocated at copy-out, not now (unless a parameter is gathered in place): a
+            # prefetched unit in flight then holds one unit-sized buffer (this staging one), not two.
+            if self._direct:
+                staged_in = torch.cat([shard[self.slots[i].offset : self.slots[i].offset + self._split_sizes[i]]
+                                       for i in self._staged])
+            else:
+                staged_in = shard
+            gathered = torch.empty(n * staged_in.numel(), dtype=self.compute_dtype, device=self.device)
+            works.append(self.shard_comm.all_gather(gathered, staged_in, async_op=async_op))
+            shard = (shard, staged_in)  # both kept alive until the gathers complete
+        self._pending = (works, shard, gathered)
+
+    def _allocate_full(self) -> None:
+        storage = self.full_flat.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.full_flat.numel() * self.full_flat.element_size())
 
     def _finish_gather(self) -> None:
         pending, self._pending = self._pending, None
         if pending:
-            work, _shard, gathered = pending
-            if work is not None:
-                work.wait()
+            works, _shard, gathered = pending
+            for work in works:
+                if work is not None:
+                    work.wait()
             if gathered is not None:
+                self._allocate_full()
                 with torch.no_grad():
-                    torch.split_with_sizes_copy(gathered.view(self.world_size, self.shard_numel), self._split_sizes,
-                                                dim=1, out=self._full_regions)
+                    torch.split_with_sizes_copy(gathered.view(self.world_size, -1), self._staged_sizes, dim=1,
+                                                out=self._staged_regions)
         self._install(full=True)
         self.is_gathered = True
 
