@@ -68,7 +68,11 @@ def gates(step: int, rank: int) -> list[bool]:
     return [True, rank == 0, step % 2 == 1]
 
 
-def _train(rank, world_size, strategy):
+def _train(rank, world_size, strategy, direct):
+    from lightning_fsdp.engine.unit import FlatUnit
+
+    if direct:  # every parameter gathered and reduced on its own, in place (4-row layers split evenly)
+        FlatUnit.direct_gather_min_numel = 1
     reference = Net()
     model = copy.deepcopy(reference)
     fully_shard(model, sharding_strategy=strategy, auto_wrap_policy={GatedBlock})
@@ -101,9 +105,9 @@ def get_engine(model):
     return lookup(model)
 
 
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
-def test_parameter_skipped_by_one_rank_trains_like_one_process(strategy):
-    for none_grads, ref_none, full, ref in run_distributed(_train, 2, strategy):
+@pytest.mark.parametrize("strategy,direct", [("FULL_SHARD", False), ("SHARD_GRAD_OP", False), ("FULL_SHARD", True)])
+def test_parameter_skipped_by_one_rank_trains_like_one_process(strategy, direct):
+    for none_grads, ref_none, full, ref in run_distributed(_train, 2, strategy, direct):
         assert none_grads == ref_none  # a parameter no rank used keeps grad=None; one some rank used does not
         assert full.keys() == ref.keys()
         for name in ref:

@@ -111,3 +111,33 @@ def test_losses_and_parameters_match_unsharded_training(world_size, direct_gathe
 def test_clipping_is_active_in_the_reference(references):
     # Guards the clip cases above: with this max-norm the clipped run must differ from the unclipped one.
     assert references[("sgd", 1, 0.05)][0][1:] != references[("sgd", 1, None)][0][1:]
+
+
+def _direct_vs_staged(rank, world_size):
+    from lightning_fsdp import MixedPrecision
+    from lightning_fsdp.engine.unit import FlatUnit
+
+    out = {}
+    for precision in ("fp32", "fp16"):
+        mp = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16) if precision == "fp16" else None
+        for threshold in (2**18, 1):
+            FlatUnit.direct_gather_min_numel = threshold
+            torch.manual_seed(0)
+            model = ToyLM(dim=6)  # 6-row layers split evenly over 2 ranks: reduced in place too
+            engine = fully_shard(model, auto_wrap_policy={Block}, mixed_precision=mp)
+            direct = sum(len(u._direct) + len(u._direct_reduce) for u in engine.units)
+            train(model, rank, world_size, "sgd", 1, None, engine)
+            with engine.gathered():
+                out[(precision, threshold)] = (direct, {k: v.detach().clone() for k, v in model.named_parameters()})
+    return out
+
+
+def test_direct_collectives_are_bitwise_equal_to_staged():
+    """Gathering and reducing a parameter on its own, in place, computes exactly what the staged path does (same
+    sums in the same order), in float32 and with float16 reductions, which divide before summing."""
+    for result in run_distributed(_direct_vs_staged, 2):
+        for precision in ("fp32", "fp16"):
+            (staged_count, staged), (direct_count, direct) = result[(precision, 2**18)], result[(precision, 1)]
+            assert staged_count == 0 and direct_count > 0
+            for name in staged:
+                assert torch.equal(staged[name], direct[name]), (precision, name)

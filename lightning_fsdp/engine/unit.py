@@ -125,6 +125,12 @@ class FlatUnit:
         self._direct = [i for i, slot in enumerate(self.slots)
                         if direct and n * slot.layout.padded_numel >= self.direct_gather_min_numel]
         self._staged = [i for i in range(len(self.slots)) if i not in self._direct]
+        # The same for gradient reductions, where a parameter also needs rows that split evenly over the ranks: its
+        # full gradient is then already the reduce-scatter's rank-major input, and needs no padded copy.
+        self._direct_reduce = [j for j, slot in enumerate(self.trainable_slots)
+                               if direct and slot.layout.shape and slot.layout.rows % n == 0
+                               and n * slot.layout.padded_numel >= self.direct_gather_min_numel]
+        self._staged_reduce = [j for j in range(len(self.trainable_slots)) if j not in self._direct_reduce]
         self._full_regions = []
         with torch.no_grad():
             for slot in self.slots:
@@ -299,23 +305,38 @@ class FlatUnit:
         flags = torch.tensor(used, dtype=self.compute_dtype, device=self.device)  # the gradients' dtype
         # float16 sums can overflow: divide before summing there, after summing everywhere else.
         pre_divide = self.reduce_dtype == torch.float16
+        staged_out = None
         if self.sharded:
-            # _chunk_cat pads each gradient to ceil(d0/N) rows per rank and lays the ranks out one after another;
-            # the flags, repeated once per rank, end every rank's chunk.
-            flat_in = torch._chunk_cat(grads + [flags.expand(n, k)], dim=0, num_chunks=n).view(-1)
-            flat_in = flat_in.to(self.reduce_dtype)
-            if pre_divide:
-                flat_in.div_(ranks)
             reduced = torch.empty(self.grad_numel + k, dtype=self.reduce_dtype, device=self.device)
             self.shard_comm.agree(self.tag(REDUCE))
-            work = self.shard_comm.reduce_scatter(reduced, flat_in, async_op=True)
+            works, inputs = [], []
+            for j in self._direct_reduce:
+                slot = self.trainable_slots[j]
+                flat = grads[j].reshape(-1).to(self.reduce_dtype)
+                if pre_divide:
+                    flat = flat / ranks
+                out = reduced[slot.offset : slot.offset + slot.layout.padded_numel]
+                works.append(self.shard_comm.reduce_scatter(out, flat, async_op=True))
+                inputs.append(flat)
+            # _chunk_cat pads each gradient to ceil(d0/N) rows per rank and lays the ranks out one after another;
+            # the flags, repeated once per rank, end every rank's chunk.
+            staged = [grads[j] for j in self._staged_reduce] + [flags.expand(n, k)]
+            flat_in = torch._chunk_cat(staged, dim=0, num_chunks=n).view(-1).to(self.reduce_dtype)
+            if pre_divide:
+                flat_in.div_(ranks)
+            staged_out = torch.empty(flat_in.numel() // n, dtype=self.reduce_dtype, device=self.device) \
+                if self._direct_reduce else reduced
+            works.append(self.shard_comm.reduce_scatter(staged_out, flat_in, async_op=True))
+            inputs.append(flat_in)
+            if staged_out is reduced:
+                staged_out = None
         else:
-            reduced = flat_in = torch.cat([g.reshape(-1).to(self.reduce_dtype) for g in grads] + [flags])
+            reduced = torch.cat([g.reshape(-1).to(self.reduce_dtype) for g in grads] + [flags])
             if pre_divide:
                 reduced.div_(ranks)
             self.shard_comm.agree(self.tag(REDUCE))
-            work = self.shard_comm.all_reduce(reduced, async_op=True)
-        self._pending_reduce = (work, reduced, flat_in, pre_divide, ranks)
+            works, inputs = [self.shard_comm.all_reduce(reduced, async_op=True)], []
+        self._pending_reduce = (works, reduced, inputs, staged_out, pre_divide, ranks)
 
     @property
     def is_reducing(self) -> bool:
@@ -325,10 +346,17 @@ class FlatUnit:
         """Wait for the reduction ``reduce_grads`` started and add its result to the shards' ``.grad``."""
         if self._pending_reduce is None:
             return
-        work, reduced, _flat_in, pre_divide, ranks = self._pending_reduce
+        works, reduced, _inputs, staged_out, pre_divide, ranks = self._pending_reduce
         self._pending_reduce = None
-        if work is not None:
-            work.wait()
+        for work in works:
+            if work is not None:
+                work.wait()
+        if staged_out is not None:
+            # Parameters reduced through the padded copy, and the flags: into their places in ``reduced``.
+            regions = [reduced[s.offset : s.offset + s.layout.padded_numel]
+                       for s in (self.trainable_slots[j] for j in self._staged_reduce)]
+            sizes = [r.numel() for r in regions] + [len(self.trainable_slots)]
+            torch.split_with_sizes_copy(staged_out, sizes, out=regions + [reduced[self.grad_numel :]])
         if self.replicate_comm is not None and self.replicate_comm.world_size > 1:
             self.replicate_comm.agree(self.tag(REPLICATE))
             self.replicate_comm.all_reduce(reduced)
