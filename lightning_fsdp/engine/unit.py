@@ -40,7 +40,7 @@ class ParamSlot:
 
 
 class FlatUnit:
-    """Gather, free and gradient reduction for one unit's parameters, one flat collective each."""
+    """Gather, free and gradient reduction for one unit's parameters: flat collectives over its shard buffer."""
 
     # Parameters whose full (padded) size reaches this many elements are all-gathered on their own, straight into
     # place: for one parameter the ranks' chunks laid end to end are its rows, so it needs no staging buffer and no
