@@ -338,10 +338,6 @@ class FlatUnit:
             works, inputs = [self.shard_comm.all_reduce(reduced, async_op=True)], []
         self._pending_reduce = (works, reduced, inputs, staged_out, pre_divide, ranks)
 
-    @property
-    def is_reducing(self) -> bool:
-        return self._pending_reduce is not None
-
     def finish_reduce(self) -> None:
         """Wait for the reduction ``reduce_grads`` started and add its result to the shards' ``.grad``."""
         if self._pending_reduce is None:
