@@ -24,10 +24,6 @@ from __future__ import annotations
 import fractions
 import functools
 import json
-import os
-import re
-import shutil
-import socket
 import subprocess
 import sys
 import tomllib
@@ -42,7 +38,7 @@ import lightning_fsdp  # noqa: F401  (registers "fsdp_custom")
 from lightning_fsdp import FSDPStrategy, MixedPrecision
 from lightning_fsdp.config import parse_mixed_precision, parse_module_classes
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.processes import ROOT, clean_env, free_port  # noqa: E402
 SCRIPT = ROOT / "tests" / "scripts" / "bad_input_run.py"
 from tests.scripts.bad_input_run import LOADS, MISUSE  # noqa: E402
 
@@ -352,20 +348,6 @@ def test_helpers_reject_bad_input(label, call, error, fragments):
 
 
 # ======================================================================================== 5. loaders on 2 ranks
-_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                       "MASTER_ADDR", "MASTER_PORT")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -374,14 +356,15 @@ def launch(tmp_path_factory) -> tuple[Path, list[dict], list[tuple]]:
     save time): (the script's work directory, each rank's results, each command's (argv, status, stdout, stderr))."""
     work = tmp_path_factory.mktemp("bad_input")
     commands_dir = tmp_path_factory.mktemp("commands")
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(2):
-        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", NODE_RANK="0", LOCAL_RANK=str(rank))
+        env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", NODE_RANK="0",
+                        LOCAL_RANK=str(rank))
         log = open(work / f"log.rank{rank}", "w")
         procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--work", str(work)], env=env, cwd=work,
                                       stdout=log, stderr=subprocess.STDOUT))
-    commands = [(argv, subprocess.Popen(argv, cwd=commands_dir, env=_env(), stdout=subprocess.PIPE,
+    commands = [(argv, subprocess.Popen(argv, cwd=commands_dir, env=clean_env(), stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True))
                 for argv in _real_commands(commands_dir)]
     try:

@@ -23,10 +23,7 @@ process group at the end of each test, whatever happened.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.processes import ROOT, clean_env, free_port, group_members, kill_group  # noqa: E402
 SCRIPT = ROOT / "tests" / "scripts" / "fault_run.py"
 TIMEOUT_S = 10  # FSDPStrategy(timeout=...) of every run
 # What may come on top of the fault (or of the timeout, for hangs): Lightning's child-process observer polls every
@@ -43,45 +40,6 @@ TIMEOUT_S = 10  # FSDPStrategy(timeout=...) of every run
 MARGIN_S = 20
 # Start-up (imports, process group, sharding) before the fault; generous, a loaded machine is slow.
 STARTUP_S = 120
-
-_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                       "MASTER_ADDR", "MASTER_PORT")
-
-
-def _env(**extra: str) -> dict:
-    """This environment without any launcher's variables (pytest itself may run under SLURM or torchrun)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid`` (Linux /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        state, _ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
-        if int(pgrp) == pgid and state != "Z":
-            found.append(int(entry.name))
-    return found
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class Job:
@@ -126,7 +84,7 @@ class Job:
 
     def close(self) -> None:
         for proc in self.procs:
-            _kill_group(proc.pid)
+            kill_group(proc.pid)
         for proc in self.procs:
             proc.wait()
 
@@ -178,7 +136,7 @@ POPEN_CASES = [
 @pytest.mark.parametrize("fault,rank,where,sharding", POPEN_CASES, ids=lambda v: str(v))
 def test_default_launcher_job_ends(job, fault, rank, where, sharding):
     """Started as a script: Lightning's launcher starts rank 1 from rank 0. The job must end, non-zero, in time."""
-    proc = job.start(_fault_args(fault, rank, where, sharding), _env())
+    proc = job.start(_fault_args(fault, rank, where, sharding), clean_env())
     ended = job.wait_for_exit(proc, TIMEOUT_S + MARGIN_S)
     assert ended is not None, f"the job did not end in time:\n{job.report()}"
     fault_at = job.fault_time()
@@ -193,9 +151,9 @@ def test_default_launcher_job_ends(job, fault, rank, where, sharding):
     _check_elapsed(fault, elapsed)
     # Nothing left behind: rank 1 (rank 0's child, same process group) is gone too.
     deadline = time.monotonic() + 5
-    while _group_members(proc.pid) and time.monotonic() < deadline:
+    while group_members(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _group_members(proc.pid) == [], f"processes left behind:\n{job.report()}"
+    assert group_members(proc.pid) == [], f"processes left behind:\n{job.report()}"
 
 
 TORCHRUN_CASES = [
@@ -209,9 +167,9 @@ TORCHRUN_CASES = [
 @pytest.mark.parametrize("fault,where", TORCHRUN_CASES, ids=lambda v: str(v))
 def test_independent_processes_survivor_fails_by_itself(job, fault, where):
     """Torchrun style: each rank its own process, no launcher and no observer. Rank 0 must notice on its own."""
-    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "NODE_RANK": "0", "WORLD_SIZE": "2"}
-    survivor = job.start(_fault_args(fault, 1, where), _env(**common, LOCAL_RANK="0", RANK="0"))
-    faulty = job.start(_fault_args(fault, 1, where), _env(**common, LOCAL_RANK="1", RANK="1"))
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0", "WORLD_SIZE": "2"}
+    survivor = job.start(_fault_args(fault, 1, where), clean_env(**common, LOCAL_RANK="0", RANK="0"))
+    faulty = job.start(_fault_args(fault, 1, where), clean_env(**common, LOCAL_RANK="1", RANK="1"))
     ended = job.wait_for_exit(survivor, TIMEOUT_S + MARGIN_S)
     assert ended is not None, f"rank 0 did not end in time:\n{job.report()}"
     fault_at = job.fault_time()
@@ -234,7 +192,8 @@ def test_nan_gradient_under_detect_anomaly_is_named(job):
 
     Rank 0's own gradient is finite, so its message naming rank 1 shows the ranks shared their findings; torch's
     own NaN check (which FSDPStrategy turns off during backward) would have raised on rank 1 only."""
-    proc = job.start(["--fault", "nan", "--fault-rank", "1", "--timeout", str(TIMEOUT_S), "--detect-anomaly"], _env())
+    proc = job.start(["--fault", "nan", "--fault-rank", "1", "--timeout", str(TIMEOUT_S), "--detect-anomaly"],
+                     clean_env())
     ended = job.wait_for_exit(proc, MARGIN_S)
     assert ended is not None, f"the job did not end in time:\n{job.report()}"
     output = job.output()

@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.processes import ROOT, clean_env, group_members  # noqa: E402
 SCRIPT = ROOT / "tests" / "scripts" / "soak_run.py"
 
 STEPS = int(os.environ.get("LIGHTNING_FSDP_SOAK_STEPS", "64"))
@@ -58,29 +58,6 @@ RESUME_FROM = (KILL_AT // CKPT_EVERY) * CKPT_EVERY
 OBJECT_SLACK = 16
 RUN_TIMEOUT_S = 120 + STEPS * 2
 
-_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                       "MASTER_ADDR", "MASTER_PORT")
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
-def _group_alive(pgid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            state, _ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
-            if int(pgrp) == pgid and state != "Z":
-                found.append(int(entry.name))
-    return found
-
 
 def run_soak(folder: Path, name: str, *args: str, expect_kill: bool = False) -> tuple[dict, list[dict], str]:
     """Run the script in a session of its own (killed as a group whatever happens); returns rank 0's result, each
@@ -91,14 +68,14 @@ def run_soak(folder: Path, name: str, *args: str, expect_kill: bool = False) -> 
            str(RECORD_EVERY), "--ckpt-every", str(CKPT_EVERY), *args]
     started = time.monotonic()
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, env=_env(), cwd=folder, stdout=f, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, env=clean_env(), cwd=folder, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         proc.wait(timeout=RUN_TIMEOUT_S)
         deadline = time.monotonic() + 10
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
+        while group_members(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = _group_alive(proc.pid)
+        left = group_members(proc.pid)
     except subprocess.TimeoutExpired:
         left = None
     finally:
