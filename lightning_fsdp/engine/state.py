@@ -199,8 +199,9 @@ class ShardingEngine:
         self._reduced_units.append(unit)
 
     def _finish_reductions(self) -> None:
-        for unit in self._reduced_units:
-            unit.finish_reduce()
+        # Only the latest reduction can still be in flight: each one waited for its predecessor before starting.
+        if self._reduced_units:
+            self._reduced_units[-1].finish_reduce()
 
     def _neighbour(self, unit: FlatUnit, step: int) -> FlatUnit | None:
         """The unit after (+1) or before (-1) ``unit`` in the recorded forward order; backward runs it reversed."""
