@@ -54,6 +54,7 @@ from lightning_fsdp.config import (
 from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
 from lightning_fsdp.launcher import choose_launcher, stop_launched_processes
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
+from lightning_fsdp.shutdown import settle_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -425,6 +426,8 @@ class FSDPStrategy(ParallelStrategy):
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        # A script that ends right after a collective could otherwise die with SIGABRT at exit (see shutdown.py).
+        settle_at_exit()
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or _BACKEND_FOR_DEVICE.get(self.device.type, "gloo")

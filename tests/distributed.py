@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_fsdp.shutdown import destroy_process_group
+
 
 def _worker(rank: int, world_size: int, folder: str, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)
@@ -28,7 +30,7 @@ def _worker(rank: int, world_size: int, folder: str, fn: Callable, args: tuple) 
         result = ("error", traceback.format_exc())
     with open(f"{folder}/result-{rank}.pkl", "wb") as f:
         pickle.dump(result, f)
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:

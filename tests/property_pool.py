@@ -22,6 +22,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from lightning_fsdp.shutdown import destroy_process_group
+
 CASE_TIMEOUT_S = float(os.environ.get("LIGHTNING_FSDP_PROPERTY_TIMEOUT", "60"))
 START_TIMEOUT_S = 180.0  # importing torch in two fresh processes on busy shared cores can be slow
 PEER_GRACE_S = 5.0  # once one rank reported an exception, how long the others get to report theirs
@@ -61,7 +63,7 @@ def _worker(rank: int, world_size: int, folder: str, inbox: Any, outbox: Any) ->
             outbox.join_thread()
             os._exit(1)
         outbox.put((case_id, rank, result))
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 class WorkerPool:

@@ -40,7 +40,7 @@ def test_writes_table_plot_and_json_with_every_variant(tiny_run):
     must_run = [k for k in VARIANTS if TORCH_FSDP2 or not k.startswith("fsdp")]
     for row in results["variants"]:
         if row["key"] in must_run:
-            assert row["status"] == "ok", (row["name"], row.get("traceback"))
+            assert row["status"] == "ok", (row["name"], row.get("error"), row.get("traceback"))
             assert row["median_step_ms"] > 0
     assert "python -m lightning_fsdp.benchmark" in table and "How each column is measured" in table
 

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from accelerators import HPUAccelerator, check_eager_mode, register_hpu_accelerator
 from accelerators.hpu_runtime import is_test_double
+from lightning_fsdp.shutdown import destroy_process_group
 
 FAKES = Path(__file__).resolve().parent / "fakes"
 
@@ -262,7 +263,7 @@ def _all_reduce_over_fake_hccl(rank: int, fakes: str, init_file: str, results: s
         dist.all_reduce(tensor)
         torch.save({"backend": dist.get_backend(), "sum": tensor}, os.path.join(results, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def test_double_registers_an_hccl_backend_that_all_reduces(tmp_path, monkeypatch):

@@ -48,6 +48,7 @@ from lightning_fsdp.benchmark.memory import (
 )
 from lightning_fsdp.benchmark.report import paired_ratio
 from lightning_fsdp.benchmark.variants import REFERENCE, VARIANTS, engine_options
+from lightning_fsdp.shutdown import destroy_process_group
 
 __all__ = ["BenchmarkConfig", "run_benchmark", "VARIANTS", "REFERENCE"]
 
@@ -134,8 +135,10 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Ten
     return time.perf_counter() - start, loss.detach().item()
 
 
-def _global_losses(losses: list[float], group: dist.ProcessGroup) -> list[float]:
+def _global_losses(losses: list[float], group: dist.ProcessGroup | None = None) -> list[float]:
     # Every rank had an equal share of the global batch, so the mean of the ranks' losses is the global loss.
+    # Callers pass a group that outlives the next destroy_process_group: freeing this temporary tensor can fall to
+    # a gloo worker thread, which then races the destroy (see lightning_fsdp/shutdown.py).
     tensor = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(tensor, group=group)
     return (tensor / dist.get_world_size(group)).tolist()
@@ -165,7 +168,7 @@ class _Interleaved:
                 run = self.runs.pop(key)
                 self.results.setdefault(key, {"status": "failed", "error": "failed on another rank"})
                 try:
-                    dist.destroy_process_group(run["group"])
+                    destroy_process_group(run["group"])
                 except Exception:  # noqa: BLE001 - a broken group may not tear down cleanly; it is dropped anyway
                     pass
 
@@ -208,12 +211,12 @@ class _Interleaved:
                 "status": "ok",
                 "step_s": run["times"][cfg.warmup:],
                 "warmup_s": run["times"][: cfg.warmup],
-                "losses": _global_losses(run["losses"], run["group"]),
+                "losses": _global_losses(run["losses"], self.control),
                 "model_state": model_state_bytes(prepared.model, optimizer),
             }
-            dist.destroy_process_group(run["group"])
+            destroy_process_group(run["group"])
             del run, prepared, optimizer
-        dist.destroy_process_group(self.control)
+        destroy_process_group(self.control)
         gc.collect()
         return self.results
 
@@ -256,7 +259,7 @@ def _memory_run(rank: int, world: int, key: str, cfg: BenchmarkConfig, tokens: t
                 result["comm_calls_per_step"] = {k: v / n for k, v in counter.calls.items()}
             result["notes"] = prepared.notes
             del prepared, optimizer, engine
-        result["losses"] = _global_losses(losses, group)
+        result["losses"] = _global_losses(losses)  # the default group, destroyed last
         result["peak_live_bytes"] = live.peak
         result["live_at_start_bytes"] = live.at_window_start
         result["peak_live_overall_bytes"] = live.peak_overall
@@ -266,7 +269,7 @@ def _memory_run(rank: int, world: int, key: str, cfg: BenchmarkConfig, tokens: t
         _say(rank, f"{variant.name} ws={world} FAILED in the memory run: {result['error']}")
     finally:
         try:
-            dist.destroy_process_group(group)
+            destroy_process_group(group)
         except Exception:  # noqa: BLE001
             pass
     gc.collect()
@@ -306,7 +309,7 @@ def _worker(rank: int, world: int, folder: str, keys: list[str], cfg_dict: dict[
             payload = _memory_run(rank, world, key, cfg, tokens)
             _write_json(Path(folder, f"memory-{key}-rank{rank}.json"), payload)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------- orchestration

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_fsdp.shutdown import destroy_process_group
+
 # Operator name fragments -> group. Collectives on gloo run in its own threads: the profiler sees the time the
 # training thread spends issuing and waiting for them.
 _GROUPS = (
@@ -75,7 +77,7 @@ def _worker(rank: int, world: int, folder: str, args: argparse.Namespace) -> Non
         for name, value in sorted(groups.items(), key=lambda kv: -kv[1]):
             print(f"  {name:12s} {value / 1e3 / steps:8.1f} ms/step  {100 * value / total:5.1f}%")
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -59,6 +59,7 @@ def worker(rank: int, port: int, folder: str, out: str) -> None:
         sharded_optimizer_state_dict,
     )
     from lightning_fsdp.engine import fully_shard
+    from lightning_fsdp.shutdown import destroy_process_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -108,7 +109,7 @@ def worker(rank: int, port: int, folder: str, out: str) -> None:
     if rank == 0:
         torch.save(results, out)
     dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 def main() -> None:
