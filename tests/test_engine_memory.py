@@ -3,6 +3,8 @@ meta-device models materialised one unit at a time; rank 0's initial values broa
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch import nn
 
@@ -26,12 +28,21 @@ def held_bytes(rank, world_size, strategy):
     optimizer.step()  # between steps: shards, their gradients and AdamW's state
     state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
     full_buffers_alive = sum(u.full_flat.untyped_storage().nbytes() for u in engine.units)
-    return {
+    held = {
         "params": _bytes(model.parameters()),
         "grads": _bytes(p.grad for p in model.parameters() if p.grad is not None),
         "state": _bytes(state),
         "full_buffers_alive": full_buffers_alive,
     }
+    # zero_grad(set_to_none=True) must free the gradients' memory, not only drop the tensors: nothing in the engine
+    # may keep the buffer they are views of.
+    handles = [p.grad.untyped_storage()._weak_ref() for p in model.parameters() if p.grad is not None]
+    optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    held["grad_buffers_alive_after_zero_grad"] = sum(not torch.UntypedStorage._expired(h) for h in handles)
+    for handle in handles:
+        torch.UntypedStorage._free_weak_ref(handle)
+    return held
 
 
 def test_each_rank_holds_one_nth_of_params_grads_and_optimizer_state():
@@ -48,6 +59,7 @@ def test_each_rank_holds_one_nth_of_params_grads_and_optimizer_state():
             assert abs(held["grads"] - full_trainable / world_size) <= row_bytes, (world_size, held)
             assert abs(held["state"] - 2 * full_trainable / world_size) <= 2 * row_bytes, (world_size, held)
             assert held["full_buffers_alive"] == 0  # no unit's full parameters outlive the step
+            assert held["grad_buffers_alive_after_zero_grad"] == 0, held
         # The shards tile the model: together they are exactly one copy.
         assert sum(h["params"] for h in per_rank) == full_params
         assert sum(h["grads"] for h in per_rank) == full_trainable

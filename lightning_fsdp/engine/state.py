@@ -185,8 +185,9 @@ class ShardingEngine:
             # The unit ran more than once this step: wait for the backward of its first call. A call whose inputs
             # needed no gradient gives no signal when its backward ends: the end of backward reduces the unit.
             return
-        self._reduce(unit)
+        # Free the full parameters before the reduction allocates its buffers (the gradients do not need them).
         unit.reshard()
+        self._reduce(unit)
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch(self._neighbour(unit, -1))
 
@@ -234,9 +235,9 @@ class ShardingEngine:
     def _finish_backward(self) -> None:
         try:
             for unit in reversed(self.units):
+                unit.reshard()
                 if unit.trainable_slots and not unit.reduced:
                     self._reduce(unit)
-                unit.reshard()
             self._finish_reductions()
             self._check_no_late_gradients()
             self._restore_none_gradients()

@@ -358,8 +358,9 @@ class FlatUnit:
             self.replicate_comm.all_reduce(reduced)
         if not pre_divide:
             reduced.div_(ranks)
-        # Divided, the sums stay > 0 exactly where some rank had a gradient, which is all the engine asks.
-        self.used_counts = reduced[self.grad_numel :]
+        # Divided, the sums stay > 0 exactly where some rank had a gradient, which is all the engine asks. A copy:
+        # a view would keep the whole reduction buffer, which the gradients are views of, alive after zero_grad.
+        self.used_counts = reduced[self.grad_numel :].clone()
         reduced = reduced[: self.grad_numel].to(self.shard_device, self.dtype)
         self._had_grad = [slot.param.grad is not None for slot in self.trainable_slots]
         for slot in self.trainable_slots:
