@@ -9,7 +9,7 @@ while the program runs (the main thread hands the GIL over within a few millisec
 * At interpreter exit, a worker that asks for the GIL after finalization has begun is stopped inside C++ code:
   ``terminate called without an active exception`` and SIGABRT (exit code 134) after a run that succeeded
   (pytorch/pytorch#190489). A script that ends right after a collective, such as ``strategy.all_gather``, meets
-  it: 3 exits in 60 on the 2-core test machine under load.
+  it: 5 exits in 160 on the 2-core test machine under load, none in 160 with the pause below.
 
 Releasing the GIL for a moment first lets any worker still freeing a tensor finish. This narrows the race to a
 worker that gets no CPU time for the whole pause; it cannot close it, as only torch can.
