@@ -33,7 +33,7 @@ def settle_collective_threads() -> None:
 
 
 def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
-    """``torch.distributed.destroy_process_group(group)`` without the hang described above."""
+    """``torch.distributed.destroy_process_group(group)``, after the pause that makes the hang above unlikely."""
     settle_collective_threads()
     dist.destroy_process_group(group)
 
