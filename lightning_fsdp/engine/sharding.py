@@ -32,6 +32,11 @@ def get_engine(module: nn.Module) -> ShardingEngine | None:
     return module.__dict__.get(_ENGINE_ATTR)
 
 
+def detach_engine(module: nn.Module) -> None:
+    """Forget the engine of ``module`` (after ``ShardingEngine.restore_unsharded``): it may be sharded again."""
+    module.__dict__.pop(_ENGINE_ATTR, None)
+
+
 def fully_shard(
     module: nn.Module,
     *,
@@ -134,7 +139,8 @@ def fully_shard(
         own_modules = [m for m in unit_module.modules() if unit_of_module.get(id(m)) is unit_module]
         _materialize(own_modules, device, param_init_fn)
         if sync_module_states:
-            _broadcast_from_rank0(own_modules, [params_by_id[pid] for pid in owned[id(unit_module)]])
+            _broadcast_from_first_rank(own_modules, [params_by_id[pid] for pid in owned[id(unit_module)]],
+                                       shard_comm, replicate_comm)
         if mixed_precision.buffer_dtype is not None:
             _cast_buffers(own_modules, mixed_precision.buffer_dtype)
         slots = []
@@ -255,9 +261,14 @@ def _cast_buffers(modules: list[nn.Module], dtype: torch.dtype) -> None:
 
 
 @torch.no_grad()
-def _broadcast_from_rank0(modules: list[nn.Module], params: list[nn.Parameter]) -> None:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
+def _broadcast_from_first_rank(modules: list[nn.Module], params: list[nn.Parameter], shard_comm: Communicator,
+                               replicate_comm: Communicator | None) -> None:
+    """The first rank's values everywhere this model lives: over the shard group, then across its replicas.
+
+    Only over the groups the engine was given: ranks outside them may be training something else.
+    """
     tensors = params + [b for m in modules for b in m.buffers(recurse=False)]
-    for tensor in tensors:
-        dist.broadcast(tensor.data, src=0)
+    for comm in (shard_comm, replicate_comm):
+        if comm is not None and comm.world_size > 1:
+            for tensor in tensors:
+                comm.broadcast(tensor.data, src_rank=0)

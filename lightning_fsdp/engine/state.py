@@ -12,6 +12,7 @@ in a fixed unit order, so every rank issues the same collectives in the same ord
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,11 +20,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_fsdp.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from lightning_fsdp.engine.comm import Communicator
 from lightning_fsdp.engine.unit import FlatUnit
+
+def _current_graph_task_id() -> int:
+    """The id of the backward this thread is running, -1 outside any (torch has no public spelling of this)."""
+    return torch._C._current_graph_task_id()
+
+
+def _optimizer_step_hook(engine: ShardingEngine) -> Any:
+    """A hook after every optimizer step (torch offers only a global one) that does not keep ``engine`` alive."""
+    ref = weakref.ref(engine)
+    handle = None
+
+    def hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        alive = ref()
+        if alive is not None:
+            alive._after_optimizer_step()
+        elif handle is not None:
+            handle.remove()
+
+    handle = register_optimizer_step_post_hook(hook)
+    return handle
+
 
 # ``Communicator.agree`` tags of collectives that belong to no unit (unit tags are non-negative).
 _TAG_IGNORED_GRAD, _TAG_CLIP, _TAG_ANOMALY = -1, -2, -3
@@ -86,23 +109,37 @@ class ShardingEngine:
         names = {id(p): name for name, p in root.named_parameters(remove_duplicate=False)}
         self._reduced_units: list[FlatUnit] = []
         self._nonfinite_ignored: list[str] = []
+        self._forward_depth = 0  # unit forwards open right now (outermost call of each, nested ones included)
         for index, unit in enumerate(units):
             unit.index = index
             unit.forward_depth = 0
             unit.forward_calls = 0  # outermost calls this step that will see a backward
             unit.backward_calls = 0
             unit.untracked_calls = 0  # calls whose inputs need no gradient: no signal when their backward ends
+            unit.marked_call = False  # the open outermost call put a _PostBackward on its inputs
             unit.reduced = False
             self._register_hooks(unit)
         for comm in (shard_comm, replicate_comm):
             if comm is not None:
                 comm.describe_tag = self._describe_tag
-        for param in self.ignored_params:
-            if param.requires_grad:
-                name = names.get(id(param), "?")
-                self._handles.append(param.register_hook(lambda grad, name=name: self._average_ignored_grad(grad, name)))
+        self._ignored_names = {id(p): names.get(id(p), "?") for p in self.ignored_params}
+        self._ignored_hooked: set[int] = set()
+        self._hook_ignored_params()
+        self._register_root_hooks()
+        self.closed = False
 
     # ------------------------------------------------------------------------------------------------ hooks
+    # [Note: what the hooks guarantee]
+    # * The post-forward hook is registered with ``always_call``: it also runs when the forward raises, so a
+    #   caught exception (a user's try/except, Lightning's tuners) leaves no unit gathered or half-counted.
+    # * A backward that raised never reaches ``_finish_backward``. The next root forward outside any backward
+    #   sees that and abandons the step (``_abandon_step``) before starting a new one.
+    # * A forward always computes with the current weights: every root forward starts by freeing whatever an
+    #   earlier forward left gathered (the root, SHARD_GRAD_OP units, a forward whose backward never came), prefetches
+    #   never outlive the forward or backward that issued them, and an optimizer step inside the root's forward
+    #   (manual optimization) re-gathers the root.
+    # * ``requires_grad`` is read at each unit's forward (``FlatUnit.sync_requires_grad``), so freezing and
+    #   unfreezing at any time trains as in a single process.
     def _register_hooks(self, unit: FlatUnit) -> None:
         self._handles.append(
             unit.module.register_forward_pre_hook(
@@ -110,28 +147,65 @@ class ShardingEngine:
             )
         )
         self._handles.append(
-            unit.module.register_forward_hook(lambda module, args, output: self._post_forward(unit, output))
+            unit.module.register_forward_hook(lambda module, args, output: self._post_forward(unit, output),
+                                              always_call=True)
         )
+
+    def _register_root_hooks(self) -> None:
+        root = self.root_unit
+        # The root's forward is the whole training_step under Lightning, so with manual optimization backward and
+        # optimizer steps happen inside it, and toggle_optimizer flips requires_grad there. Modules that use the
+        # root's parameters resync their flags when they run.
+        users: dict[int, tuple[nn.Module, list]] = {}
+        for slot in root.slots:
+            for module, _attr in slot.uses:
+                if module is not root.module:
+                    users.setdefault(id(module), (module, []))[1].append(slot)
+        for module, slots in users.values():
+            self._handles.append(module.register_forward_pre_hook(
+                lambda _m, _a, slots=slots: self._sync_root_slots(slots)))
+        # The root has no unit above it to start backward for it: with manual optimization its backward starts
+        # before its forward has ended, so its own gradients announce it.
+        for slot in root.slots:
+            # torch refuses hooks on tensors that need no gradient; this one stays when the parameter is unfrozen.
+            frozen = not slot.full.requires_grad
+            slot.full.requires_grad_(True)
+            self._handles.append(slot.full.register_post_accumulate_grad_hook(lambda _p: self._start_backward()))
+            slot.full.requires_grad_(not frozen)
+        self._handles.append(_optimizer_step_hook(self))
+
+    def _hook_ignored_params(self) -> None:
+        # Ignored parameters that become trainable later get their gradient averaging then.
+        for param in self.ignored_params:
+            if param.requires_grad and id(param) not in self._ignored_hooked:
+                self._ignored_hooked.add(id(param))
+                name = self._ignored_names[id(param)]
+                self._handles.append(param.register_hook(lambda grad, name=name: self._average_ignored_grad(grad, name)))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._ignored_hooked.clear()
 
     def _pre_forward(self, unit: FlatUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if unit.forward_depth == 0:
-            if unit is self.root_unit and torch.is_grad_enabled() and not self._in_backward:
-                self._begin_step()
-            if not self._order_frozen and not self._in_backward and unit is not self.root_unit \
-                    and id(unit) not in self._position:
-                self._position[id(unit)] = len(self._order)
-                self._order.append(unit)
+        first = unit.forward_depth == 0
+        # Counted first: the always-called post-forward hook undoes it even if what follows raises.
+        unit.forward_depth += 1
+        self._forward_depth += 1
+        if first:
+            if unit is self.root_unit:
+                self._begin_root_forward()
+            if not self._in_backward:
+                unit.sync_requires_grad()
+                if not self._order_frozen and unit is not self.root_unit and id(unit) not in self._position:
+                    self._position[id(unit)] = len(self._order)
+                    self._order.append(unit)
             self._make_room(unit)
             unit.gather()
             self._update_peak()
             if self.forward_prefetch and not self._in_backward:
                 self._prefetch(self._neighbour(unit, +1))
-        unit.forward_depth += 1
         mp = self.mixed_precision
         changed = False
         if mp.param_dtype is not None and (
@@ -139,13 +213,14 @@ class ShardingEngine:
         ):
             args, kwargs = _cast_floating(args, mp.param_dtype), _cast_floating(kwargs, mp.param_dtype)
             changed = True
-        if unit.forward_depth == 1 and unit.trainable_slots and torch.is_grad_enabled() and not self._in_backward:
+        if first and unit.trainable_slots and torch.is_grad_enabled() and not self._in_backward:
             flat, spec = tree_flatten((args, kwargs))
             wanted = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if not wanted:
                 unit.untracked_calls += 1
             else:
                 unit.forward_calls += 1
+                unit.marked_call = True
                 marked = _PostBackward.apply(lambda: self._post_backward(unit), *(flat[i] for i in wanted))
                 for i, tensor in zip(wanted, marked):
                     flat[i] = tensor
@@ -153,26 +228,85 @@ class ShardingEngine:
                 changed = True
         return (args, kwargs) if changed else None
 
+    def _begin_root_forward(self) -> None:
+        if self._in_backward:
+            if _current_graph_task_id() != -1:
+                return  # the root recomputed inside backward (activation checkpointing): the step goes on
+            self._abandon_step()
+        # Whatever an earlier forward left gathered may predate an optimizer step: free it, gather afresh.
+        for unit in self.units:
+            unit.reshard()
+        self._hook_ignored_params()
+
     def _post_forward(self, unit: FlatUnit, output: Any) -> None:
+        if unit.forward_depth == 0:
+            return  # the hooks were added while this forward ran
         unit.forward_depth -= 1
-        if unit.forward_depth > 0 or self._in_backward:
-            # Nested call of the same unit, or a recompute inside backward (activation checkpointing): the unit
-            # must stay gathered until its gradients are reduced.
-            return
+        self._forward_depth -= 1
+        if unit.forward_depth == 0 and not self._in_backward:
+            self._end_forward(unit, output)
+        if self._forward_depth == 0 and not self._in_backward:
+            # A prefetch the forward did not use would otherwise be completed later, with the weights of now.
+            for other in self.units:
+                if other.is_prefetched:
+                    other.reshard()
+
+    def _end_forward(self, unit: FlatUnit, output: Any) -> None:
+        marked, unit.marked_call = unit.marked_call, False
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if torch.is_grad_enabled() and tensors:
             for tensor in tensors:
                 tensor.register_hook(lambda _grad: self._pre_backward(unit))
             if unit.reshard_after_forward and unit is not self.root_unit:
                 unit.reshard()
-        else:
-            # No backward will come through this forward (eval, no_grad, or nothing requires grad).
-            unit.reshard()
+            return
+        if marked:
+            # The forward raised (its output is None then) or returned nothing that needs a gradient: no backward
+            # will signal the end of this call, so the end of backward reduces the unit.
+            unit.forward_calls -= 1
+            unit.untracked_calls += 1
+        # No backward will come through this forward (eval, no_grad, nothing requires grad, or it raised).
+        unit.reshard()
 
-    def _pre_backward(self, unit: FlatUnit) -> None:
+    def _sync_root_slots(self, slots: list) -> None:
+        if self._in_backward:
+            return
+        grad_enabled = torch.is_grad_enabled()
+        for slot in slots:
+            wanted = slot.param.requires_grad
+            if slot.full.requires_grad != wanted:
+                slot.full.requires_grad_(wanted)
+            if wanted and grad_enabled:
+                slot.in_graph = True
+        root = self.root_unit
+        if root.forward_depth > 0 and not root.is_gathered:
+            root.gather()
+
+    def _start_backward(self) -> None:
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _after_optimizer_step(self) -> None:
+        # Manual optimization steps inside the root's forward (training_step): the root's full parameters were
+        # gathered before the step and must show the updated shards to the rest of the step.
+        root = self.root_unit
+        if self.closed or self._in_backward or root.forward_depth == 0 or not root.is_gathered:
+            return
+        root.reshard()
+        root.gather()
+
+    def _abandon_step(self) -> None:
+        """A backward raised (on every rank) before it ended: drop what it left in flight and start clean."""
+        for unit in self.units:
+            unit.abandon()
+        self._reduced_units.clear()
+        self._nonfinite_ignored = []
+        self._begin_step()
+        self._in_backward = False
+
+    def _pre_backward(self, unit: FlatUnit) -> None:
+        self._start_backward()
         self._make_room(unit)
         unit.gather()
         self._update_peak()
@@ -235,7 +369,9 @@ class ShardingEngine:
     def _finish_backward(self) -> None:
         try:
             for unit in reversed(self.units):
-                unit.reshard()
+                # Inside the root's forward (manual optimization) the rest of training_step still uses the root.
+                if unit is not self.root_unit or unit.forward_depth == 0:
+                    unit.reshard()
                 if unit.trainable_slots and not unit.reduced:
                     self._reduce(unit)
             self._finish_reductions()
@@ -255,10 +391,11 @@ class ShardingEngine:
             unit.forward_calls = 0
             unit.backward_calls = 0
             unit.untracked_calls = 0
+            unit.begin_step()
 
     def _check_no_late_gradients(self) -> None:
         # A gradient that arrived after its unit was reduced would silently join the next step's reduction.
-        late = [s.fqn for u in self.units for s in u.trainable_slots if s.full.grad is not None]
+        late = [s.fqn for u in self.units for s in u.slots if s.full.grad is not None]
         if late:
             raise RuntimeError(
                 f"Gradients for {late} arrived after their unit had been reduced. This happens when a sharded "
@@ -374,10 +511,41 @@ class ShardingEngine:
             self.shard_comm.all_reduce(local)
             total = (local + _pow_sum(replicated, norm_type, device)) ** (1.0 / norm_type)
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        grads = sharded + replicated
-        if grads:
-            torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))
+        # Grouped by device and dtype: with cpu_offload the sharded gradients live in host memory, the replicated
+        # ones (ignored parameters) and the coefficient on the accelerator.
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for grad in sharded + replicated:
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        for (grad_device, dtype), grads in groups.items():
+            torch._foreach_mul_(grads, clip_coef.to(grad_device, dtype))
         return total
+
+    @torch.no_grad()
+    def restore_unsharded(self, device: torch.device | str = "cpu") -> None:
+        """Give every parameter its full value on ``device``, remove the engine's hooks and let go of the module.
+
+        Afterwards the module is an ordinary one that computes exactly what the sharded one did: usable for
+        inference on one rank, or by a new Trainer, which shards it afresh. Call it on every rank of the shard
+        group (each unit is gathered once); the engine cannot be used afterwards. Gradients are dropped: they were
+        shards. Peak memory on the accelerator: one unit in full.
+        """
+        from lightning_fsdp.engine.sharding import detach_engine
+
+        if self.closed:
+            return
+        self._finish_reductions()
+        for unit in self.units:
+            unit.reshard()
+            fulls = unit.full_tensors()
+            for slot, full in zip(unit.slots, fulls):
+                slot.param.data = full.to(device)
+                slot.param.grad = None
+                for module, attr in slot.uses:
+                    module._parameters[attr] = slot.param
+            unit.release_buffers()
+        self.remove_hooks()
+        self.closed = True
+        detach_engine(self.root)
 
     # ------------------------------------------------------------------------------------------ accounting
     def local_param_bytes(self) -> int:

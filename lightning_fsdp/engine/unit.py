@@ -10,6 +10,7 @@ keeps references to the same tensor objects, so tensors it saved stay valid afte
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -33,10 +34,48 @@ class ParamSlot:
     layout: ShardLayout
     offset: int = 0  # element offset of this parameter's padded chunk in the flat shard buffer
     full: nn.Parameter | None = None
+    # Took part with requires_grad=True in a forward of the current step: its gradient may still arrive even if the
+    # user has frozen it since, so the step's reduction keeps a place for it.
+    in_graph: bool = False
 
     @property
     def trainable(self) -> bool:
         return self.param.requires_grad
+
+
+class ReducePlan(NamedTuple):
+    """The parameters one gradient reduction carries and where each lands: one plan per set of trainable parameters.
+
+    ``requires_grad`` may change at any time (fine-tuning schedules, ``toggle_optimizer``), so the reduction's layout
+    follows what is trainable now instead of what was trainable when the model was sharded; gradient memory follows
+    it too. Every rank freezes the same parameters, so every rank builds the same plan and the collectives match.
+    """
+
+    slots: list[ParamSlot]
+    offsets: list[int]  # element offset of each parameter's padded chunk in the reduction's output
+    numel: int  # gradient elements per rank, padding included, before the used-flags
+    direct: list[int]  # indices into ``slots`` reduced on their own, in place (large, rows split evenly)
+    staged: list[int]  # indices packed through the padded rank-major copy
+
+
+class PendingGather(NamedTuple):
+    """An all-gather in flight: its work handles, the inputs kept alive until they complete, the staging output."""
+
+    works: list[Any]
+    inputs: Any
+    staged_out: torch.Tensor | None
+
+
+class PendingReduce(NamedTuple):
+    """A gradient reduction in flight (see ``FlatUnit.reduce_grads``)."""
+
+    works: list[Any]
+    output: torch.Tensor  # this rank's reduced gradients, then one used-flag per parameter
+    inputs: list[torch.Tensor]  # kept alive until the collectives complete
+    staged_out: torch.Tensor | None  # the packed collective's output, copied into ``output`` when done
+    pre_divide: bool
+    ranks: int
+    plan: ReducePlan
 
 
 class FlatUnit:
@@ -68,11 +107,13 @@ class FlatUnit:
         self.replicate_comm = replicate_comm
         self.sharded = sharded
         self.reshard_after_forward = reshard_after_forward
-        # Trainable parameters first: the gradient buffer is then a prefix of the shard buffer's layout.
+        # Parameters trainable at sharding time first (the shard layout of earlier releases; checkpoints of the local
+        # format depend on it). Which parameters are reduced is decided per step: see ``ReducePlan``.
         self.slots = sorted(slots, key=lambda s: not s.trainable)
-        self.trainable_slots = [s for s in self.slots if s.trainable]
+        self._plans: dict[tuple[bool, ...], ReducePlan] = {}
+        self._last_plan: ReducePlan | None = None
         self.is_gathered = False
-        self._pending: tuple | None = None  # an all-gather in flight: (work, input kept alive, output buffer)
+        self._pending: PendingGather | None = None
         self._check_uniform_dtype()
         # Fixed now: once sharded, the parameters may live elsewhere (CPU offload).
         self.dtype = self.slots[0].param.dtype if self.slots else torch.float32
@@ -89,7 +130,7 @@ class FlatUnit:
         self.used_counts: torch.Tensor | None = None
         self._had_grad: list[bool] = []
         self.nonfinite: list[str] = []  # anomaly checking: parameters whose local gradient was not finite
-        self._pending_reduce: tuple | None = None  # a reduction in flight: (work, output, input kept alive, ...)
+        self._pending_reduce: PendingReduce | None = None
         self._build_buffers()
 
     # ----------------------------------------------------------------------------------------------- layout
@@ -112,7 +153,6 @@ class FlatUnit:
             slot.offset = offset
             offset += slot.layout.padded_numel
         self.shard_numel = offset
-        self.grad_numel = sum(s.layout.padded_numel for s in self.trainable_slots)
         n = self.world_size
         self.flat_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.shard_device)
         # Unsharded units compute on the shard buffer itself and need no second copy of their parameters.
@@ -125,12 +165,6 @@ class FlatUnit:
         self._direct = [i for i, slot in enumerate(self.slots)
                         if direct and n * slot.layout.padded_numel >= self.direct_gather_min_numel]
         self._staged = [i for i in range(len(self.slots)) if i not in self._direct]
-        # The same for gradient reductions, where a parameter also needs rows that split evenly over the ranks: its
-        # full gradient is then already the reduce-scatter's rank-major input, and needs no padded copy.
-        self._direct_reduce = [j for j, slot in enumerate(self.trainable_slots)
-                               if direct and slot.layout.shape and slot.layout.rows % n == 0
-                               and n * slot.layout.padded_numel >= self.direct_gather_min_numel]
-        self._staged_reduce = [j for j in range(len(self.trainable_slots)) if j not in self._direct_reduce]
         self._full_regions = []
         with torch.no_grad():
             for slot in self.slots:
@@ -152,6 +186,48 @@ class FlatUnit:
             self._staged_sizes = [self._split_sizes[i] for i in self._staged]
             self._staged_regions = [self._full_regions[i] for i in self._staged]
             self._free_full()
+
+    # --------------------------------------------------------------------------------------- trainability
+    def sync_requires_grad(self) -> None:
+        """Give the full parameters the user's current ``requires_grad`` (called as the unit's forward starts)."""
+        grad_enabled = torch.is_grad_enabled()
+        for slot in self.slots:
+            wanted = slot.param.requires_grad
+            if slot.full.requires_grad != wanted:
+                slot.full.requires_grad_(wanted)
+            if wanted and grad_enabled:
+                slot.in_graph = True
+
+    def begin_step(self) -> None:
+        for slot in self.slots:
+            slot.in_graph = False
+
+    @property
+    def trainable_slots(self) -> list[ParamSlot]:
+        """The parameters this step's reduction carries: trainable now, or trainable in a forward of this step."""
+        return self.reduce_plan().slots
+
+    def reduce_plan(self) -> ReducePlan:
+        key = tuple(s.param.requires_grad or s.in_graph for s in self.slots)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._make_plan([s for s, on in zip(self.slots, key) if on])
+        return plan
+
+    def _make_plan(self, slots: list[ParamSlot]) -> ReducePlan:
+        n = self.world_size
+        offsets, numel = [], 0
+        for slot in slots:
+            offsets.append(numel)
+            numel += slot.layout.padded_numel
+        # Like gathers, large gradients are reduced on their own when their rows split evenly over the ranks: the
+        # full gradient is then already the reduce-scatter's rank-major input and needs no padded copy.
+        many = self.sharded and len(self.slots) > 1
+        direct = [j for j, slot in enumerate(slots)
+                  if many and slot.layout.shape and slot.layout.rows % n == 0
+                  and n * slot.layout.padded_numel >= self.direct_gather_min_numel]
+        staged = [j for j in range(len(slots)) if j not in direct]
+        return ReducePlan(slots, offsets, numel, direct, staged)
 
     # --------------------------------------------------------------------------------------- gather / free
     def _free_full(self) -> None:
@@ -179,7 +255,7 @@ class FlatUnit:
         """Issue this unit's all-gather; with ``async_op`` it overlaps whatever runs until ``gather()``."""
         if self.is_alive:
             return
-        self._pending = ()
+        self._pending = PendingGather([], None, None)
         if self._aliases_shard or not self.slots:
             return
         shard = self.flat_shard.to(self.device, self.compute_dtype)  # no copy in full precision on one device
@@ -194,7 +270,7 @@ class FlatUnit:
             # One parameter: rank-major and parameter-major layouts coincide, so gather in place.
             self._allocate_full()
             work = self.shard_comm.all_gather(self.full_flat, shard, async_op=async_op)
-            self._pending = ([work], shard, None)
+            self._pending = PendingGather([work], shard, None)
             return
         works = []
         if self._direct:
@@ -215,7 +291,7 @@ class FlatUnit:
             gathered = torch.empty(n * staged_in.numel(), dtype=self.compute_dtype, device=self.device)
             works.append(self.shard_comm.all_gather(gathered, staged_in, async_op=async_op))
             shard = (shard, staged_in)  # both kept alive until the gathers complete
-        self._pending = (works, shard, gathered)
+        self._pending = PendingGather(works, shard, gathered)
 
     def _allocate_full(self) -> None:
         storage = self.full_flat.untyped_storage()
@@ -224,11 +300,11 @@ class FlatUnit:
 
     def _finish_gather(self) -> None:
         pending, self._pending = self._pending, None
-        if pending:
-            works, _shard, gathered = pending
-            for work in works:
+        if pending is not None:
+            for work in pending.works:
                 if work is not None:
                     work.wait()
+            gathered = pending.staged_out
             if gathered is not None:
                 self._allocate_full()
                 with torch.no_grad():
@@ -265,6 +341,13 @@ class FlatUnit:
             self._free_full()
         self.is_gathered = False
 
+    def release_buffers(self) -> None:
+        """Free the flat buffers once the parameters own their full values again (``restore_unsharded``)."""
+        self.flat_shard = torch.empty(0, dtype=self.dtype, device=self.shard_device)
+        self.full_flat = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        self._full_regions, self._staged_regions = [], []
+        self._plans.clear()
+
     def _install(self, *, full: bool) -> None:
         for slot in self.slots:
             tensor = slot.full if full else slot.param
@@ -284,11 +367,12 @@ class FlatUnit:
         the same collective: the engine reads the sums at the end of backward and leaves ``.grad`` as ``None`` for
         parameters no rank used, as a single process would.
         """
-        if not self.trainable_slots:
+        plan = self.reduce_plan()
+        if not plan.slots:
             return
         grads = []
         used = []
-        for slot in self.trainable_slots:
+        for slot in plan.slots:
             grad = slot.full.grad
             used.append(grad is not None)
             if grad is None:
@@ -298,7 +382,7 @@ class FlatUnit:
             slot.full.grad = None
         if torch.is_anomaly_enabled():
             finite = torch.stack([torch.isfinite(g).all() for g in grads]).tolist()
-            self.nonfinite = [s.fqn for s, ok in zip(self.trainable_slots, finite) if not ok]
+            self.nonfinite = [s.fqn for s, ok in zip(plan.slots, finite) if not ok]
         n = self.world_size
         k = len(grads)
         ranks = self.shard_comm.world_size * (self.replicate_comm.world_size if self.replicate_comm else 1)
@@ -307,25 +391,24 @@ class FlatUnit:
         pre_divide = self.reduce_dtype == torch.float16
         staged_out = None
         if self.sharded:
-            reduced = torch.empty(self.grad_numel + k, dtype=self.reduce_dtype, device=self.device)
+            reduced = torch.empty(plan.numel + k, dtype=self.reduce_dtype, device=self.device)
             self.shard_comm.agree(self.tag(REDUCE))
             works, inputs = [], []
-            for j in self._direct_reduce:
-                slot = self.trainable_slots[j]
+            for j in plan.direct:
                 flat = grads[j].reshape(-1).to(self.reduce_dtype)
                 if pre_divide:
                     flat = flat / ranks
-                out = reduced[slot.offset : slot.offset + slot.layout.padded_numel]
+                out = reduced[plan.offsets[j] : plan.offsets[j] + plan.slots[j].layout.padded_numel]
                 works.append(self.shard_comm.reduce_scatter(out, flat, async_op=True))
                 inputs.append(flat)
             # _chunk_cat pads each gradient to ceil(d0/N) rows per rank and lays the ranks out one after another;
             # the flags, repeated once per rank, end every rank's chunk.
-            staged = [grads[j] for j in self._staged_reduce] + [flags.expand(n, k)]
+            staged = [grads[j] for j in plan.staged] + [flags.expand(n, k)]
             flat_in = torch._chunk_cat(staged, dim=0, num_chunks=n).view(-1).to(self.reduce_dtype)
             if pre_divide:
                 flat_in.div_(ranks)
             staged_out = torch.empty(flat_in.numel() // n, dtype=self.reduce_dtype, device=self.device) \
-                if self._direct_reduce else reduced
+                if plan.direct else reduced
             works.append(self.shard_comm.reduce_scatter(staged_out, flat_in, async_op=True))
             inputs.append(flat_in)
             if staged_out is reduced:
@@ -336,46 +419,62 @@ class FlatUnit:
                 reduced.div_(ranks)
             self.shard_comm.agree(self.tag(REDUCE))
             works, inputs = [self.shard_comm.all_reduce(reduced, async_op=True)], []
-        self._pending_reduce = (works, reduced, inputs, staged_out, pre_divide, ranks)
+        self._pending_reduce = PendingReduce(works, reduced, inputs, staged_out, pre_divide, ranks, plan)
 
     def finish_reduce(self) -> None:
         """Wait for the reduction ``reduce_grads`` started and add its result to the shards' ``.grad``."""
-        if self._pending_reduce is None:
+        pending = self._pending_reduce
+        if pending is None:
             return
-        works, reduced, _inputs, staged_out, pre_divide, ranks = self._pending_reduce
         self._pending_reduce = None
-        for work in works:
+        for work in pending.works:
             if work is not None:
                 work.wait()
-        if staged_out is not None:
+        plan, reduced = pending.plan, pending.output
+        if pending.staged_out is not None:
             # Parameters reduced through the padded copy, and the flags: into their places in ``reduced``.
-            regions = [reduced[s.offset : s.offset + s.layout.padded_numel]
-                       for s in (self.trainable_slots[j] for j in self._staged_reduce)]
-            sizes = [r.numel() for r in regions] + [len(self.trainable_slots)]
-            torch.split_with_sizes_copy(staged_out, sizes, out=regions + [reduced[self.grad_numel :]])
+            regions = [reduced[plan.offsets[j] : plan.offsets[j] + plan.slots[j].layout.padded_numel]
+                       for j in plan.staged]
+            sizes = [r.numel() for r in regions] + [len(plan.slots)]
+            torch.split_with_sizes_copy(pending.staged_out, sizes, out=regions + [reduced[plan.numel :]])
         if self.replicate_comm is not None and self.replicate_comm.world_size > 1:
             self.replicate_comm.agree(self.tag(REPLICATE))
             self.replicate_comm.all_reduce(reduced)
-        if not pre_divide:
-            reduced.div_(ranks)
+        if not pending.pre_divide:
+            reduced.div_(pending.ranks)
         # Divided, the sums stay > 0 exactly where some rank had a gradient, which is all the engine asks. A copy:
         # a view would keep the whole reduction buffer, which the gradients are views of, alive after zero_grad.
-        self.used_counts = reduced[self.grad_numel :].clone()
-        reduced = reduced[: self.grad_numel].to(self.shard_device, self.dtype)
-        self._had_grad = [slot.param.grad is not None for slot in self.trainable_slots]
-        for slot in self.trainable_slots:
+        self.used_counts = reduced[plan.numel :].clone()
+        reduced = reduced[: plan.numel].to(self.shard_device, self.dtype)
+        self._last_plan = plan
+        self._had_grad = [slot.param.grad is not None for slot in plan.slots]
+        for slot, offset in zip(plan.slots, plan.offsets):
             layout = slot.layout
-            grad = reduced[slot.offset : slot.offset + layout.local_numel].view(layout.local_shape)
+            grad = reduced[offset : offset + layout.local_numel].view(layout.local_shape)
             if slot.param.grad is None:
                 slot.param.grad = grad
             else:
                 slot.param.grad += grad
 
+    def abandon(self) -> None:
+        """After a backward that raised: complete whatever is in flight (every rank issued it), keep none of it."""
+        pending, self._pending_reduce = self._pending_reduce, None
+        if pending is not None:
+            for work in pending.works:
+                if work is not None:
+                    work.wait()
+        self.reshard()
+        for slot in self.slots:
+            slot.full.grad = None
+        self.used_counts = None
+        self.begin_step()
+
     def drop_unused_grads(self) -> None:
         """After the engine saw that some parameter of this unit had no gradient on any rank: give it ``None``
         again (its reduced gradient is exactly zero) unless an earlier micro-batch had given it one."""
         used = self.used_counts.tolist() if self.used_counts is not None else []
-        for slot, count, had in zip(self.trainable_slots, used, self._had_grad):
+        slots = self._last_plan.slots if self._last_plan is not None else []
+        for slot, count, had in zip(slots, used, self._had_grad):
             if count == 0 and not had:
                 slot.param.grad = None
 
