@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
+from functools import cached_property
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -43,6 +44,7 @@ from lightning_fsdp.checkpoint.full import (
 )
 from lightning_fsdp.config import (
     MixedPrecision,
+    ShardingStrategy,
     StateDictType,
     check_call_signature,
     parse_mixed_precision,
@@ -52,9 +54,16 @@ from lightning_fsdp.config import (
     parse_state_dict_type,
 )
 from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
+from lightning_fsdp.even_batches import EvenBatches
 from lightning_fsdp.launcher import choose_launcher, stop_launched_processes
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
 from lightning_fsdp.shutdown import settle_at_exit
+from lightning_fsdp.weight_averaging import (
+    gather_averages_for_save,
+    restore_averaged_models,
+    shard_averaged_models,
+    slice_loaded_averages,
+)
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +314,7 @@ class FSDPStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._stop_at_exit = False  # stop_launched_processes registered to run when this process exits
+        self._stage_failed = False  # on_exception ran: teardown must not gather (the ranks may be apart)
         self._start_method = start_method
         self.engine: Optional[ShardingEngine] = None
 
@@ -462,6 +472,8 @@ class FSDPStrategy(ParallelStrategy):
             )
         self.model = self.precision_plugin.convert_module(self.model)
         self.engine = self._shard(self.lightning_module)
+        # SWA / EMA callbacks copied the model in their setup, full size: their average now keeps only this rank's rows.
+        shard_averaged_models(trainer, self.engine)
         self.precision_plugin.engine = self.engine
         self.precision_plugin.set_device_type(self.root_device.type)
         if fitting:
@@ -548,24 +560,76 @@ class FSDPStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     # ------------------------------------------------------------------------------------------- the steps
+    # Uneven inputs (a rank with fewer batches) must end with an error on every rank, not a hang in the next
+    # collective: the loops' batch counts are compared when each loop starts, and loaders without a length are
+    # checked before each step, ahead of the engine's collectives (lightning_fsdp/even_batches.py).
+    @cached_property
+    def _even_batches(self) -> EvenBatches:
+        return EvenBatches(self._collective_device)
+
+    def _collective_device(self) -> torch.device:
+        """Where the default group's collectives take tensors: host memory for gloo, this rank's device else."""
+        return torch.device("cpu") if self._process_group_backend == "gloo" else self.root_device
+
+    def _trainer(self) -> Optional["pl.Trainer"]:
+        return getattr(self.lightning_module, "_trainer", None)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if (trainer := self._trainer()) is not None:
+            self._even_batches.loop_started(trainer)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if (trainer := self._trainer()) is not None:
+            self._even_batches.loop_started(trainer)
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        if (trainer := self._trainer()) is not None:
+            self._even_batches.loop_started(trainer)
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        # Not under NO_SHARD, whose forward makes no collective: uneven predict batches then work as under DDP
+        # (Lightning's own predict sampler does not repeat samples to even them out).
+        if (trainer := self._trainer()) is not None and self.sharding_strategy is not ShardingStrategy.NO_SHARD:
+            self._even_batches.loop_started(trainer)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self._trainer()
+        if trainer is not None:
+            self._even_batches.before_step(trainer)
         # Route through the LightningModule's __call__ so the root unit's hooks see the step.
         with self.precision_plugin.train_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+            out = self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+        if trainer is not None:
+            self._even_batches.after_step(trainer)  # manual optimization: its optimizer steps are known now
+        return out
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if (trainer := self._trainer()) is not None:
+            self._even_batches.before_step(trainer)
         with self.precision_plugin.val_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if (trainer := self._trainer()) is not None:
+            self._even_batches.before_step(trainer)
         with self.precision_plugin.test_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if (trainer := self._trainer()) is not None:
+            self._even_batches.before_step(trainer)
         with self.precision_plugin.predict_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
 
@@ -695,6 +759,7 @@ class FSDPStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
     ) -> None:
+        gather_averages_for_save(self, checkpoint)  # SWA / EMA averages: full tensors, not rank 0's rows only
         if self.state_dict_type is StateDictType.FULL:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         self._check_directory_checkpoint_path(filepath, storage_options)
@@ -732,9 +797,10 @@ class FSDPStrategy(ParallelStrategy):
 
         path = self.broadcast(checkpoint_path)
         if not _is_local(path) or not os.path.exists(path) or os.path.isfile(path):
-            return super().load_checkpoint(path, weights_only=weights_only)
+            return slice_loaded_averages(self, super().load_checkpoint(path, weights_only=weights_only))
         # A directory (sharded or local checkpoint), or a special file that must not be opened (a FIFO would block).
-        return self._load_directory_checkpoint(os.fspath(path), weights_only)
+        # slice_loaded_averages: each rank takes its rows of the SWA / EMA averages before the callbacks load them.
+        return slice_loaded_averages(self, self._load_directory_checkpoint(os.fspath(path), weights_only))
 
     def _load_directory_checkpoint(self, path: str, weights_only: Optional[bool]) -> dict[str, Any]:
         from lightning_fsdp.checkpoint.common import Collective
@@ -804,20 +870,33 @@ class FSDPStrategy(ParallelStrategy):
         # that catches the error and carries on (an error every rank raised, such as a checkpoint that does not
         # match) keeps its ranks.
         super().on_exception(exception)
+        self._stage_failed = True  # read by teardown, which Lightning calls next
         if not self._stop_at_exit:
             self._stop_at_exit = True
             atexit.register(stop_launched_processes, self._launcher, 5.0)
 
     @override
     def teardown(self) -> None:
-        # Lightning's teardown moves the module to CPU. A sharded module's parameters are views into per-unit flat
-        # buffers, which a plain .cpu() would detach them from, so the sharded module stays where it is.
-        assert self.cluster_environment is not None
-        self.cluster_environment.teardown()
-        _optimizers_to_device(self.optimizers, torch.device("cpu"))
-        if self.lightning_module is not None and get_engine(self.lightning_module) is None:
-            self.lightning_module.cpu()
-        self.precision_plugin.teardown()
-        assert self.accelerator is not None
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
+        # A stage that ended normally hands back an ordinary module holding the trained weights in full, on the host
+        # as Lightning's other strategies leave it: usable for inference on one rank, or by another Trainer (which
+        # shards it afresh), with none of the engine's hooks left on it. Every rank gets here together then, as the
+        # gathers need.
+        module = self.lightning_module
+        engine = get_engine(module) if module is not None else None
+        failed, self._stage_failed = self._stage_failed, False
+        if engine is not None and not failed:
+            restore_averaged_models(getattr(module, "_trainer", None), engine)  # SWA / EMA averages: whole again too
+            engine.restore_unsharded(torch.device("cpu"))
+            engine = None
+        if engine is None and not (module is not None and _has_meta_tensors(module)):
+            super().teardown()
+            return
+        # After an exception the ranks may not all get here, so nothing is gathered: the module stays sharded with
+        # its engine, ready for a retry. Lightning's teardown moves the module to the host, which would detach the
+        # parameters from the engine's flat buffers (or fail on a module still on the meta device, when the stage
+        # failed before sharding), so the module is kept out of that step.
+        self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module

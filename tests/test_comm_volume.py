@@ -33,7 +33,7 @@ def volumes(rank, world_size):
                              stats.peak_gathered_units))
         padded = {u.name: u.shard_numel * 4 for u in engine.units}
         # Reduction input per rank: N chunks of (padded gradient rows + one used-flag per trainable parameter).
-        padded_grads = {u.name: (u.grad_numel + len(u.trainable_slots)) * 4 for u in engine.units}
+        padded_grads = {u.name: (u.reduce_plan().numel + len(u.trainable_slots)) * 4 for u in engine.units}
         results[strategy] = (per_step, padded, padded_grads)
     return results
 

@@ -125,7 +125,7 @@ def _direct_vs_staged(rank, world_size):
             torch.manual_seed(0)
             model = ToyLM(dim=6)  # 6-row layers split evenly over 2 ranks: reduced in place too
             engine = fully_shard(model, auto_wrap_policy={Block}, mixed_precision=mp)
-            direct = sum(len(u._direct) + len(u._direct_reduce) for u in engine.units)
+            direct = sum(len(u._direct) + len(u.reduce_plan().direct) for u in engine.units)
             train(model, rank, world_size, "sgd", 1, None, engine)
             with engine.gathered():
                 out[(precision, threshold)] = (direct, {k: v.detach().clone() for k, v in model.named_parameters()})

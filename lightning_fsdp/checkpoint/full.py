@@ -38,6 +38,10 @@ def full_model_state_dict(engine: ShardingEngine, *, rank0_only: bool = True) ->
     module = engine.root
     keep = not rank0_only or _global_rank() == 0
     state = module.state_dict()  # shards for managed parameters; buffers and unmanaged parameters as they are
+    if engine.closed:
+        # The stage has ended and the module holds its full parameters again (ShardingEngine.restore_unsharded).
+        return {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()} \
+            if keep else {}
     keys = _param_keys(module)
     for unit in engine.units:
         fulls = unit.full_tensors()  # one unit at a time, in the master dtype

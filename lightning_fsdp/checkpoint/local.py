@@ -51,7 +51,12 @@ from lightning_fsdp.engine import ShardingEngine
 # ===================================================================================================== saving
 def local_model_state_dict(engine: ShardingEngine) -> dict[str, Any]:
     """The module's state dict as it is: this rank's rows of sharded parameters (views, no copies)."""
-    return engine.root.state_dict()
+    state = engine.root.state_dict()
+    if engine.closed:  # the stage ended and the module holds full parameters again: save this rank's rows
+        for key, slot in managed_keys(engine).items():
+            if key in state:
+                state[key] = engine.shard_of(slot)
+    return state
 
 
 def local_optimizer_state_dict(optimizer: Optimizer) -> dict[str, Any]:

@@ -107,7 +107,7 @@ def sharded_model_state_dict(engine: ShardingEngine) -> dict[str, Any]:
     state = engine.root.state_dict()
     for key, slot in managed_keys(engine).items():
         if key in state:
-            state[key] = _to_global(slot.param.data, slot.layout, engine)
+            state[key] = _to_global(engine.shard_of(slot), slot.layout, engine)
     return state
 
 

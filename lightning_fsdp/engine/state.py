@@ -547,6 +547,13 @@ class ShardingEngine:
         self.closed = True
         detach_engine(self.root)
 
+    def shard_of(self, slot: Any) -> torch.Tensor:
+        """This rank's rows of a managed parameter: its data while sharded, a slice of its full value once the
+        engine gave the module its parameters back (``trainer.save_checkpoint`` after ``fit`` still saves shards)."""
+        if not self.closed:
+            return slot.param.data
+        return slot.layout.local_slice(slot.param.data).to(self.root_unit.shard_device)
+
     # ------------------------------------------------------------------------------------------ accounting
     def local_param_bytes(self) -> int:
         """Bytes of parameter data this rank holds between steps (its shards, padding excluded)."""

@@ -316,6 +316,12 @@ class FlatUnit:
     @torch.no_grad()
     def full_tensors(self) -> list[torch.Tensor]:
         """Every parameter in full, in the shards' (master) dtype, without touching the modules: for checkpoints."""
+        if self.flat_shard.numel() < self.shard_numel:
+            raise RuntimeError(
+                f"Unit {self.name!r} no longer holds shards: its engine gave the module its full parameters back "
+                "(ShardingEngine.restore_unsharded, called when a Trainer stage ends). Read the module's own "
+                "state_dict() instead, or take full state dicts before the stage ends (e.g. in on_train_end)."
+            )
         n = self.world_size
         gathered = torch.empty(n * self.shard_numel, dtype=self.dtype, device=self.device)
         if self.sharded and n > 1:

@@ -116,10 +116,9 @@ def main() -> None:
     test = trainer.test(module, loader, verbose=False)[0]
     preds = trainer.predict(module, loader)
     engine = getattr(trainer.strategy, "engine", None)
-    if engine is not None:
-        full = lightning_fsdp.checkpoint.full.full_model_state_dict(engine)
-    else:
-        full = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    # Once a stage ends, fsdp_custom hands back an ordinary module with its full weights: read it like any other.
+    assert engine is None or lightning_fsdp.engine.get_engine(module) is None
+    full = {k: v.detach().clone() for k, v in module.state_dict().items()}
     strategy = trainer.strategy
     strategy.barrier("after-predict")
     rank = trainer.global_rank

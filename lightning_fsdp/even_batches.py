@@ -1,0 +1,304 @@
+"""Every rank must run the same batches: uneven inputs end with the same error on every rank, not a hang.
+
+Every step of fsdp_custom gathers parameters from all ranks (and Lightning broadcasts a flag before each training
+batch). A rank that runs out of batches leaves its loop while the others go on to the next step and wait for it in
+a collective, until the process-group timeout (30 minutes by default); DDP hangs the same way. ``FSDPStrategy``
+calls this module's two checks, which turn that into an :class:`UnevenBatchesError` raised on every rank, with the
+same message, before any rank enters a collective the others do not:
+
+1. **At the start of each loop** (the strategy hooks ``on_train_start``, ``on_validation_start`` (sanity check
+   included), ``on_test_start``, ``on_predict_start``, and the first batch of every later training epoch, in case
+   the loaders were reloaded): the ranks all-gather their batch counts as Lightning computed them (per dataloader,
+   ``limit_*_batches`` applied). Counts that differ raise at once, naming each rank's count. A training run whose
+   ``max_steps`` may end it before the shortest rank runs out is instead checked batch by batch (count-based), so
+   it only raises if it would really get there. A loader without a length (an ``IterableDataset``) has no count:
+   its loop is checked batch by batch, and the first batch must exist on every rank or on none.
+2. **At each batch of such a loop** (in the strategy's ``*_step``, before the model's forward and so before the
+   engine's collectives; after the user's step under manual optimization, where the number of optimizer steps is
+   known only then): an all-gather of five ints, ``[loop, batch position, more batches follow, next batch's
+   dataloader, next batch's index]``. Lightning's prefetching fetcher has already fetched the next batch of a loader
+   without a length, so every rank knows one batch ahead whether its loop goes on. A loop that ends after this
+   batch on every rank anyway (``max_steps`` reached) counts as "no more batches" on every rank.
+
+Not checked: ``trainer.predict`` under ``NO_SHARD``, whose forward makes no collective (uneven predict batches work
+there as under DDP; ``FSDPStrategy.on_predict_start`` leaves the check out).
+
+Not covered (see docs/reliability.md): ``dataloader_iter`` steps (the step itself fetches, so nothing is
+known ahead: counts are still compared at the start); a loader without a length under an int ``limit_*_batches``
+(Lightning then trusts the limit as the count and stops prefetching) that yields fewer batches than the limit on
+some rank; a rank whose loader yields no batch at all in a training epoch after the first; a loader whose
+``__len__`` is wrong; a loader with a length on some ranks and none on others (Lightning's own length checks then
+pair different collectives before this one runs); ``trainer.should_stop`` set in exactly the batch where the
+shortest rank runs out (raises, although that run would have stopped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher, _PrefetchDataFetcher
+from lightning.pytorch.trainer.states import RunningStage
+
+from lightning_fsdp.engine.comm import all_gather_flat
+
+_STAGES = (RunningStage.TRAINING, RunningStage.SANITY_CHECKING, RunningStage.VALIDATING, RunningStage.TESTING,
+           RunningStage.PREDICTING)
+_CODES = {stage: code for code, stage in enumerate(_STAGES, start=1)}
+_WORDS = {RunningStage.TRAINING: "training", RunningStage.SANITY_CHECKING: "sanity-check validation",
+          RunningStage.VALIDATING: "validation", RunningStage.TESTING: "test", RunningStage.PREDICTING: "predict"}
+_LIMITS = {RunningStage.TRAINING: "limit_train_batches", RunningStage.SANITY_CHECKING: "num_sanity_val_steps",
+           RunningStage.VALIDATING: "limit_val_batches", RunningStage.TESTING: "limit_test_batches",
+           RunningStage.PREDICTING: "limit_predict_batches"}
+_UNKNOWN = -1  # a count or an index that this rank does not know
+
+
+class UnevenBatchesError(RuntimeError):
+    """The ranks do not have the same batches. Raised on every rank, with the same message, before any rank waits
+    in a collective that the others would not join."""
+
+
+def _advice(stage: RunningStage) -> str:
+    text = (
+        "Every rank must run the same number of batches. Let Lightning shard map-style data with a "
+        "DistributedSampler (Trainer(use_distributed_sampler=True), the default) or use one yourself; with per-rank "
+        "datasets of different lengths, cut them to a common length (DistributedSampler(drop_last=True), or "
+        "DataLoader(drop_last=True) where they differ by less than a batch); make an IterableDataset yield the same "
+        "number of batches on every rank (split the stream per rank and stop every rank at the shortest share); "
+        f"or cap the loop with Trainer({_LIMITS[stage]}=N), N at most the smallest count."
+    )
+    if stage is RunningStage.PREDICTING:
+        text += (" Trainer.predict's own sampler does not repeat samples: with it, a dataset whose length is a "
+                 "multiple of the world size splits evenly.")
+    return text
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    names = [f"rank {r}" for r in ranks]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _count(value: int) -> str:
+    return "no length" if value == _UNKNOWN else str(value)
+
+
+def _next_batch_identity(fetcher: Any) -> tuple[int, int, int]:
+    """(more batches follow, next batch's dataloader index, next batch's index) from a prefetching fetcher."""
+    if fetcher.done or not fetcher.batches:
+        return 0, _UNKNOWN, _UNKNOWN
+    item = fetcher.batches[0]  # what the CombinedLoader yielded: (batch, batch_idx, dataloader_idx)
+    if isinstance(item, tuple) and len(item) == 3 and isinstance(item[1], int) and isinstance(item[2], int):
+        return 1, item[2], item[1]
+    return 1, _UNKNOWN, _UNKNOWN
+
+
+class EvenBatches:
+    """The checks of one strategy. ``device`` returns where the world group's collectives take tensors."""
+
+    def __init__(self, device: Callable[[], torch.device]) -> None:
+        self._device = device
+        self._per_batch: dict[RunningStage, bool] = {}  # loops that are checked batch by batch
+        self._notes: dict[RunningStage, str] = {}  # what the messages say about each rank's counts
+        self._train_epoch: Optional[int] = None  # the training epoch whose counts were compared last
+
+    # ------------------------------------------------------------------------------------------ the hooks
+    def loop_started(self, trainer: Any) -> None:
+        """Compare the ranks' batch counts for the loop that is starting; decide whether to check per batch."""
+        stage = trainer.state.stage
+        if stage not in _CODES or not self._distributed(trainer):
+            return
+        if stage is RunningStage.TRAINING:
+            self._train_epoch = trainer.current_epoch
+        self._compare_counts(trainer, stage, first_batch=True)
+
+    def before_step(self, trainer: Any) -> None:
+        """Called by the strategy's ``*_step`` before the model's step on every rank."""
+        stage = trainer.state.stage
+        if stage not in _CODES or not self._distributed(trainer):
+            return
+        if stage is RunningStage.TRAINING:
+            epoch_loop = trainer.fit_loop.epoch_loop
+            if epoch_loop.batch_idx == 0 and trainer.current_epoch != self._train_epoch:
+                # A later epoch: the loaders may have been reloaded (reload_dataloaders_every_n_epochs).
+                self._train_epoch = trainer.current_epoch
+                self._compare_counts(trainer, stage, first_batch=False)
+            if not trainer.lightning_module.automatic_optimization:
+                return  # after_step: the user's step decides how many optimizer steps this batch makes
+        self._check_batch(trainer, stage)
+
+    def after_step(self, trainer: Any) -> None:
+        """Called by the strategy's ``training_step`` after the user's step; only manual optimization checks here."""
+        stage = trainer.state.stage
+        if (stage is RunningStage.TRAINING and self._distributed(trainer)
+                and not trainer.lightning_module.automatic_optimization):
+            self._check_batch(trainer, stage)
+
+    # -------------------------------------------------------------------------------------------- helpers
+    @staticmethod
+    def _distributed(trainer: Any) -> bool:
+        return dist.is_available() and dist.is_initialized() and trainer.world_size > 1
+
+    def _gather(self, values: list[int]) -> list[list[int]]:
+        world = dist.get_world_size()
+        mine = torch.tensor(values, dtype=torch.int64, device=self._device())
+        every = torch.empty(world * len(values), dtype=torch.int64, device=mine.device)
+        all_gather_flat(every, mine)
+        return every.view(world, len(values)).tolist()
+
+    @staticmethod
+    def _loop_state(trainer: Any, stage: RunningStage) -> tuple[list, Any, int]:
+        """(batch counts per dataloader, the loop's data fetcher, position of the current batch in the loop)."""
+        if stage is RunningStage.TRAINING:
+            loop = trainer.fit_loop
+            return [loop.max_batches], loop._data_fetcher, loop.epoch_loop.batch_idx
+        if stage is RunningStage.TESTING:
+            loop = trainer.test_loop
+        elif stage is RunningStage.PREDICTING:
+            loop = trainer.predict_loop
+        else:
+            loop = trainer._evaluation_loop  # fit's validation loop (sanity check too) or trainer.validate's
+        return list(loop.max_batches), loop._data_fetcher, loop.batch_progress.current.ready - 1
+
+    def _compare_counts(self, trainer: Any, stage: RunningStage, first_batch: bool) -> None:
+        counts, fetcher, _ = self._loop_state(trainer, stage)
+        known = [_UNKNOWN if c == float("inf") else int(c) for c in counts]
+        lookahead = isinstance(fetcher, _PrefetchDataFetcher) and fetcher.length is None and fetcher.prefetch_batches
+        iter_steps = isinstance(fetcher, _DataLoaderIterDataFetcher)
+        has_first, first_dl, first_idx = _next_batch_identity(fetcher) if lookahead and first_batch else (1, -1, -1)
+        header = [_CODES[stage], len(known), int(bool(lookahead)), int(iter_steps), has_first, first_dl, first_idx]
+        headers = self._gather(header)
+        width = max(row[1] for row in headers)
+        rows = self._gather(known + [_UNKNOWN] * (width - len(known))) if width else [[] for _ in headers]
+        words = _WORDS[stage]
+
+        if len({row[0] for row in headers}) > 1:
+            listing = ", ".join(f"rank {r}: {_WORDS[_STAGES[row[0] - 1]]}" for r, row in enumerate(headers))
+            raise UnevenBatchesError(
+                f"Uneven inputs: the ranks are starting different loops ({listing}); an earlier loop ended on some "
+                f"ranks before others. {_advice(stage)}"
+            )
+        if len({row[1] for row in headers}) > 1:
+            listing = ", ".join(f"rank {r}: {row[1]}" for r, row in enumerate(headers))
+            raise UnevenBatchesError(
+                f"Uneven inputs: the ranks have different numbers of {words} dataloaders ({listing}). {_advice(stage)}"
+            )
+        every_count = "; ".join((f"dataloader {j}: " if width > 1 else "")
+                                + ", ".join(f"rank {r}: {_count(row[j])}" for r, row in enumerate(rows))
+                                for j in range(width))
+        uneven_but_may_stop = False
+        for j in range(width):
+            column = [row[j] for row in rows]
+            if len(set(column)) == 1:
+                continue
+            where = f" in {words} dataloader {j}" if width > 1 else ""
+            listing = ", ".join(f"rank {r}: {_count(c)}" for r, c in enumerate(column))
+            if _UNKNOWN in column:
+                what = f"{words} dataloader {j}" if width > 1 else f"{words} loader"
+                raise UnevenBatchesError(
+                    f"Uneven inputs: the {what} has a length on some ranks and none on others (batches per rank: "
+                    f"{listing}). Give every rank the same kind of loader. {_advice(stage)}"
+                )
+            fewest = min(column)
+            if stage is RunningStage.TRAINING and _max_steps_may_end_first(trainer, fewest):
+                uneven_but_may_stop = True  # decided batch by batch: max_steps may end the run in time
+                continue
+            short = [r for r, c in enumerate(column) if c == fewest]
+            if stage is RunningStage.TRAINING and trainer.current_epoch > 0:
+                where += f" in epoch {trainer.current_epoch}"  # the loaders were reloaded
+            raise UnevenBatchesError(
+                f"Uneven inputs: the ranks have different numbers of {words} batches{where} ({listing}). "
+                f"{_ranks(short).capitalize()} would run out of batches after {fewest}, and the other ranks would "
+                f"then wait for {'it' if len(short) == 1 else 'them'} in the next collective until the "
+                f"process-group timeout. {_advice(stage)}"
+            )
+        if any(row[3] for row in headers):
+            self._per_batch[stage] = False  # dataloader_iter steps: nothing is known ahead of the step
+            return
+        lookahead_any = any(row[2] for row in headers)
+        self._per_batch[stage] = lookahead_any or uneven_but_may_stop
+        if uneven_but_may_stop:
+            self._notes[stage] = (f" Batches per rank: {every_count}; checked batch by batch, as max_steps might "
+                                  "have ended training first, which it did not.")
+        elif any(c != _UNKNOWN for row in rows for c in row):
+            self._notes[stage] = (f" Batches per rank: {every_count}. A loader without a length (an "
+                                  "IterableDataset) shows its count only as its batches are fetched, one batch ahead.")
+        else:
+            self._notes[stage] = (" The loader has no length (an IterableDataset), so its count shows only as its "
+                                  "batches are fetched, one batch ahead.")
+        if lookahead_any and first_batch:
+            epoch = f" in epoch {trainer.current_epoch}" if stage is RunningStage.TRAINING else ""
+            self._check_rows([[_CODES[stage], -1, *row[4:7]] for row in headers], stage, epoch)
+
+    def _check_batch(self, trainer: Any, stage: RunningStage) -> None:
+        if not self._per_batch.get(stage):
+            return
+        _, fetcher, position = self._loop_state(trainer, stage)
+        if isinstance(fetcher, _PrefetchDataFetcher) and fetcher.length is None:
+            more, next_dl, next_idx = _next_batch_identity(fetcher)
+        else:  # a length is known (uneven counts under max_steps): the fetcher counts
+            more, next_dl, next_idx = int(not fetcher.done), _UNKNOWN, _UNKNOWN
+        if more and stage is RunningStage.TRAINING and _training_ends_after_this_batch(trainer):
+            more, next_dl, next_idx = 0, _UNKNOWN, _UNKNOWN  # every rank stops here anyway
+        epoch = f" in epoch {trainer.current_epoch}" if stage is RunningStage.TRAINING else ""
+        self._check_rows(self._gather([_CODES[stage], position, more, next_dl, next_idx]), stage, epoch)
+
+    def _check_rows(self, rows: list[list[int]], stage: RunningStage, epoch: str = "") -> None:
+        """rows: per rank [loop, position (-1: before the first batch), more follow, next dataloader, next index]."""
+        if all(row == rows[0] for row in rows):
+            return
+        words = _WORDS[stage]
+        note = self._notes.get(stage, "")
+        if any(row[:2] != rows[0][:2] for row in rows):
+            listing = ", ".join(
+                f"rank {r}: {_WORDS[_STAGES[row[0] - 1]]} batch {row[1] + 1}" for r, row in enumerate(rows))
+            raise UnevenBatchesError(
+                f"Uneven inputs: the ranks are at different batches ({listing}); the loaders yielded different "
+                f"numbers of batches earlier on.{note} {_advice(stage)}"
+            )
+        position = rows[0][1]
+        done = [r for r, row in enumerate(rows) if not row[2]]
+        going = [r for r, row in enumerate(rows) if row[2]]
+        if done and going:
+            after = "before its first batch" if position < 0 else f"after {position + 1} batches"
+            if len(done) > 1:
+                after = after.replace("its", "their")
+            raise UnevenBatchesError(
+                f"Uneven inputs: {_ranks(done)} ran out of {words} batches {after}{epoch}, while {_ranks(going)} "
+                f"still {'has' if len(going) == 1 else 'have'} more (at least {position + 2}), and would wait for "
+                f"{'it' if len(done) == 1 else 'them'} in the next collective until the process-group timeout."
+                f"{note} {_advice(stage)}"
+            )
+        listing = ", ".join(f"rank {r}: batch {row[4]} of dataloader {row[3]}" for r, row in enumerate(rows))
+        first = min(row[3] for row in rows)
+        moved = [r for r, row in enumerate(rows) if row[3] != first]
+        raise UnevenBatchesError(
+            f"Uneven inputs: the ranks' next {words} batches differ ({listing}): {_ranks(moved)} ran out of "
+            f"batches of dataloader {first} first.{note} {_advice(stage)}"
+        )
+
+
+def _max_steps_may_end_first(trainer: Any, fewest: int) -> bool:
+    """Whether ``max_steps`` may end training before the rank with ``fewest`` batches runs out. Automatic
+    optimization makes at most one optimizer step per batch, so it cannot when more steps remain than that rank has
+    batches; under manual optimization the user's step decides, so it may."""
+    max_steps = trainer.fit_loop.max_steps
+    if max_steps is None or max_steps < 0:
+        return False
+    if not trainer.lightning_module.automatic_optimization:
+        return True
+    return max_steps - trainer.fit_loop.epoch_loop.global_step <= fewest
+
+
+def _training_ends_after_this_batch(trainer: Any) -> bool:
+    """Whether ``max_steps`` is reached with this batch. Ranks that agree on it stop together; a rank at its last
+    batch also steps where the others would accumulate, and so may stop alone, which is then reported."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    max_steps = epoch_loop.max_steps
+    if max_steps is None or max_steps < 0:
+        return False
+    steps = epoch_loop.global_step  # before this batch's step under automatic optimization, after it under manual
+    if trainer.lightning_module.automatic_optimization and not epoch_loop._should_accumulate():
+        steps += 1
+    return steps >= max_steps

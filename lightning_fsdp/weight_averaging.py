@@ -1,0 +1,418 @@
+"""Weight-averaging callbacks on a sharded model: the average is kept sharded too.
+
+Lightning's :class:`~lightning.pytorch.callbacks.StochasticWeightAveraging` and
+:class:`~lightning.pytorch.callbacks.WeightAveraging` (and its :class:`EMAWeightAveraging`) copy the LightningModule
+in their ``setup()`` hook, before the strategy shards it, and later combine the copy's parameters with the model's
+elementwise (``zip(average.parameters(), model.parameters())``). After sharding, each model parameter holds only this
+rank's rows (``torch.chunk`` on dim 0), and an elementwise average of shards is the shard of the average. So
+:func:`shard_averaged_models`, which ``FSDPStrategy.setup`` calls right after sharding, replaces every parameter of
+such a copy by this rank's rows of the model's (same modules and Parameter objects, full-size data released); the
+callbacks' own code then runs unchanged and ends with the rows a single device would hold. Buffers are not sharded by
+the engine and stay whole in the copy too. When a stage ends and the strategy gives the model its full parameters
+back, :func:`restore_averaged_models` does the same for the averages (a later stage, such as ``validate`` after
+``fit``, shards them again from their own values).
+
+Checkpoints: the average's shard tensors would otherwise reach a checkpoint written by rank 0 with rank 0's rows only.
+:func:`gather_averages_for_save` (``FSDPStrategy.save_checkpoint``, every rank) gathers them into full tensors first,
+and :func:`slice_loaded_averages` (``FSDPStrategy.load_checkpoint``) gives each rank its rows back before the callbacks
+load them. This works for the full, sharded and local formats; in the two directory formats the full-size average
+(SWA) or the current model (WeightAveraging, whose checkpoint keeps the average in ``state_dict``) goes into
+``meta.pt``, which rank 0 writes.
+
+A callback of your own that keeps copies of the parameters works as it is if it takes them after sharding
+(``on_fit_start`` / ``on_train_start``: they are then this rank's rows); copies taken in ``setup`` (full size) are
+refused before the first step. To checkpoint such shard copies, gather them with :func:`full_tensors` in the
+callback's ``state_dict`` and slice them back with :func:`local_tensors` in ``load_state_dict``; to keep them past the
+end of the stage, gather them in ``on_train_end`` (the engine is closed afterwards).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_fsdp.engine import ShardingEngine
+from lightning_fsdp.engine.unit import ParamSlot
+
+# Averaged copies whose parameters hold this rank's rows, with (a weak reference to) the engine whose layout they
+# follow; and averages handed back whole at the end of a stage (a later stage shards their own values again).
+_SHARDED: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+_RESTORED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _callback_classes() -> tuple[Optional[type], Optional[type]]:
+    try:
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+    except ImportError:  # pragma: no cover - every supported Lightning has it
+        StochasticWeightAveraging = None  # type: ignore[assignment,misc]
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging  # Lightning >= 2.6
+    except ImportError:  # pragma: no cover
+        WeightAveraging = None  # type: ignore[assignment,misc]
+    return StochasticWeightAveraging, WeightAveraging
+
+
+def _engine_of(strategy_or_engine: Any, helper: str) -> Optional[ShardingEngine]:
+    engine = strategy_or_engine if isinstance(strategy_or_engine, ShardingEngine) else getattr(
+        strategy_or_engine, "engine", None)
+    if engine is not None and getattr(engine, "closed", False):
+        raise RuntimeError(
+            f"{helper} was called after the Trainer stage ended: the fsdp_custom strategy has given the model its "
+            "full parameters back and its sharding engine is closed, so shard copies can no longer be gathered. "
+            "Call it while the stage runs (e.g. in on_train_end, or in the callback's state_dict)."
+        )
+    return engine
+
+
+def _live_engine(strategy: Any) -> Optional[ShardingEngine]:
+    engine = getattr(strategy, "engine", None)
+    return None if engine is None or getattr(engine, "closed", False) else engine
+
+
+def _is_rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _comm_device(engine: ShardingEngine) -> torch.device:
+    # Where the engine's collectives run (the compute device; shards may live in host memory with CPU offload).
+    return engine.units[0].device if engine.units else torch.device("cpu")
+
+
+def _slots_by_name(engine: ShardingEngine) -> dict[str, ParamSlot]:
+    """State-dict key of the LightningModule -> slot, for every managed parameter (tied ones under each name)."""
+    slots = {}
+    for name, param in engine.root.named_parameters(remove_duplicate=False):
+        slot = engine._slot_by_param.get(id(param))
+        if slot is not None:
+            slots[name] = slot
+    return slots
+
+
+def _gather(local: Tensor, slot: ParamSlot, engine: ShardingEngine) -> Tensor:
+    """The full tensor whose rows ``local`` holds on this rank (a collective over the shard group)."""
+    from lightning_fsdp.checkpoint.full import _gather_rows
+
+    layout = slot.layout
+    local = local.detach()
+    if layout.world_size == 1:
+        return local.reshape(layout.shape)
+    return _gather_rows(local.to(_comm_device(engine)), layout, engine)
+
+
+def _averages(trainer: Any) -> list[tuple[Any, str, nn.Module]]:
+    """(callback, kind, averaged module) for the averaging callbacks of ``trainer`` that hold an average."""
+    swa_cls, wa_cls = _callback_classes()
+    found = []
+    for callback in getattr(trainer, "callbacks", None) or []:
+        if swa_cls is not None and isinstance(callback, swa_cls):
+            module = getattr(callback, "_average_model", None)
+            if isinstance(module, nn.Module):
+                found.append((callback, "swa", module))
+        elif wa_cls is not None and isinstance(callback, wa_cls):
+            averaged = getattr(callback, "_average_model", None)
+            module = getattr(averaged, "module", None)
+            if isinstance(module, nn.Module):
+                found.append((callback, "wa", module))
+    return found
+
+
+def _is_sharded_average(module: nn.Module, engine: ShardingEngine) -> bool:
+    ref = _SHARDED.get(module)
+    return ref is not None and ref() is engine
+
+
+# =============================================================================================== setup
+@torch.no_grad()
+def shard_averaged_models(trainer: Any, engine: ShardingEngine) -> None:
+    """Give the averaged copy of every known averaging callback this rank's rows of the model's parameters.
+
+    Called on every rank right after the model is sharded. Refuses (on every rank alike) a callback of unknown type
+    that holds full-size copies of the model's parameters, taken before sharding."""
+    known = _averages(trainer)
+    for callback, _kind, module in known:
+        if not _is_sharded_average(module, engine):
+            # A fresh copy takes the model's rows (right after meta-device init or sync_module_states too); an
+            # average handed back whole at the end of an earlier stage keeps its own values.
+            _shard_copy(module, engine, type(callback).__name__, own_values=module in _RESTORED)
+            _SHARDED[module] = weakref.ref(engine)
+            _RESTORED.discard(module)
+    known_ids = {id(c) for c, _, _ in known}
+    swa_cls, wa_cls = _callback_classes()
+    for callback in getattr(trainer, "callbacks", None) or []:
+        if id(callback) in known_ids or any(c is not None and isinstance(callback, c) for c in (swa_cls, wa_cls)):
+            continue
+        _check_no_full_copies(callback, engine)
+
+
+def _shard_copy(copy: nn.Module, engine: ShardingEngine, owner: str, own_values: bool = False) -> None:
+    root = engine.root
+    model_params = dict(root.named_parameters(remove_duplicate=False))
+    copy_names = [n for n, _ in copy.named_parameters(remove_duplicate=False)]
+    missing = [n for n in model_params if n not in set(copy_names)]
+    extra = [n for n in copy_names if n not in model_params]
+    if missing or extra:
+        raise ValueError(
+            f"{owner}'s averaged copy of {type(root).__name__} does not have the model's parameters (missing "
+            f"{missing[:5]}, extra {extra[:5]}): the callback copied the model in its setup hook, before "
+            "configure_model created or changed layers. Create the layers in __init__ (or under "
+            "trainer.init_module(empty_init=True)) so the copy matches the model the fsdp_custom strategy shards."
+        )
+    model_buffers = dict(root.named_buffers(remove_duplicate=False))
+    replaced: dict[int, nn.Parameter] = {}
+    for module_name, module in copy.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) in replaced:  # tied: already handled under its first name
+                module._parameters[name] = replaced[id(param)]
+                continue
+            source = model_params[prefix + name]
+            device = source.device if param.is_meta else param.device
+            slot = engine._slot_by_param.get(id(source))
+            if own_values and slot is not None and not param.is_meta:
+                if tuple(param.shape) != tuple(slot.layout.shape):
+                    raise ValueError(
+                        f"{owner}'s average of {prefix + name!r} has shape {tuple(param.shape)}, the model's "
+                        f"parameter {tuple(slot.layout.shape)}; the average belongs to another model."
+                    )
+                value = slot.layout.local_slice(param.detach()).clone()
+            else:
+                value = source.detach().to(device=device, dtype=param.dtype, copy=True)
+            if param.is_meta:  # meta-device init: a meta tensor cannot take real data in place
+                new = nn.Parameter(value, requires_grad=param.requires_grad)
+                module._parameters[name] = new
+                replaced[id(param)] = new
+            else:
+                param.data = value
+                replaced[id(param)] = param
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.is_meta and prefix + name in model_buffers:
+                module._buffers[name] = model_buffers[prefix + name].detach().clone()
+
+
+@torch.no_grad()
+def restore_averaged_models(trainer: Any, engine: ShardingEngine) -> None:
+    """Give the sharded averages their full values back (every rank; before the engine restores the model at the
+    end of a stage): after the stage they are whole, as on one device, and a later stage shards them again."""
+    slots = _slots_by_name(engine)
+    for _callback, _kind, module in _averages(trainer):
+        if not _is_sharded_average(module, engine):
+            continue
+        for name, param in module.named_parameters():  # the same order on every rank
+            slot = slots.get(name)
+            if slot is not None:
+                param.data = _gather(param.data, slot, engine).to(param.device)
+        del _SHARDED[module]
+        _RESTORED.add(module)
+
+
+def _tensor_lists(value: Any) -> Optional[list[Tensor]]:
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, Tensor) for v in value):
+        return list(value)
+    if isinstance(value, Mapping) and value and all(isinstance(v, Tensor) for v in value.values()):
+        return list(value.values())
+    return None
+
+
+def _check_no_full_copies(callback: Any, engine: ShardingEngine) -> None:
+    """Refuse a callback attribute holding full-size copies of the model's parameters, one per parameter in order
+    (the usual hand-written EMA taken in ``setup``): after sharding they would be combined with shards. The decision
+    uses full shapes only, so every rank takes it alike."""
+    params = list(engine.root.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    for attr, value in list(getattr(callback, "__dict__", {}).items()):
+        tensors = _tensor_lists(value)
+        if tensors is None:
+            continue
+        for group in (params, trainable):
+            if len(group) != len(tensors) or not group:
+                continue
+            slots = [engine._slot_by_param.get(id(p)) for p in group]
+            full_shapes = [tuple(s.layout.shape) if s is not None else tuple(p.shape) for s, p in zip(slots, group)]
+            if [tuple(t.shape) for t in tensors] != full_shapes:
+                continue
+            if not any(s is not None and s.layout.world_size > 1 and s.layout.rows > 1 for s in slots):
+                continue
+            raise ValueError(
+                f"Callback {type(callback).__name__} keeps full-size copies of the model's {len(group)} parameters "
+                f"in `{attr}`, taken before the fsdp_custom strategy sharded the model (in setup). After sharding, "
+                "each parameter of pl_module.parameters() holds only this rank's rows, so combining them with these "
+                "copies would fail. Take the copies in on_fit_start or on_train_start instead (they are then this "
+                "rank's rows, and an elementwise average of them is this rank's rows of the average); to checkpoint "
+                "them, gather with lightning_fsdp.weight_averaging.full_tensors(trainer.strategy, tensors)."
+            )
+
+
+# ======================================================================================== user helpers
+@torch.no_grad()
+def full_tensors(strategy: Any, tensors: Sequence[Tensor], params: Optional[Sequence[nn.Parameter]] = None,
+                 *, rank0_only: bool = False) -> list[Tensor]:
+    """Full tensors (on CPU) from per-rank ``tensors`` aligned with ``params`` (default: the LightningModule's
+    ``parameters()``), e.g. an EMA kept as shard copies. Call on every rank: sharded entries are all-gathered.
+
+    Without a sharding engine (one device, another strategy) the tensors are returned as they are (copied to CPU).
+    ``rank0_only``: other ranks get an empty list."""
+    engine = _engine_of(strategy, "full_tensors")
+    tensors = list(tensors)
+    if engine is None:
+        return [t.detach().cpu().clone() for t in tensors]
+    params = list(engine.root.parameters()) if params is None else list(params)
+    if len(params) != len(tensors):
+        raise ValueError(f"full_tensors got {len(tensors)} tensors for {len(params)} parameters; pass one per "
+                         "parameter, in the order of params (default: pl_module.parameters()).")
+    keep = not rank0_only or _is_rank0()
+    out = []
+    for param, tensor in zip(params, tensors):
+        slot = engine._slot_by_param.get(id(param))
+        full = _gather(tensor, slot, engine) if slot is not None else tensor.detach()
+        if keep:
+            out.append(full.cpu().clone())
+    return out
+
+
+@torch.no_grad()
+def local_tensors(strategy: Any, tensors: Sequence[Tensor],
+                  params: Optional[Sequence[nn.Parameter]] = None) -> list[Tensor]:
+    """This rank's rows of full ``tensors`` aligned with ``params`` (default: the LightningModule's parameters()),
+    the inverse of :func:`full_tensors`; entries that are not full-shaped pass through. No collectives."""
+    engine = _engine_of(strategy, "local_tensors")
+    tensors = list(tensors)
+    if engine is None:
+        return tensors
+    params = list(engine.root.parameters()) if params is None else list(params)
+    if len(params) != len(tensors):
+        raise ValueError(f"local_tensors got {len(tensors)} tensors for {len(params)} parameters.")
+    out = []
+    for param, tensor in zip(params, tensors):
+        slot = engine._slot_by_param.get(id(param))
+        out.append(_local_rows(tensor, slot) if slot is not None else tensor)
+    return out
+
+
+def _local_rows(value: Any, slot: ParamSlot) -> Any:
+    if isinstance(value, Tensor) and tuple(value.shape) == tuple(slot.layout.shape):
+        return slot.layout.local_slice(value).clone()
+    return value
+
+
+# ========================================================================================== checkpoints
+def _full_state(module: nn.Module, engine: ShardingEngine, keep: bool) -> dict[str, Any]:
+    """``module.state_dict()`` of an averaged copy with its sharded parameters gathered to full tensors on CPU.
+
+    Every rank gathers the same keys in the same (state-dict) order; only ranks with ``keep`` hold the result."""
+    slots = _slots_by_name(engine)
+    state = module.state_dict()
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        slot = slots.get(key)
+        if slot is not None and isinstance(value, Tensor):
+            value = _gather(value, slot, engine)
+        if keep:
+            out[key] = value.detach().cpu().clone() if isinstance(value, Tensor) else value
+    return out
+
+
+@torch.no_grad()
+def gather_averages_for_save(strategy: Any, checkpoint: dict[str, Any]) -> None:
+    """Make the averages in ``checkpoint`` complete before it is written (call on every rank; changes it in place).
+
+    * StochasticWeightAveraging: its callback state's ``average_model_state`` becomes full tensors (on rank 0).
+    * WeightAveraging (its ``on_save_checkpoint`` put the average into ``state_dict`` and the current model into
+      ``current_model_state``): for the full format ``state_dict`` becomes the full average (rank 0); for the
+      sharded and local formats ``state_dict`` holds the average in the format's own sharded form and
+      ``current_model_state`` the full current model (in ``meta.pt``)."""
+    engine = _live_engine(strategy)
+    trainer = getattr(getattr(strategy, "lightning_module", None), "_trainer", None)
+    if engine is None or trainer is None:
+        return
+    keep = _is_rank0()
+    kind_of_checkpoint = getattr(getattr(strategy, "state_dict_type", None), "value", "full")
+    callbacks_state = checkpoint.get("callbacks")
+    last_wa = None
+    for callback, kind, module in _averages(trainer):
+        if not _is_sharded_average(module, engine):
+            continue
+        if kind == "swa":
+            if not isinstance(callbacks_state, dict):
+                continue
+            key = callback.state_key  # the key dump_checkpoint stores the callback's state_dict() under
+            state = callbacks_state.get(key)
+            if isinstance(state, dict) and state.get("average_model_state") is not None:
+                state = callbacks_state[key] = dict(state)
+                state["average_model_state"] = _full_state(module, engine, keep)
+        else:
+            last_wa = module
+    if last_wa is None or "current_model_state" not in checkpoint or "averaging_state" not in checkpoint:
+        return
+    # WeightAveraging.on_save_checkpoint ran (the last such callback's average is in "state_dict").
+    if kind_of_checkpoint == "full":
+        checkpoint["state_dict"] = _full_state(last_wa, engine, keep)
+        return
+    from lightning_fsdp.checkpoint.full import full_model_state_dict
+
+    slots = _slots_by_name(engine)
+    average = last_wa.state_dict()
+    if kind_of_checkpoint == "sharded":
+        from lightning_fsdp.checkpoint.sharded import _to_global
+
+        for key, value in average.items():  # the same order on every rank (0-dim parameters gather)
+            slot = slots.get(key)
+            if slot is not None and isinstance(value, Tensor):
+                average[key] = _to_global(value.detach().to(slot.param.device), slot.layout, engine)
+    checkpoint["state_dict"] = average
+    checkpoint["current_model_state"] = full_model_state_dict(engine)
+
+
+@torch.no_grad()
+def slice_loaded_averages(strategy: Any, checkpoint: Any) -> Any:
+    """Give each rank its rows of the full averages in a loaded checkpoint, before the callbacks load them; returns
+    the checkpoint (changed in place). No collectives."""
+    from lightning_fsdp.checkpoint.common import ShardedStateDict
+
+    engine = _live_engine(strategy)
+    trainer = getattr(getattr(strategy, "lightning_module", None), "_trainer", None)
+    if engine is None or trainer is None or not isinstance(checkpoint, dict):
+        return checkpoint
+    slots = _slots_by_name(engine)
+
+    def local(state: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: (_local_rows(v, slots[k]) if k in slots else v) for k, v in state.items()}
+
+    callbacks_state = checkpoint.get("callbacks")
+    has_wa = False
+    for callback, kind, module in _averages(trainer):
+        if not _is_sharded_average(module, engine):
+            continue
+        if kind == "wa":
+            has_wa = True
+            continue
+        if not isinstance(callbacks_state, dict):
+            continue
+        # The entry Lightning's _call_callbacks_load_state_dict hands to the callback.
+        state = callbacks_state.get(callback.state_key, callbacks_state.get(callback._legacy_state_key))
+        if not isinstance(state, dict):
+            continue
+        if isinstance(state.get("average_model_state"), Mapping):
+            state["average_model_state"] = local(state["average_model_state"])
+        fitting = getattr(getattr(trainer, "state", None), "fn", None) == "fit"
+        if fitting and state.get("scheduler_state") is not None and hasattr(callback, "_clear_schedulers"):
+            # What SWA's on_fit_start does on one device, where the checkpoint is restored before that hook; with
+            # this strategy the restore comes after it, so the schedulers are cleared here (before they are
+            # restored) and SWA rebuilds its SWALR from the checkpoint at the next epoch start.
+            callback._clear_schedulers(trainer)
+    if has_wa:
+        state = checkpoint.get("state_dict")
+        if isinstance(state, Mapping) and not isinstance(state, ShardedStateDict):
+            # WeightAveraging.on_load_checkpoint loads "state_dict" into its sharded average itself; the strategy's
+            # load_model_state_dict takes these rows as well (ShardedStateDict: already this rank's).
+            checkpoint["state_dict"] = ShardedStateDict(local(state), source="checkpoint")
+        current = checkpoint.get("current_model_state")
+        if isinstance(current, Mapping):
+            checkpoint["current_model_state"] = local(current)
+    return checkpoint
