@@ -574,23 +574,24 @@ class FSDPStrategy(ParallelStrategy):
     def _trainer(self) -> Optional["pl.Trainer"]:
         return getattr(self.lightning_module, "_trainer", None)
 
+    def _check_loop_start(self) -> None:
+        if (trainer := self._trainer()) is not None:
+            self._even_batches.loop_started(trainer)
+
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        if (trainer := self._trainer()) is not None:
-            self._even_batches.loop_started(trainer)
+        self._check_loop_start()
 
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        if (trainer := self._trainer()) is not None:
-            self._even_batches.loop_started(trainer)
+        self._check_loop_start()
 
     @override
     def on_test_start(self) -> None:
         super().on_test_start()
-        if (trainer := self._trainer()) is not None:
-            self._even_batches.loop_started(trainer)
+        self._check_loop_start()
 
     @override
     def on_predict_start(self) -> None:

@@ -12,6 +12,7 @@ A case that times out, a worker that dies or raises fails that case with a clear
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import queue
 import shutil
@@ -63,6 +64,9 @@ def _worker(rank: int, world_size: int, folder: str, inbox: Any, outbox: Any) ->
             outbox.join_thread()
             os._exit(1)
         outbox.put((case_id, rank, result))
+        # Free the case's engines now rather than whenever the collector runs, so a problem with freed engines
+        # (hooks they leave behind) shows in the next case every time instead of at random.
+        gc.collect()
     destroy_process_group()
 
 

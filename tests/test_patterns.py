@@ -217,6 +217,8 @@ def test_reference_exercises_the_patterns(sides):
         assert all((result.get("flags") or {}).values()), (name, result.get("flags"))
     # Gradient clipping is active: the norm before clipping is above the clip value at every step.
     assert min(ref["manual_clip"]["ref_only"]["norms"]) > CLIP
+    # The critic's weight clipping clipped something (after its steps, inside training_step).
+    assert ref["gan_weight_clip"]["ref_only"]["clipped_values"] > 0
     # Frozen means no update; unfrozen means training.
     flip = ref["flip_requires_grad"]
     assert not _changed(flip["snapshots"]["epoch0_end"], flip["snapshots"]["epoch1_end"], "net.blocks.0.")

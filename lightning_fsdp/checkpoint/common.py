@@ -128,8 +128,16 @@ def param_names(module: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters()}
 
 
+def engine_param_names(engine: ShardingEngine) -> dict[int, str]:
+    """``param_names`` of the engine's module, read while its modules hold the user's parameters."""
+    engine.reshard_idle()
+    return param_names(engine.root)
+
+
 def managed_keys(engine: ShardingEngine) -> dict[str, ParamSlot]:
     """State-dict key -> slot for every key naming a managed parameter (a tied parameter has several keys)."""
+    # A forward whose backward never came leaves full-size stand-ins in the modules; names are read past them.
+    engine.reshard_idle()
     keys: dict[str, ParamSlot] = {}
     for name, param in engine.root.named_parameters(remove_duplicate=False):
         slot = engine._slot_by_param.get(id(param))

@@ -35,6 +35,7 @@ def _param_keys(module: nn.Module) -> dict[int, list[str]]:
 @torch.no_grad()
 def full_model_state_dict(engine: ShardingEngine, *, rank0_only: bool = True) -> dict[str, Any]:
     """The unwrapped model's ``state_dict()`` with full tensors on CPU (empty on other ranks if ``rank0_only``)."""
+    engine.reshard_idle()  # a forward whose backward never came may have left full-size stand-ins in the modules
     module = engine.root
     keep = not rank0_only or _global_rank() == 0
     state = module.state_dict()  # shards for managed parameters; buffers and unmanaged parameters as they are
@@ -60,6 +61,7 @@ def full_model_state_dict(engine: ShardingEngine, *, rank0_only: bool = True) ->
 @torch.no_grad()
 def load_full_model_state_dict(engine: ShardingEngine, state: Mapping[str, Any], *, strict: bool = True) -> None:
     """Load a full state dict (same on every rank): each rank copies its own rows into its shards."""
+    engine.reshard_idle()
     module = engine.root
     keys = _param_keys(module)
     managed = {}

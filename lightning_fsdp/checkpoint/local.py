@@ -31,6 +31,7 @@ from lightning_fsdp.checkpoint.common import (
     Collective,
     ShardedOptimizerState,
     ShardedStateDict,
+    engine_param_names,
     managed_keys,
     numel,
     param_names,
@@ -51,9 +52,10 @@ from lightning_fsdp.engine import ShardingEngine
 # ===================================================================================================== saving
 def local_model_state_dict(engine: ShardingEngine) -> dict[str, Any]:
     """The module's state dict as it is: this rank's rows of sharded parameters (views, no copies)."""
+    managed = managed_keys(engine)  # first: it puts the user's parameters back where a forward left stand-ins
     state = engine.root.state_dict()
     if engine.closed:  # the stage ended and the module holds full parameters again: save this rank's rows
-        for key, slot in managed_keys(engine).items():
+        for key, slot in managed.items():
             if key in state:
                 state[key] = engine.shard_of(slot)
     return state
@@ -77,7 +79,7 @@ def layout_info(engine: ShardingEngine, optimizers: Optional[Sequence[Optimizer]
             entries[key] = {"shape": tuple(int(s) for s in value.shape), "dtype": str(value.dtype), "rows": None}
         else:
             entries[key] = {"shape": None, "dtype": type(value).__name__, "rows": None}
-    names = param_names(engine.root)
+    names = engine_param_names(engine)
     optimizer_names = None
     if optimizers is not None:
         optimizer_names = [[[names.get(id(p), "?") for p in group["params"]] for group in opt.param_groups]
@@ -222,7 +224,7 @@ def _check_optimizers(path: str, info: Mapping[str, Any], engine: ShardingEngine
             f"Local checkpoint {path!r} holds the state of {len(stored)} optimizer(s), but this run configured "
             f"{len(optimizers)}; resume with the same optimizers."
         )
-    names = param_names(engine.root)
+    names = engine_param_names(engine)
     for index, (groups, optimizer) in enumerate(zip(stored, optimizers)):
         here = [[names.get(id(p), "?") for p in group["params"]] for group in optimizer.param_groups]
         if [len(g) for g in groups] != [len(g) for g in here]:

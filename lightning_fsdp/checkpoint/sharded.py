@@ -47,6 +47,7 @@ from lightning_fsdp.checkpoint.common import (
     contiguous_stride,
     is_local_rows,
     is_sharded,
+    engine_param_names,
     managed_keys,
     optimizer_params,
     param_names,
@@ -104,8 +105,9 @@ def _to_global(local: torch.Tensor, layout: ShardLayout, engine: ShardingEngine)
 @torch.no_grad()
 def sharded_model_state_dict(engine: ShardingEngine) -> dict[str, Any]:
     """The unwrapped model's ``state_dict()`` keys, sharded parameters as DTensors of this rank's rows (no copies)."""
+    managed = managed_keys(engine)  # first: it puts the user's parameters back where a forward left stand-ins
     state = engine.root.state_dict()
-    for key, slot in managed_keys(engine).items():
+    for key, slot in managed.items():
         if key in state:
             state[key] = _to_global(engine.shard_of(slot), slot.layout, engine)
     return state
@@ -115,7 +117,7 @@ def sharded_model_state_dict(engine: ShardingEngine) -> dict[str, Any]:
 def sharded_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
     """``optimizer.state_dict()`` keyed by parameter name, state shaped like a shard as DTensors."""
     state_dict = optimizer.state_dict()
-    names = param_names(engine.root)
+    names = engine_param_names(engine)
     params = optimizer_params(optimizer)
     fqns = [names.get(id(p), f"<unnamed parameter {i}>") for i, p in enumerate(params)]
     state: dict[str, dict[str, Any]] = {}
@@ -421,7 +423,7 @@ class _ShardedLoad:
         self.optimizer_plans = []
         if self.optimizers is None:
             return
-        names = param_names(self.engine.root)
+        names = engine_param_names(self.engine)
         for index, (prefix, optimizer) in enumerate(zip(self.optimizer_prefixes, self.optimizers)):
             groups = self._groups(prefix)
             here = optimizer.param_groups

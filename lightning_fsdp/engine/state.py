@@ -32,20 +32,22 @@ def _current_graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
-def _optimizer_step_hook(engine: ShardingEngine) -> Any:
-    """A hook after every optimizer step (torch offers only a global one) that does not keep ``engine`` alive."""
-    ref = weakref.ref(engine)
-    handle = None
+# Engines whose root may be gathered inside its own forward when an optimizer steps (manual optimization). torch
+# offers only a global optimizer hook: one is registered for all engines, and holds them weakly.
+_LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
+_optimizer_hook_handle: Any = None
 
-    def hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        alive = ref()
-        if alive is not None:
-            alive._after_optimizer_step()
-        elif handle is not None:
-            handle.remove()
 
-    handle = register_optimizer_step_post_hook(hook)
-    return handle
+def _after_any_optimizer_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    for engine in list(_LIVE_ENGINES):
+        engine._after_optimizer_step()
+
+
+def _watch_optimizer_steps(engine: ShardingEngine) -> None:
+    global _optimizer_hook_handle
+    _LIVE_ENGINES.add(engine)
+    if _optimizer_hook_handle is None:
+        _optimizer_hook_handle = register_optimizer_step_post_hook(_after_any_optimizer_step)
 
 
 # ``Communicator.agree`` tags of collectives that belong to no unit (unit tags are non-negative).
@@ -137,7 +139,7 @@ class ShardingEngine:
     # * A forward always computes with the current weights: every root forward starts by freeing whatever an
     #   earlier forward left gathered (the root, SHARD_GRAD_OP units, a forward whose backward never came), prefetches
     #   never outlive the forward or backward that issued them, and an optimizer step inside the root's forward
-    #   (manual optimization) re-gathers the root.
+    #   (manual optimization) frees the root, which the next module using it gathers again.
     # * ``requires_grad`` is read at each unit's forward (``FlatUnit.sync_requires_grad``), so freezing and
     #   unfreezing at any time trains as in a single process.
     def _register_hooks(self, unit: FlatUnit) -> None:
@@ -164,6 +166,9 @@ class ShardingEngine:
         for module, slots in users.values():
             self._handles.append(module.register_forward_pre_hook(
                 lambda _m, _a, slots=slots: self._sync_root_slots(slots)))
+            # Backward may start inside the root's forward too, and need the root again after an earlier backward
+            # of the same training_step freed it: these modules' outputs gather it, as a unit's outputs do.
+            self._handles.append(module.register_forward_hook(lambda _m, _a, output: self._mark_root_use(output)))
         # The root has no unit above it to start backward for it: with manual optimization its backward starts
         # before its forward has ended, so its own gradients announce it.
         for slot in root.slots:
@@ -172,7 +177,8 @@ class ShardingEngine:
             slot.full.requires_grad_(True)
             self._handles.append(slot.full.register_post_accumulate_grad_hook(lambda _p: self._start_backward()))
             slot.full.requires_grad_(not frozen)
-        self._handles.append(_optimizer_step_hook(self))
+            slot.synced_requires_grad = slot.full.requires_grad
+        _watch_optimizer_steps(self)
 
     def _hook_ignored_params(self) -> None:
         # Ignored parameters that become trainable later get their gradient averaging then.
@@ -271,16 +277,18 @@ class ShardingEngine:
     def _sync_root_slots(self, slots: list) -> None:
         if self._in_backward:
             return
-        grad_enabled = torch.is_grad_enabled()
-        for slot in slots:
-            wanted = slot.param.requires_grad
-            if slot.full.requires_grad != wanted:
-                slot.full.requires_grad_(wanted)
-            if wanted and grad_enabled:
-                slot.in_graph = True
         root = self.root_unit
+        root.sync_requires_grad(slots)
         if root.forward_depth > 0 and not root.is_gathered:
             root.gather()
+
+    def _mark_root_use(self, output: Any) -> None:
+        root = self.root_unit
+        if root.forward_depth == 0 or self._in_backward or not torch.is_grad_enabled():
+            return
+        for tensor in tree_flatten(output)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(lambda _grad: self._pre_backward(root))
 
     def _start_backward(self) -> None:
         if not self._in_backward:
@@ -288,13 +296,22 @@ class ShardingEngine:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _after_optimizer_step(self) -> None:
-        # Manual optimization steps inside the root's forward (training_step): the root's full parameters were
-        # gathered before the step and must show the updated shards to the rest of the step.
-        root = self.root_unit
-        if self.closed or self._in_backward or root.forward_depth == 0 or not root.is_gathered:
+        # Manual optimization steps inside the root's forward (training_step): full parameters gathered before the
+        # step are stale. Freed, the modules show the user's updated parameters (weight clipping after a step
+        # edits them), and the next module using them gathers them again.
+        if self.closed or self._in_backward:
             return
-        root.reshard()
-        root.gather()
+        if self.root_unit.forward_depth > 0:
+            self.root_unit.reshard()
+
+    def reshard_idle(self) -> None:
+        """Between forwards: free whatever an earlier forward left gathered (the root, SHARD_GRAD_OP units, a forward
+        whose backward never came), so that the modules hold the user's parameters again. Checkpoint functions call
+        it before reading parameters by name. Safe while a backward is still to come: backward gathers again."""
+        if self.closed or self._in_backward or self._forward_depth > 0:
+            return
+        for unit in self.units:
+            unit.reshard()
 
     def _abandon_step(self) -> None:
         """A backward raised (on every rank) before it ended: drop what it left in flight and start clean."""
@@ -369,9 +386,9 @@ class ShardingEngine:
     def _finish_backward(self) -> None:
         try:
             for unit in reversed(self.units):
-                # Inside the root's forward (manual optimization) the rest of training_step still uses the root.
-                if unit is not self.root_unit or unit.forward_depth == 0:
-                    unit.reshard()
+                # Inside the root's forward too (manual optimization): the modules then show the user's parameters
+                # (weight clipping after the step edits the shards), and the next module using the root gathers it.
+                unit.reshard()
                 if unit.trainable_slots and not unit.reduced:
                     self._reduce(unit)
             self._finish_reductions()
@@ -545,6 +562,7 @@ class ShardingEngine:
             unit.release_buffers()
         self.remove_hooks()
         self.closed = True
+        _LIVE_ENGINES.discard(self)
         detach_engine(self.root)
 
     def shard_of(self, slot: Any) -> torch.Tensor:

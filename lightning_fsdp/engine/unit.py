@@ -37,6 +37,9 @@ class ParamSlot:
     # Took part with requires_grad=True in a forward of the current step: its gradient may still arrive even if the
     # user has frozen it since, so the step's reduction keeps a place for it.
     in_graph: bool = False
+    # The requires_grad the engine last gave ``full``: if ``full`` differs at the next sync, the user flipped it
+    # through the module while it was installed there (after a forward whose backward never came).
+    synced_requires_grad: bool = True
 
     @property
     def trainable(self) -> bool:
@@ -173,6 +176,7 @@ class FlatUnit:
                 shard_view.copy_(layout.local_slice(slot.param.data))
                 full = nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device),
                                     requires_grad=slot.param.requires_grad)
+                slot.synced_requires_grad = slot.param.requires_grad
                 if not self._aliases_shard:
                     region = self.full_flat[n * slot.offset : n * (slot.offset + layout.padded_numel)]
                     self._full_regions.append(region.view(n, layout.padded_numel))
@@ -188,13 +192,17 @@ class FlatUnit:
             self._free_full()
 
     # --------------------------------------------------------------------------------------- trainability
-    def sync_requires_grad(self) -> None:
-        """Give the full parameters the user's current ``requires_grad`` (called as the unit's forward starts)."""
+    def sync_requires_grad(self, slots: list[ParamSlot] | None = None) -> None:
+        """Give the full parameters (of ``slots``, default all) the user's current ``requires_grad``: called as the
+        unit's forward starts, and for the root as each module using its parameters starts."""
         grad_enabled = torch.is_grad_enabled()
-        for slot in self.slots:
+        for slot in self.slots if slots is None else slots:
+            if slot.full.requires_grad != slot.synced_requires_grad:
+                slot.param.requires_grad_(slot.full.requires_grad)
             wanted = slot.param.requires_grad
             if slot.full.requires_grad != wanted:
                 slot.full.requires_grad_(wanted)
+            slot.synced_requires_grad = wanted
             if wanted and grad_enabled:
                 slot.in_graph = True
 

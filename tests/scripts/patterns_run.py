@@ -61,6 +61,7 @@ PATTERNS = [
     "backbone_finetuning",
     "add_param_group",
     "gan_toggle",
+    "gan_weight_clip",
     "manual_two_backward",
     "manual_retain_graph",
     "manual_subset_step",
@@ -209,6 +210,23 @@ class GAN(L.LightningModule):
         opt_g = torch.optim.SGD(self.generator.parameters(), lr=LR, momentum=0.9)
         opt_d = torch.optim.SGD(self.discriminator.parameters(), lr=LR, momentum=0.9)
         return [opt_g, opt_d], []
+
+
+class WeightClippedGAN(GAN):
+    """A WGAN-style critic: its weights are clipped after each of its steps, inside training_step. With
+    auto_wrap_policy={Block} most of the critic's parameters belong to the root unit."""
+
+    CLIP = 0.15
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clipped_values = 0
+
+    def training_step(self, batch, batch_idx):
+        super().training_step(batch, batch_idx)
+        for param in self.discriminator.parameters():
+            self.clipped_values += int((param.detach().abs() > self.CLIP).sum())
+            param.data.clamp_(-self.CLIP, self.CLIP)
 
 
 def gan_data() -> TensorDataset:
@@ -547,6 +565,12 @@ def run_pattern(name: str, run: Runner) -> dict:
         return run.fit(FrozenMiddle(), run.trainer(max_epochs=2, callbacks=[UnfreezeAndAdd()]))
     if base == "gan_toggle":
         return run.fit(GAN(), run.trainer(max_epochs=2), data=gan_data())
+    if base == "gan_weight_clip":
+        module = WeightClippedGAN()
+        result = run.fit(module, run.trainer(max_epochs=2), data=gan_data())
+        if run.devices == 1:
+            result["ref_only"]["clipped_values"] = module.clipped_values
+        return result
     if base == "try_except_forward":
         return run.fit(TryExcept(), run.trainer(max_epochs=1))
     manual = {"manual_two_backward": ManualTwoBackward, "manual_retain_graph": ManualRetainGraph,
