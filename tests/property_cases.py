@@ -205,6 +205,19 @@ class ResNorm(nn.Module):
         return x + self.norm(x)
 
 
+class ResBatchNorm(nn.Module):
+    """``x + BatchNorm1d(x)``: the batchnorm leaf. A BatchNorm subtracts each feature's batch mean, so a bias right
+    before it (a Linear's, a raiser's) would get a gradient that is zero in exact arithmetic and rounding noise in
+    fp32, which AdamW scales up to full-size updates: nothing left to compare. The identity path keeps it real."""
+
+    def __init__(self, dim: int, momentum: float | None, affine: bool) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(dim, momentum=momentum, affine=affine)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(x)
+
+
 class Raiser(nn.Module):
     """``x + bias``; raises InjectedFault instead when the context is armed (after its unit, if any, was gathered)."""
 
@@ -367,7 +380,7 @@ class _Builder:
                 return ResNorm(d)
             return nn.LayerNorm(d, elementwise_affine=spec["affine"], bias=spec["bias"])
         if kind == "batchnorm":
-            return nn.BatchNorm1d(d, momentum=spec["momentum"], affine=spec["affine"])
+            return ResBatchNorm(d, spec["momentum"], spec["affine"])
         if kind == "raiser":
             return Raiser(d, self.ctx)
         raise ValueError(f"unknown leaf kind {kind!r}")
