@@ -9,6 +9,7 @@ from accelerators import HPUAccelerator, register_hpu_accelerator
 from lightning_fsdp.config import BackwardPrefetch, MixedPrecision, ShardingStrategy, StateDictType
 from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
 from lightning_fsdp.estimate import MemoryEstimate, estimate_memory
+from lightning_fsdp.even_batches import UnevenBatchesError
 from lightning_fsdp.monitor import ShardingMonitor
 from lightning_fsdp.strategy import FSDPStrategy
 
@@ -23,6 +24,7 @@ __all__ = [
     "ShardingMonitor",
     "ShardingStrategy",
     "StateDictType",
+    "UnevenBatchesError",
     "estimate_memory",
     "fully_shard",
     "get_engine",
