@@ -114,5 +114,8 @@ class Communicator:
         return None
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
+        """``tensor`` of this group's rank ``src_rank`` on every rank of the group (``sync_module_states``)."""
         if self.world_size > 1:
-            dist.broadcast(tensor, group=self.group, group_src=src_rank)
+            # A global source rank: broadcast's group_src argument needs a newer torch than this package supports.
+            source = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
+            dist.broadcast(tensor, src=source, group=self.group)
