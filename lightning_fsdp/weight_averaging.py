@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_fsdp.checkpoint.common import managed_keys
+from lightning_fsdp.checkpoint.full import _global_rank
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.unit import ParamSlot
 
@@ -74,23 +76,9 @@ def _live_engine(strategy: Any) -> Optional[ShardingEngine]:
     return None if engine is None or getattr(engine, "closed", False) else engine
 
 
-def _is_rank0() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
 def _comm_device(engine: ShardingEngine) -> torch.device:
     # Where the engine's collectives run (the compute device; shards may live in host memory with CPU offload).
     return engine.units[0].device if engine.units else torch.device("cpu")
-
-
-def _slots_by_name(engine: ShardingEngine) -> dict[str, ParamSlot]:
-    """State-dict key of the LightningModule -> slot, for every managed parameter (tied ones under each name)."""
-    slots = {}
-    for name, param in engine.root.named_parameters(remove_duplicate=False):
-        slot = engine._slot_by_param.get(id(param))
-        if slot is not None:
-            slots[name] = slot
-    return slots
 
 
 def _gather(local: Tensor, slot: ParamSlot, engine: ShardingEngine) -> Tensor:
@@ -124,6 +112,11 @@ def _averages(trainer: Any) -> list[tuple[Any, str, nn.Module]]:
 def _is_sharded_average(module: nn.Module, engine: ShardingEngine) -> bool:
     ref = _SHARDED.get(module)
     return ref is not None and ref() is engine
+
+
+def _sharded_averages(trainer: Any, engine: ShardingEngine) -> list[tuple[Any, str, nn.Module]]:
+    """``_averages`` whose copy holds this rank's rows of ``engine``'s layout."""
+    return [entry for entry in _averages(trainer) if _is_sharded_average(entry[2], engine)]
 
 
 # =============================================================================================== setup
@@ -200,10 +193,8 @@ def _shard_copy(copy: nn.Module, engine: ShardingEngine, owner: str, own_values:
 def restore_averaged_models(trainer: Any, engine: ShardingEngine) -> None:
     """Give the sharded averages their full values back (every rank; before the engine restores the model at the
     end of a stage): after the stage they are whole, as on one device, and a later stage shards them again."""
-    slots = _slots_by_name(engine)
-    for _callback, _kind, module in _averages(trainer):
-        if not _is_sharded_average(module, engine):
-            continue
+    slots = managed_keys(engine)
+    for _callback, _kind, module in _sharded_averages(trainer, engine):
         for name, param in module.named_parameters():  # the same order on every rank
             slot = slots.get(name)
             if slot is not None:
@@ -266,7 +257,7 @@ def full_tensors(strategy: Any, tensors: Sequence[Tensor], params: Optional[Sequ
     if len(params) != len(tensors):
         raise ValueError(f"full_tensors got {len(tensors)} tensors for {len(params)} parameters; pass one per "
                          "parameter, in the order of params (default: pl_module.parameters()).")
-    keep = not rank0_only or _is_rank0()
+    keep = not rank0_only or _global_rank() == 0
     out = []
     for param, tensor in zip(params, tensors):
         slot = engine._slot_by_param.get(id(param))
@@ -306,7 +297,7 @@ def _full_state(module: nn.Module, engine: ShardingEngine, keep: bool) -> dict[s
     """``module.state_dict()`` of an averaged copy with its sharded parameters gathered to full tensors on CPU.
 
     Every rank gathers the same keys in the same (state-dict) order; only ranks with ``keep`` hold the result."""
-    slots = _slots_by_name(engine)
+    slots = managed_keys(engine)
     state = module.state_dict()
     out: dict[str, Any] = {}
     for key, value in state.items():
@@ -331,13 +322,11 @@ def gather_averages_for_save(strategy: Any, checkpoint: dict[str, Any]) -> None:
     trainer = getattr(getattr(strategy, "lightning_module", None), "_trainer", None)
     if engine is None or trainer is None:
         return
-    keep = _is_rank0()
+    keep = _global_rank() == 0
     kind_of_checkpoint = getattr(getattr(strategy, "state_dict_type", None), "value", "full")
     callbacks_state = checkpoint.get("callbacks")
     last_wa = None
-    for callback, kind, module in _averages(trainer):
-        if not _is_sharded_average(module, engine):
-            continue
+    for callback, kind, module in _sharded_averages(trainer, engine):
         if kind == "swa":
             if not isinstance(callbacks_state, dict):
                 continue
@@ -356,7 +345,7 @@ def gather_averages_for_save(strategy: Any, checkpoint: dict[str, Any]) -> None:
         return
     from lightning_fsdp.checkpoint.full import full_model_state_dict
 
-    slots = _slots_by_name(engine)
+    slots = managed_keys(engine)
     average = last_wa.state_dict()
     if kind_of_checkpoint == "sharded":
         from lightning_fsdp.checkpoint.sharded import _to_global
@@ -379,16 +368,14 @@ def slice_loaded_averages(strategy: Any, checkpoint: Any) -> Any:
     trainer = getattr(getattr(strategy, "lightning_module", None), "_trainer", None)
     if engine is None or trainer is None or not isinstance(checkpoint, dict):
         return checkpoint
-    slots = _slots_by_name(engine)
+    slots = managed_keys(engine)
 
     def local(state: Mapping[str, Any]) -> dict[str, Any]:
         return {k: (_local_rows(v, slots[k]) if k in slots else v) for k, v in state.items()}
 
     callbacks_state = checkpoint.get("callbacks")
     has_wa = False
-    for callback, kind, module in _averages(trainer):
-        if not _is_sharded_average(module, engine):
-            continue
+    for callback, kind, module in _sharded_averages(trainer, engine):
         if kind == "wa":
             has_wa = True
             continue

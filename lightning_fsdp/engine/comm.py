@@ -116,6 +116,6 @@ class Communicator:
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         """``tensor`` of this group's rank ``src_rank`` on every rank of the group (``sync_module_states``)."""
         if self.world_size > 1:
-            # A global source rank: broadcast's group_src argument needs a newer torch than this package supports.
+            # The source by its global rank, which every torch release accepts (group_src is recent).
             source = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
             dist.broadcast(tensor, src=source, group=self.group)

@@ -177,7 +177,6 @@ class ShardingEngine:
             slot.full.requires_grad_(True)
             self._handles.append(slot.full.register_post_accumulate_grad_hook(lambda _p: self._start_backward()))
             slot.full.requires_grad_(not frozen)
-            slot.synced_requires_grad = slot.full.requires_grad
         _watch_optimizer_steps(self)
 
     def _hook_ignored_params(self) -> None:
@@ -240,8 +239,7 @@ class ShardingEngine:
                 return  # the root recomputed inside backward (activation checkpointing): the step goes on
             self._abandon_step()
         # Whatever an earlier forward left gathered may predate an optimizer step: free it, gather afresh.
-        for unit in self.units:
-            unit.reshard()
+        self._reshard_all()
         self._hook_ignored_params()
 
     def _post_forward(self, unit: FlatUnit, output: Any) -> None:
@@ -251,8 +249,9 @@ class ShardingEngine:
         self._forward_depth -= 1
         if unit.forward_depth == 0 and not self._in_backward:
             self._end_forward(unit, output)
-        if self._forward_depth == 0 and not self._in_backward:
+        if self._forward_depth == 0 and self.forward_prefetch and not self._in_backward:
             # A prefetch the forward did not use would otherwise be completed later, with the weights of now.
+            # (Backward prefetches end with their backward, in _finish_backward.)
             for other in self.units:
                 if other.is_prefetched:
                     other.reshard()
@@ -308,8 +307,10 @@ class ShardingEngine:
         """Between forwards: free whatever an earlier forward left gathered (the root, SHARD_GRAD_OP units, a forward
         whose backward never came), so that the modules hold the user's parameters again. Checkpoint functions call
         it before reading parameters by name. Safe while a backward is still to come: backward gathers again."""
-        if self.closed or self._in_backward or self._forward_depth > 0:
-            return
+        if not (self.closed or self._in_backward or self._forward_depth > 0):
+            self._reshard_all()
+
+    def _reshard_all(self) -> None:
         for unit in self.units:
             unit.reshard()
 
@@ -527,14 +528,9 @@ class ShardingEngine:
             self.shard_comm.agree(_TAG_CLIP)
             self.shard_comm.all_reduce(local)
             total = (local + _pow_sum(replicated, norm_type, device)) ** (1.0 / norm_type)
-        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        # Grouped by device and dtype: with cpu_offload the sharded gradients live in host memory, the replicated
-        # ones (ignored parameters) and the coefficient on the accelerator.
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for grad in sharded + replicated:
-            groups.setdefault((grad.device, grad.dtype), []).append(grad)
-        for (grad_device, dtype), grads in groups.items():
-            torch._foreach_mul_(grads, clip_coef.to(grad_device, dtype))
+        # torch's own scaling by a given total norm groups the gradients by device and dtype: with cpu_offload the
+        # sharded ones live in host memory, the replicated ones (ignored parameters) and the norm on the accelerator.
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
     @torch.no_grad()

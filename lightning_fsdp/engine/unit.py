@@ -309,9 +309,7 @@ class FlatUnit:
     def _finish_gather(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
-            for work in pending.works:
-                if work is not None:
-                    work.wait()
+            _wait(pending.works)
             gathered = pending.staged_out
             if gathered is not None:
                 self._allocate_full()
@@ -441,9 +439,7 @@ class FlatUnit:
         if pending is None:
             return
         self._pending_reduce = None
-        for work in pending.works:
-            if work is not None:
-                work.wait()
+        _wait(pending.works)
         plan, reduced = pending.plan, pending.output
         if pending.staged_out is not None:
             # Parameters reduced through the padded copy, and the flags: into their places in ``reduced``.
@@ -474,9 +470,7 @@ class FlatUnit:
         """After a backward that raised: complete whatever is in flight (every rank issued it), keep none of it."""
         pending, self._pending_reduce = self._pending_reduce, None
         if pending is not None:
-            for work in pending.works:
-                if work is not None:
-                    work.wait()
+            _wait(pending.works)
         self.reshard()
         for slot in self.slots:
             slot.full.grad = None
@@ -499,3 +493,10 @@ class FlatUnit:
 
     def full_param_bytes(self) -> int:
         return sum(s.param.element_size() * s.layout.rows * s.layout.row_numel for s in self.slots)
+
+
+def _wait(works: list[Any]) -> None:
+    """Wait for a collective's work handles (None where it completed synchronously, e.g. on one rank)."""
+    for work in works:
+        if work is not None:
+            work.wait()

@@ -245,12 +245,14 @@ class TryExcept(Base):
 
 
 # 5. manual optimization ----------------------------------------------------------------------------------
-class ManualTwoBackward(Base):
-    """Two forwards, each followed by its own backward, one optimizer step."""
-
+class ManualBase(Base):
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
+
+
+class ManualTwoBackward(ManualBase):
+    """Two forwards, each followed by its own backward, one optimizer step."""
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -264,12 +266,8 @@ class ManualTwoBackward(Base):
         self.step_losses.append([self.global_mean(loss1), self.global_mean(loss2)])
 
 
-class ManualRetainGraph(Base):
+class ManualRetainGraph(ManualBase):
     """Two losses of one forward, two backward passes through the same graph."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -284,13 +282,9 @@ class ManualRetainGraph(Base):
         self.step_losses.append([self.global_mean(loss1), self.global_mean(loss2)])
 
 
-class ManualSubsetStep(Base):
+class ManualSubsetStep(ManualBase):
     """Two optimizers: the blocks' steps every batch, the embedding and head's every second batch (their gradients
     accumulate in between)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -310,11 +304,7 @@ class ManualSubsetStep(Base):
                 torch.optim.SGD(rest, lr=LR, momentum=0.9)]
 
 
-class ManualAccumulate(Base):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
+class ManualAccumulate(ManualBase):
     def training_step(self, batch, batch_idx):
         x, y = batch
         opt = self.optimizers()
@@ -329,10 +319,9 @@ class ManualAccumulate(Base):
 CLIP = 0.05
 
 
-class ManualClip(Base):
+class ManualClip(ManualBase):
     def __init__(self) -> None:
         super().__init__()
-        self.automatic_optimization = False
         self.norms: list = []  # one device only: the norm before clipping (a guard that clipping is active)
 
     def training_step(self, batch, batch_idx):
