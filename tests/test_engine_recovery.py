@@ -105,12 +105,14 @@ def test_sync_module_states_stays_inside_the_process_group():
 def _restore(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = ToyLM()
+    reference = copy.deepcopy(model)  # trained by this process alone on the whole batch: the independent expectation
     engine = fully_shard(model, auto_wrap_policy={Block})
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x, y = batch(0)
-    loss_fn(model(x[rank::world]), y[rank::world]).backward()
-    optimizer.step()
-    expected = full_model_state_dict(engine, rank0_only=False)
+    for net, (inputs, targets) in ((model, (x[rank::world], y[rank::world])), (reference, (x, y))):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        loss_fn(net(inputs), targets).backward()
+        optimizer.step()
+    expected = reference.state_dict()
     engine.restore_unsharded("cpu")
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     with torch.no_grad():
@@ -127,9 +129,12 @@ def test_restore_unsharded_gives_an_ordinary_module():
         assert got["hooks"] == 0
         assert got["shapes"] == shapes
         assert got["state"].keys() == got["expected"].keys()
+        compared = 0
         for key, value in got["expected"].items():
-            torch.testing.assert_close(got["state"][key], value, rtol=0, atol=0, msg=key)
+            torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+            compared += 1
+        assert compared == len(got["expected"]) > 0
     reference = ToyLM()
     reference.load_state_dict(results[0]["expected"])
     with torch.no_grad():
-        torch.testing.assert_close(results[0]["out"], reference(batch(0)[0]), rtol=0, atol=0)
+        torch.testing.assert_close(results[0]["out"], reference(batch(0)[0]), rtol=1e-5, atol=1e-6)
