@@ -22,8 +22,8 @@ import torch.multiprocessing as mp
 
 from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
 from lightning_fsdp.benchmark.memory import LiveTensorBytes
+from lightning_fsdp.demo.gpt import GPT, Block, GPTConfig
 from lightning_fsdp.engine import fully_shard
-from lightning_fsdp.gpt import GPT, Block, GPTConfig
 
 
 def measure(rank: int, world_size: int, folder: str, args: argparse.Namespace, checkpointed: bool) -> None:

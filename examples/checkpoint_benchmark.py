@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import lightning_fsdp  # noqa: E402,F401
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.benchmark.memory import LiveTensorBytes  # noqa: E402
-from lightning_fsdp.gpt import GPT, Block, GPTConfig  # noqa: E402
+from lightning_fsdp.demo.gpt import GPT, Block, GPTConfig  # noqa: E402
 
 
 class Module(L.LightningModule):

@@ -28,8 +28,8 @@ import torch  # noqa: E402
 
 import lightning_fsdp  # noqa: E402,F401  (registers the strategy with Lightning)
 from lightning_fsdp import FSDPStrategy  # noqa: E402
-from lightning_fsdp.gpt import GPT, Block, GPTConfig  # noqa: E402
-from lightning_fsdp.text_data import CharDataModule  # noqa: E402
+from lightning_fsdp.demo.data import CharDataModule  # noqa: E402
+from lightning_fsdp.demo.gpt import GPT, Block, GPTConfig  # noqa: E402
 
 # Number of steps averaged for the "loss at the start" and "loss at the end" figures.
 _WINDOW = 10

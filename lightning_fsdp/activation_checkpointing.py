@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_fsdp.config import parse_module_classes
+from lightning_fsdp.config import check_call_signature, parse_module_classes
 
 CheckpointPolicy = Callable[[nn.Module], bool]
 _MARK = "_lightning_fsdp_checkpointed"
@@ -31,6 +31,7 @@ def parse_checkpointing_policy(value: Any) -> CheckpointPolicy | None:
         classes = parse_module_classes(value, "activation_checkpointing_policy")
         return lambda module: isinstance(module, classes)
     if callable(value):
+        check_call_signature(value, "activation_checkpointing_policy", "(module)")
         return value
     raise TypeError(
         f"activation_checkpointing_policy={value!r} is not valid; expected a set of nn.Module classes (or their "

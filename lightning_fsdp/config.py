@@ -1,7 +1,9 @@
-"""User-facing option types and their validation.
+"""The public option types (``ShardingStrategy``, ``BackwardPrefetch``, ``StateDictType``, ``MixedPrecision``,
+``WrapPolicy``) and the parser of each value.
 
-Every public option is parsed here, once, on every rank, before any collective runs: a bad value raises
-the same ``ValueError``/``TypeError`` everywhere instead of leaving one rank waiting in a collective.
+Each parser accepts the type itself or its spelling in a YAML config (a string, a dict), and raises a
+``ValueError``/``TypeError`` that names the value and the valid choices. ``lightning_fsdp.options.ShardingOptions``
+combines them into the options of a sharded model, checked on every rank before any collective runs.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -82,7 +84,6 @@ def parse_state_dict_type(value: Any) -> StateDictType:
 
 
 WrapPolicyCallable = Callable[[nn.Module, bool, int], bool]
-AutoWrapPolicy = Union[set[type[nn.Module]], WrapPolicyCallable, int, None]
 
 
 @dataclass(frozen=True)
@@ -97,9 +98,6 @@ class WrapPolicy:
     classes: tuple[type[nn.Module], ...] = ()
     fn: WrapPolicyCallable | None = None
     min_num_params: int | None = None
-
-    def is_empty(self) -> bool:
-        return not self.classes and self.fn is None and self.min_num_params is None
 
 
 def parse_module_classes(value: Any, option: str) -> tuple[type[nn.Module], ...]:

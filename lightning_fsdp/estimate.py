@@ -43,7 +43,7 @@ from lightning_fsdp.config import (
     parse_mixed_precision,
     parse_sharding_strategy,
 )
-from lightning_fsdp.engine.shard import ShardLayout
+from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.wrap import assign_owners, select_unit_modules
 
 __all__ = ["MemoryEstimate", "estimate_memory"]

@@ -32,7 +32,8 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-__all__ = ["FSDPMultiProcessingLauncher", "choose_launcher", "is_interactive", "stop_launched_processes"]
+__all__ = ["FSDPMultiProcessingLauncher", "check_start_method", "choose_launcher", "is_interactive",
+           "stop_launched_processes"]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
@@ -42,6 +43,12 @@ log = logging.getLogger(__name__)
 def is_interactive() -> bool:
     """True in a notebook kernel or an interactive interpreter: Lightning's own test, read at call time."""
     return bool(_fabric_imports._IS_INTERACTIVE)
+
+
+def check_start_method(start_method: Any) -> None:
+    """``FSDPStrategy(start_method=...)``: checked when the strategy is constructed, long before it launches."""
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method={start_method!r} is not valid; choose one of {START_METHODS}.")
 
 
 def choose_launcher(
@@ -62,8 +69,7 @@ def choose_launcher(
         ValueError: ``start_method`` is not one of ``"popen"``, ``"spawn"``, ``"fork"``, ``"forkserver"``.
         RuntimeError: forking is needed but unsafe or unavailable here (the message says why and what to do).
     """
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method={start_method!r} is not valid; choose one of {START_METHODS}.")
+    check_start_method(start_method)
     if cluster_environment.creates_processes_externally:
         return _SubprocessScriptLauncher(cluster_environment, num_processes, num_nodes)
     interactive = is_interactive()

@@ -119,14 +119,14 @@ class ShardingMonitor(pl.Callback):
         """
         self._remove_instrumentation()
         for unit in engine.units:
-            original = unit.gather
+            original = unit.unshard
 
             def gather(original: Callable[[], None] = original) -> None:
                 original()
                 self._gathered_peak = max(self._gathered_peak, _gathered_bytes(engine))
 
-            unit.gather = gather  # type: ignore[method-assign]
-            self._restore.append(lambda unit=unit: unit.__dict__.pop("gather", None))
+            unit.unshard = gather  # type: ignore[method-assign]
+            self._restore.append(lambda unit=unit: unit.__dict__.pop("unshard", None))
 
     def _remove_instrumentation(self) -> None:
         for undo in self._restore:

@@ -1,12 +1,12 @@
 """The strategy's Lightning precision plugin: Trainer(precision=...) flags mapped onto the engine's mixed precision.
 
-| flag         | gathered parameters / reductions / buffers | forward context          | gradient scaler |
-|--------------|--------------------------------------------|--------------------------|-----------------|
-| "32-true"    | float32 (no mixed precision)               | -                        | -               |
-| "bf16-mixed" | bfloat16                                   | torch.autocast(bfloat16) | -               |
-| "16-mixed"   | float16                                    | torch.autocast(float16)  | ShardedGradScaler |
-| "bf16-true"  | bfloat16                                   | -                        | -               |
-| "16-true"    | float16                                    | -                        | -               |
+| flag         | gathered parameters / reductions / buffers | forward context          | gradient scaler           |
+|--------------|--------------------------------------------|--------------------------|---------------------------|
+| "32-true"    | float32 (no mixed precision)               | -                        | -                         |
+| "bf16-mixed" | bfloat16                                   | torch.autocast(bfloat16) | -                         |
+| "16-mixed"   | float16                                    | torch.autocast(float16)  | torch's ShardedGradScaler |
+| "bf16-true"  | bfloat16                                   | -                        | -                         |
+| "16-true"    | float16                                    | -                        | -                         |
 
 In every case the shards stay in full precision and are the optimizer's master weights.
 """
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import Any, Union
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # also lightning_fsdp.precision.ShardedGradScaler
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -30,19 +30,15 @@ _LOW_DTYPE = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mix
 SUPPORTED_PRECISION = ("32-true", *_LOW_DTYPE)
 
 
-class ShardedGradScaler(torch.amp.GradScaler):
-    """A gradient scaler whose inf/NaN verdict is the same on every rank.
+def _grad_scaler(device_type: str) -> ShardedGradScaler:
+    """torch's FSDP gradient scaler: every rank's inf/NaN verdict is all-reduced, so all skip the same steps.
 
-    Each rank only sees its shards' gradients; if one rank found an inf and skipped the step while another
-    stepped, the shards would silently diverge. The per-device ``found_inf`` flags are max-reduced across ranks.
+    Each rank only sees its shards' gradients; if one rank found an inf and skipped the step while another stepped,
+    the shards would silently diverge. ``process_group=None`` is the default group *at each step*: the scaler is
+    built with the plugin, before the strategy starts the process group, and must not hold on to an older one. The
+    whole world is the right group for every sharding strategy, ``HYBRID_SHARD`` included (replicas agree anyway).
     """
-
-    @override
-    def unscale_(self, optimizer: Optimizer) -> None:
-        super().unscale_(optimizer)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+    return ShardedGradScaler(device_type, process_group=None)
 
 
 class FSDPPrecision(Precision):
@@ -62,7 +58,7 @@ class FSDPPrecision(Precision):
         self.precision = precision
         self.engine: Any = None  # set by the strategy once the model is sharded
         self.device_type = "cpu"  # set by the strategy from its root device
-        self.scaler = ShardedGradScaler("cpu") if precision == "16-mixed" else None
+        self.scaler = _grad_scaler("cpu") if precision == "16-mixed" else None
 
     @property
     def mixed_precision_config(self) -> MixedPrecision | None:
@@ -74,7 +70,7 @@ class FSDPPrecision(Precision):
     def set_device_type(self, device_type: str) -> None:
         self.device_type = device_type
         if self.scaler is not None:
-            self.scaler = ShardedGradScaler(device_type)
+            self.scaler = _grad_scaler(device_type)
 
     @override
     def forward_context(self) -> contextlib.AbstractContextManager:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
-from collections.abc import Callable, Generator
+import os
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import cached_property
@@ -35,28 +37,33 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from accelerators.hpu_runtime import check_eager_mode, compute_device, register_hccl_backend
 from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
-from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO
-from lightning_fsdp.checkpoint.full import (
-    full_model_state_dict,
-    full_optimizer_state_dict,
-    load_full_model_state_dict,
-    load_full_optimizer_state_dict,
+from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, _is_local
+from lightning_fsdp.checkpoint.common import (
+    CheckpointFormat,
+    CheckpointMismatchError,
+    Collective,
+    ShardedOptimizerState,
+    ShardedStateDict,
+    load_sharded_model_state_dict,
+    to_index_keyed,
 )
-from lightning_fsdp.config import (
-    MixedPrecision,
-    ShardingStrategy,
-    StateDictType,
-    check_call_signature,
-    parse_mixed_precision,
-    parse_auto_wrap_policy,
-    parse_backward_prefetch,
-    parse_sharding_strategy,
-    parse_state_dict_type,
-)
+from lightning_fsdp.checkpoint.formats import FULL_FORMAT, format_for_saving, format_on_disk
+from lightning_fsdp.checkpoint.full import load_full_model_state_dict, load_full_optimizer_state_dict
+from lightning_fsdp.checkpoint.paths import remove_checkpoint_path
+from lightning_fsdp.config import MixedPrecision, ShardingStrategy, WrapPolicy, parse_state_dict_type
 from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
+from lightning_fsdp.engine.sharding import has_meta_tensors
 from lightning_fsdp.even_batches import EvenBatches
-from lightning_fsdp.launcher import choose_launcher, stop_launched_processes
+from lightning_fsdp.launcher import check_start_method, choose_launcher, stop_launched_processes
+from lightning_fsdp.options import (
+    ShardingOptions,
+    check_device_id,
+    check_lightning_arguments,
+    check_use_orig_params,
+    resolve_names,
+)
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
+from lightning_fsdp.process_groups import GroupChoice, node_groups
 from lightning_fsdp.shutdown import settle_at_exit
 from lightning_fsdp.weight_averaging import (
     gather_averages_for_save,
@@ -68,104 +75,6 @@ from lightning_fsdp.weight_averaging import (
 log = logging.getLogger(__name__)
 
 _BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "hpu": "hccl"}
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
-
-
-def _is_process_group(value: Any) -> bool:
-    return isinstance(value, torch.distributed.ProcessGroup)
-
-
-def _is_group_pair(value: Any) -> bool:
-    return isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_process_group(g) for g in value)
-
-
-def _node_groups(world_size: int, per_node: int, rank: int, timeout: Optional[timedelta] = None) -> tuple[Any, Any]:
-    """The default hybrid layout: shard within a node's processes, replicate across nodes.
-
-    Every rank creates every group, in the same order, as ``new_group`` requires. ``timeout`` is the strategy's:
-    ``new_group`` does not inherit the default group's, it would fall back to torch's 30 minutes.
-    """
-    if per_node < 1 or world_size % per_node:
-        raise ValueError(f"world size {world_size} is not a multiple of {per_node} processes per node.")
-    shard = replicate = None
-    for node in range(world_size // per_node):
-        group = torch.distributed.new_group(list(range(node * per_node, (node + 1) * per_node)), timeout=timeout)
-        if rank // per_node == node:
-            shard = group
-    for local in range(per_node):
-        group = torch.distributed.new_group(list(range(local, world_size, per_node)), timeout=timeout)
-        if rank % per_node == local:
-            replicate = group
-    return shard, replicate
-
-
-def _as_list(value: Any, option: str, kinds: tuple[type, ...]) -> list:
-    if value is None:
-        return []
-    items = list(value) if isinstance(value, (list, tuple, set, frozenset)) else [value]
-    for item in items:
-        if not isinstance(item, kinds):
-            raise TypeError(
-                f"{option} contains {item!r}; expected {' or '.join(k.__name__ for k in kinds)} objects "
-                "(strings name submodules or parameters of the LightningModule)."
-            )
-    return items
-
-
-def _resolve(root: nn.Module, items: list) -> list:
-    """Strings name submodules or parameters of ``root`` (handy in YAML configs); objects pass through."""
-    resolved = []
-    for item in items:
-        if isinstance(item, str):
-            try:
-                resolved.append(root.get_submodule(item))
-            except AttributeError:
-                try:
-                    resolved.append(root.get_parameter(item))
-                except AttributeError as err:
-                    raise ValueError(f"{item!r} names no submodule or parameter of {type(root).__name__}.") from err
-        else:
-            resolved.append(item)
-    return resolved
-
-
-def _check_lightning_arguments(accelerator: Any, parallel_devices: Any, cluster_environment: Any, checkpoint_io: Any,
-                               precision_plugin: Any, process_group_backend: Any, timeout: Any) -> None:
-    """Type checks for the arguments Lightning's Trainer normally fills in, so a wrong one given by hand fails here,
-    on every rank, instead of as an AttributeError deep inside setup or a process-group error on some ranks."""
-    from lightning.fabric.accelerators import Accelerator
-
-    for name, value, kind, expected in (
-        ("accelerator", accelerator, Accelerator, "a lightning Accelerator instance (or pass accelerator= to the "
-                                                  "Trainer)"),
-        ("cluster_environment", cluster_environment, ClusterEnvironment, "a lightning ClusterEnvironment instance"),
-        ("checkpoint_io", checkpoint_io, CheckpointIO, "a lightning CheckpointIO instance"),
-        ("precision_plugin", precision_plugin, Precision, "a lightning Precision plugin (or pass precision= to the "
-                                                          "Trainer, e.g. 'bf16-mixed')"),
-    ):
-        if value is not None and not isinstance(value, kind):
-            raise TypeError(f"{name}={value!r} is not valid; expected {expected} or None.")
-    if parallel_devices is not None and not (
-        isinstance(parallel_devices, (list, tuple)) and all(isinstance(d, torch.device) for d in parallel_devices)
-    ):
-        raise TypeError(f"parallel_devices={parallel_devices!r} is not valid; expected a list of torch.device or None.")
-    if process_group_backend is not None and not (isinstance(process_group_backend, str) and process_group_backend):
-        raise TypeError(
-            f"process_group_backend={process_group_backend!r} is not valid; expected a backend name such as 'gloo', "
-            "'nccl' or 'hccl', or None (chosen from the accelerator)."
-        )
-    if timeout is not None and not isinstance(timeout, timedelta):
-        raise TypeError(f"timeout={timeout!r} is not valid; expected a datetime.timedelta (e.g. timedelta(minutes=30)) "
-                        "or None.")
-    if timeout is not None and timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout={timeout!r} is not valid; a process-group timeout must be positive.")
-
-
-def _has_meta_tensors(module: nn.Module) -> bool:
-    # Parameters, buffers, and plain tensor attributes such as torchmetrics states.
-    tensors = [*module.parameters(), *module.buffers()]
-    tensors += [v for m in module.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
-    return any(t.is_meta for t in tensors)
 
 
 class FSDPStrategy(ParallelStrategy):
@@ -202,6 +111,9 @@ class FSDPStrategy(ParallelStrategy):
         process_group_backend: overrides the backend chosen from the accelerator (gloo/nccl/hccl).
         start_method: ``"popen"`` (re-run the script per rank, the default; forks in a notebook), ``"spawn"``,
             ``"fork"`` or ``"forkserver"``.
+
+    The engine's options, validated, are ``strategy.options`` (a :class:`~lightning_fsdp.options.ShardingOptions`);
+    the sharded model's engine is ``strategy.engine`` after setup.
     """
 
     strategy_name = "fsdp_custom"
@@ -236,73 +148,22 @@ class FSDPStrategy(ParallelStrategy):
         use_orig_params: bool = True,
     ) -> None:
         # Validate everything first: this runs on every rank before any process group exists, so a bad value
-        # raises the same error everywhere instead of leaving a rank waiting in a collective.
-        self.sharding_strategy = parse_sharding_strategy(sharding_strategy)
-        self.auto_wrap_policy = parse_auto_wrap_policy(auto_wrap_policy)
+        # raises the same error everywhere instead of leaving a rank waiting in a collective (options.py).
+        self.options = ShardingOptions.parse(
+            sharding_strategy=sharding_strategy, auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision,
+            backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers, sync_module_states=sync_module_states, cpu_offload=cpu_offload,
+            param_init_fn=param_init_fn, ignored_modules=ignored_modules, ignored_states=ignored_states, names=True,
+        )
         self.activation_checkpointing_policy = parse_checkpointing_policy(activation_checkpointing_policy)
         self.state_dict_type = parse_state_dict_type(state_dict_type)  # full, sharded or local
-        self.backward_prefetch = parse_backward_prefetch(backward_prefetch)
-        self.mixed_precision = parse_mixed_precision(mixed_precision)
-        cpu_offload = getattr(cpu_offload, "offload_params", cpu_offload)  # torch's CPUOffload(offload_params=...)
-        for name, value in (("forward_prefetch", forward_prefetch), ("limit_all_gathers", limit_all_gathers),
-                            ("sync_module_states", sync_module_states), ("cpu_offload", cpu_offload),
-                            ("use_orig_params", use_orig_params)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name}={value!r} is not valid; expected True or False.")
-        if not use_orig_params:
-            raise ValueError(
-                "use_orig_params=False is not supported: this strategy always keeps the original parameters "
-                "(named_parameters() gives the unwrapped model's names); pass use_orig_params=True."
-            )
-        if param_init_fn is not None and not callable(param_init_fn):
-            raise TypeError(f"param_init_fn={param_init_fn!r} is not callable.")
-        if param_init_fn is not None:
-            check_call_signature(param_init_fn, "param_init_fn", "(module)")
-        if callable(activation_checkpointing_policy) and not isinstance(activation_checkpointing_policy, type):
-            check_call_signature(activation_checkpointing_policy, "activation_checkpointing_policy", "(module)")
-        if device_id is not None and not (
-            isinstance(device_id, torch.device) or (isinstance(device_id, int) and not isinstance(device_id, bool)
-                                                    and device_id >= 0)
-        ):
-            raise TypeError(f"device_id={device_id!r} is not valid; expected a non-negative int or a torch.device.")
-        if self.sharding_strategy.is_hybrid:
-            if process_group is not None and not (callable(process_group) or _is_group_pair(process_group)):
-                raise TypeError(
-                    f"process_group={process_group!r} is not valid for {self.sharding_strategy.value}; expected a "
-                    "(shard_group, replicate_group) pair or a callable returning one."
-                )
-        elif process_group is not None and not (callable(process_group) or _is_process_group(process_group)):
-            raise TypeError(
-                f"process_group={process_group!r} is not valid; expected a torch.distributed.ProcessGroup or a "
-                "callable returning one (called once the default process group exists)."
-            )
-        if device_mesh is not None:
-            if not self.sharding_strategy.is_hybrid:
-                raise ValueError(
-                    f"device_mesh is only used by HYBRID_SHARD and HYBRID_SHARD_ZERO2, not "
-                    f"{self.sharding_strategy.value!r}; pass process_group to restrict sharding to a group."
-                )
-            if process_group is not None:
-                raise ValueError("Pass either device_mesh or process_group, not both.")
-            if getattr(device_mesh, "ndim", None) != 2:
-                raise ValueError(
-                    f"device_mesh={device_mesh!r} is not valid; expected a 2-D DeviceMesh with dims "
-                    "(replicate, shard)."
-                )
-        self.ignored_modules = _as_list(ignored_modules, "ignored_modules", (nn.Module, str))
-        self.ignored_states = _as_list(ignored_states, "ignored_states", (nn.Module, nn.Parameter, str))
-        if start_method not in _START_METHODS:
-            raise ValueError(f"start_method={start_method!r} is not valid; choose one of {_START_METHODS}.")
-        _check_lightning_arguments(accelerator, parallel_devices, cluster_environment, checkpoint_io,
-                                   precision_plugin, process_group_backend, timeout)
-        self.forward_prefetch = forward_prefetch
-        self.limit_all_gathers = limit_all_gathers
-        self.sync_module_states = sync_module_states
-        self.param_init_fn = param_init_fn
-        self.cpu_offload = cpu_offload
-        self.process_group = process_group
-        self.device_mesh = device_mesh
+        check_use_orig_params(use_orig_params)
+        check_device_id(device_id)
         self.device_id = device_id
+        self._group_choice = GroupChoice(self.options.sharding_strategy, process_group, device_mesh)
+        check_start_method(start_method)
+        check_lightning_arguments(accelerator, parallel_devices, cluster_environment, checkpoint_io,
+                                  precision_plugin, process_group_backend, timeout)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -319,6 +180,29 @@ class FSDPStrategy(ParallelStrategy):
         self.engine: Optional[ShardingEngine] = None
 
     # --------------------------------------------------------------------------------------------- properties
+    # The sharding options are ``self.options`` (a ShardingOptions); these are the ones read by name elsewhere.
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return self.options.sharding_strategy
+
+    @property
+    def auto_wrap_policy(self) -> WrapPolicy:
+        return self.options.auto_wrap_policy
+
+    @property
+    def mixed_precision(self) -> Optional[MixedPrecision]:
+        """The explicit ``mixed_precision`` option (``None``: ``Trainer(precision=...)`` decides)."""
+        return self.options.mixed_precision
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self.options.cpu_offload
+
+    @property
+    def ignored_modules(self) -> list:
+        """As given: modules, or names of the LightningModule's submodules (resolved when the model is sharded)."""
+        return list(self.options.ignored_modules)
+
     @property
     def device(self) -> torch.device:
         """This rank's device as the accelerator names it (``hpu:3`` on Gaudi)."""
@@ -345,6 +229,8 @@ class FSDPStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
+        # Read by Lightning's accelerator connector for strategies it does not know (the batch-size finder, the
+        # data connector's sampler choice).
         return True
 
     @property
@@ -482,50 +368,36 @@ class FSDPStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             # With CPU offload the optimizer state belongs beside the shards, in host memory.
-            offloaded = self.cpu_offload and self.root_device.type != "cpu"
-            _optimizers_to_device(self.optimizers, torch.device("cpu") if offloaded else self.root_device)
+            _optimizers_to_device(self.optimizers, torch.device("cpu") if self._offloads else self.root_device)
 
     def _shard(self, module: pl.LightningModule) -> ShardingEngine:
         engine = get_engine(module)
         if engine is not None:  # fit, then validate/test/predict on the same module
             return engine
-        if not _has_meta_tensors(module):
+        if not has_meta_tensors(module):
             module.to(self.root_device)
         if self.activation_checkpointing_policy is not None:
             apply_activation_checkpointing(module, self.activation_checkpointing_policy)
-        shard_group, replicate_group = self._groups()
-        return fully_shard(
-            module,
-            process_group=shard_group,
-            replicate_group=replicate_group,
-            sharding_strategy=self.sharding_strategy,
-            auto_wrap_policy=self.auto_wrap_policy,
-            device=self.root_device,
-            sync_module_states=self.sync_module_states,
-            param_init_fn=self.param_init_fn,
-            mixed_precision=self.mixed_precision_config,
-            ignored_modules=_resolve(module, self.ignored_modules),
-            ignored_states=_resolve(module, self.ignored_states),
-            cpu_offload=self.cpu_offload and self.root_device.type != "cpu",
-            forward_prefetch=self.forward_prefetch,
-            backward_prefetch=self.backward_prefetch,
-            limit_all_gathers=self.limit_all_gathers,
+        shard_group, replicate_group = self._group_choice.resolve(
+            self.world_size, self.num_processes, self.global_rank, self._timeout
         )
+        # What the engine gets differs from the options as given in three ways known only now: names become the
+        # modules / parameters they name, the Trainer's precision flag may imply the mixed precision, and there is
+        # nothing to offload on a CPU run.
+        options = dataclasses.replace(
+            self.options,
+            mixed_precision=self.mixed_precision_config,
+            cpu_offload=self._offloads,
+            ignored_modules=tuple(resolve_names(module, self.options.ignored_modules)),
+            ignored_states=tuple(resolve_names(module, self.options.ignored_states)),
+        )
+        return fully_shard(module, process_group=shard_group, replicate_group=replicate_group,
+                           device=self.root_device, **options.as_kwargs())
 
-    def _groups(self) -> tuple[Optional[Any], Optional[Any]]:
-        """(shard group, replicate group) for the engine; None means the whole world / no replication."""
-        group = self.process_group
-        if callable(group) and not _is_process_group(group):
-            group = group()
-        if not self.sharding_strategy.is_hybrid:
-            return group, None
-        if self.device_mesh is not None:
-            return self.device_mesh.get_group(1), self.device_mesh.get_group(0)
-        if group is not None:
-            if not _is_group_pair(group):
-                raise TypeError(f"process_group returned {group!r}; expected a (shard_group, replicate_group) pair.")
-            return group[0], group[1]
-        return _node_groups(self.world_size, self.num_processes, self.global_rank, self._timeout)
+    @property
+    def _offloads(self) -> bool:
+        """Whether shards, gradients and optimizer state move to host memory: cpu_offload, on an accelerator."""
+        return self.cpu_offload and self.root_device.type != "cpu"
 
     def _check_device_id(self) -> None:
         if self.device_id is None:
@@ -685,32 +557,20 @@ class FSDPStrategy(ParallelStrategy):
         return tensor
 
     # ------------------------------------------------------------------------------------------ checkpoints
-    # full: one file through checkpoint_io (rank 0 writes). sharded / local: a directory every rank writes its part
-    # of (lightning_fsdp.checkpoint.sharded / .local), replaced atomically. Loading recognises the format from the
-    # path, whatever state_dict_type is: a full file or a sharded directory at any world size, a local one at its own.
+    # The format a save writes is the one state_dict_type names; a load reads the one on disk, whatever
+    # state_dict_type is (a full file or a sharded directory at any world size, a local one at its own). See
+    # [Note: checkpoint formats] in lightning_fsdp/checkpoint/common.py.
+    @property
+    def _checkpoint_format(self) -> CheckpointFormat:
+        return format_for_saving(self.state_dict_type)
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.engine is not None
-        if self.state_dict_type is StateDictType.SHARDED:
-            from lightning_fsdp.checkpoint.sharded import sharded_model_state_dict
-
-            return sharded_model_state_dict(self.engine)
-        if self.state_dict_type is StateDictType.LOCAL:
-            from lightning_fsdp.checkpoint.local import local_model_state_dict
-
-            return local_model_state_dict(self.engine)
-        return full_model_state_dict(self.engine)
+        return self._checkpoint_format.model_state_dict(self.engine)
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        from collections.abc import Mapping
-
-        from lightning_fsdp.checkpoint.common import (
-            CheckpointMismatchError,
-            ShardedStateDict,
-            load_sharded_model_state_dict,
-        )
-
         assert self.engine is not None
         state = checkpoint.get("state_dict")
         if not isinstance(state, Mapping):  # the same file on every rank: every rank raises here
@@ -729,20 +589,10 @@ class FSDPStrategy(ParallelStrategy):
         assert self.engine is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        if self.state_dict_type is StateDictType.SHARDED:
-            from lightning_fsdp.checkpoint.sharded import sharded_optimizer_state_dict
-
-            return sharded_optimizer_state_dict(self.engine, optimizer)
-        if self.state_dict_type is StateDictType.LOCAL:
-            from lightning_fsdp.checkpoint.local import local_optimizer_state_dict
-
-            return local_optimizer_state_dict(optimizer)
-        return full_optimizer_state_dict(self.engine, optimizer)
+        return self._checkpoint_format.optimizer_state(self.engine, optimizer)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        from lightning_fsdp.checkpoint.common import CheckpointMismatchError, ShardedOptimizerState, to_index_keyed
-
         assert self.engine is not None
         states = checkpoint["optimizer_states"]
         if len(states) != len(self.optimizers):  # zip() would silently skip the difference
@@ -761,83 +611,39 @@ class FSDPStrategy(ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
     ) -> None:
         gather_averages_for_save(self, checkpoint)  # SWA / EMA averages: full tensors, not rank 0's rows only
-        if self.state_dict_type is StateDictType.FULL:
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        self._check_directory_checkpoint_path(filepath, storage_options)
-        assert self.engine is not None
-        if self.state_dict_type is StateDictType.SHARDED:
-            from lightning_fsdp.checkpoint.sharded import save_sharded_checkpoint
-
-            save_sharded_checkpoint(checkpoint, filepath)
-        else:
-            from lightning_fsdp.checkpoint.local import save_local_checkpoint
-
-            optimizers = self.optimizers if "optimizer_states" in checkpoint else None
-            save_local_checkpoint(checkpoint, filepath, self.engine, optimizers)
-
-    def _check_directory_checkpoint_path(self, filepath: Any, storage_options: Optional[Any]) -> None:
-        from lightning_fsdp.checkpoint.atomic_io import _is_local
-
-        kind = self.state_dict_type.value
-        if storage_options is not None:
-            raise TypeError(
-                f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported with state_dict_type={kind!r}:"
-                " sharded and local checkpoints are written by every rank directly, not through the CheckpointIO."
-            )
-        if not _is_local(filepath):
-            raise NotImplementedError(
-                f"state_dict_type={kind!r} writes to local (or network-mounted) file systems only, not to "
-                f"{str(filepath)!r}; use state_dict_type='full' with a CheckpointIO for remote storage."
-            )
+        self._checkpoint_format.save(checkpoint, filepath, engine=self.engine, optimizers=self.optimizers,
+                                     checkpoint_io=self.checkpoint_io, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        import os
-
-        from lightning_fsdp.checkpoint.atomic_io import _is_local
-
         path = self.broadcast(checkpoint_path)
-        if not _is_local(path) or not os.path.exists(path) or os.path.isfile(path):
-            return slice_loaded_averages(self, super().load_checkpoint(path, weights_only=weights_only))
-        # A directory (sharded or local checkpoint), or a special file that must not be opened (a FIFO would block).
-        # slice_loaded_averages: each rank takes its rows of the SWA / EMA averages before the callbacks load them.
-        return slice_loaded_averages(self, self._load_directory_checkpoint(os.fspath(path), weights_only))
-
-    def _load_directory_checkpoint(self, path: str, weights_only: Optional[bool]) -> dict[str, Any]:
-        from lightning_fsdp.checkpoint.common import Collective
-        from lightning_fsdp.checkpoint.paths import LOCAL, checkpoint_kind
-
         coll = Collective()
-        kind, problem = None, None
-        try:
-            kind = checkpoint_kind(path)
-            if self.engine is None:
-                raise RuntimeError(
-                    f"Cannot load the {kind} checkpoint directory {path!r} before the model is sharded; the Trainer "
-                    "loads it after setup (ckpt_path=...)."
-                )
-        except Exception as exc:  # noqa: BLE001 - raised on every rank below, before any other collective
-            problem = exc
-        coll.agree(problem)
-        assert self.engine is not None
+        if not _is_local(path) or not os.path.exists(path) or os.path.isfile(path):
+            fmt = FULL_FORMAT  # a file, or a path only the CheckpointIO can tell about (remote, missing)
+        else:
+            # A directory (sharded or local checkpoint), or a special file that must not be opened (a FIFO would
+            # block): every rank checks it, and all raise, before any other collective, if one finds a problem.
+            path = os.fspath(path)
+            fmt = coll.run_agreed(lambda: self._directory_format(path))
         trainer = getattr(self.lightning_module, "_trainer", None)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else None
-        if kind == LOCAL:
-            from lightning_fsdp.checkpoint.local import load_local_checkpoint
+        checkpoint = fmt.load(path, engine=self.engine, optimizers=optimizers, checkpoint_io=self.checkpoint_io,
+                              weights_only=weights_only, coll=coll)
+        # Each rank takes its rows of the SWA / EMA averages before the callbacks load them.
+        return slice_loaded_averages(self, checkpoint)
 
-            return load_local_checkpoint(path, self.engine, optimizers, coll=coll, weights_only=weights_only)
-        from lightning_fsdp.checkpoint.sharded import load_sharded_checkpoint
-
-        return load_sharded_checkpoint(path, self.engine, optimizers, coll=coll, weights_only=weights_only)
+    def _directory_format(self, path: str) -> CheckpointFormat:
+        fmt = format_on_disk(path)
+        if self.engine is None:
+            raise RuntimeError(
+                f"Cannot load the {fmt.kind} checkpoint directory {path!r} before the model is sharded; the Trainer "
+                "loads it after setup (ckpt_path=...)."
+            )
+        return fmt
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        import os
-
-        from lightning_fsdp.checkpoint.atomic_io import _is_local
-        from lightning_fsdp.checkpoint.paths import remove_checkpoint_path
-
         if not self.is_global_zero:
             return
         if _is_local(filepath) and os.path.isdir(filepath):  # a sharded/local checkpoint directory
@@ -853,7 +659,6 @@ class FSDPStrategy(ParallelStrategy):
             ("fsdp_custom", "popen", {}),
             ("fsdp_custom_spawn", "spawn", {}),
             ("fsdp_custom_fork", "fork", {}),
-            ("fsdp_custom_notebook", "fork", {}),
             ("fsdp_custom_shard_grad_op", "popen", {"sharding_strategy": "SHARD_GRAD_OP"}),
             ("fsdp_custom_no_shard", "popen", {"sharding_strategy": "NO_SHARD"}),
         )
@@ -889,7 +694,7 @@ class FSDPStrategy(ParallelStrategy):
             restore_averaged_models(getattr(module, "_trainer", None), engine)  # SWA / EMA averages: whole again too
             engine.restore_unsharded(torch.device("cpu"))
             engine = None
-        if engine is None and not (module is not None and _has_meta_tensors(module)):
+        if engine is None and not (module is not None and has_meta_tensors(module)):
             super().teardown()
             return
         # After an exception the ranks may not all get here, so nothing is gathered: the module stays sharded with

@@ -658,7 +658,7 @@ class _Sharded(_Trainer):
         return losses[rank], {i: by_rank[rank] for i, by_rank in evals.items()}
 
     def params(self) -> dict[str, torch.Tensor]:
-        with self.engine.gathered():
+        with self.engine.unsharded():
             return {k: v.detach().clone() for k, v in self.model.named_parameters()}
 
     def optimizer_state(self) -> dict:

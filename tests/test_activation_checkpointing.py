@@ -9,8 +9,8 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
+from lightning_fsdp.demo.gpt import GPT, Block as GPTBlock, GPTConfig
 from lightning_fsdp.engine import fully_shard
-from lightning_fsdp.gpt import GPT, Block as GPTBlock, GPTConfig
 from tests.distributed import run_distributed
 from tests.models import Block, ToyLM, batch, loss_fn
 
@@ -32,7 +32,7 @@ def train(rank, world_size, checkpointed, strategy):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.detach())
-    with engine.gathered():
+    with engine.unsharded():
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
     alive = sum(u.full_flat.untyped_storage().nbytes() for u in engine.units)
     return torch.stack(losses), params, gathers, alive

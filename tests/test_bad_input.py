@@ -553,8 +553,8 @@ STRATEGY_BY_CLASS = "trainer:\n  strategy:\n    class_path: lightning_fsdp.FSDPS
 CLI_CASES = [
     (STRATEGY_BY_CLASS + "      sharding_strategy: BOGUS\n", ["sharding_strategy='BOGUS'", *CHOICES]),
     (STRATEGY_BY_CLASS + "      state_dict_type: zip\n", ["state_dict_type='zip'", "'full'", "'sharded'", "'local'"]),
-    (STRATEGY_BY_CLASS + "      auto_wrap_policy: [lightning_fsdp.gpt.NoSuchBlock]\n",
-     ["'lightning_fsdp.gpt.NoSuchBlock'", "cannot be imported"]),
+    (STRATEGY_BY_CLASS + "      auto_wrap_policy: [lightning_fsdp.demo.gpt.NoSuchBlock]\n",
+     ["'lightning_fsdp.demo.gpt.NoSuchBlock'", "cannot be imported"]),
     (STRATEGY_BY_CLASS + "      activation_checkpointing_policy: [no_such_package.Block]\n",
      ["'no_such_package.Block'", "cannot be imported"]),
     (STRATEGY_BY_CLASS + "      backward_prefetch: EARLY\n", ["backward_prefetch='EARLY'", "BACKWARD_POST"]),

@@ -27,7 +27,7 @@ from lightning_fsdp.checkpoint.sharded import (
     sharded_optimizer_state_dict,
 )
 from lightning_fsdp.engine import fully_shard
-from lightning_fsdp.strategy import _node_groups
+from lightning_fsdp.process_groups import node_groups
 from tests.distributed import run_distributed
 from tests.models import Block, ToyLM, batch, loss_fn
 
@@ -46,7 +46,7 @@ def snapshot(engine, optimizer):
 
 
 def round_trip(rank, world_size, mode, folder):
-    groups = _node_groups(world_size, 2, rank)
+    groups = node_groups(world_size, 2, rank)
     model, engine, optimizer = build(groups, seed=0)
     for step in range(2):
         x, y = batch(step, size=8)

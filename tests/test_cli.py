@@ -20,9 +20,9 @@ import torch
 
 from lightning_fsdp import cli as fsdp_cli
 from lightning_fsdp.config import MixedPrecision
+from lightning_fsdp.demo.gpt import Block, CausalSelfAttention, GPTConfig
+from lightning_fsdp.demo.module import GPTLightningModule
 from lightning_fsdp.estimate import estimate_memory
-from lightning_fsdp.gpt import Block, CausalSelfAttention, GPTConfig
-from lightning_fsdp.gpt_module import GPTLightningModule
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "cli"
@@ -89,7 +89,7 @@ def test_print_config_feeds_back_unchanged(capsys, monkeypatch, tmp_path, runner
     assert "n_embd: 32" in first and "max_steps: 200" in first
     if strategy == BY_CLASS:
         assert "class_path: lightning_fsdp.FSDPStrategy" in first
-        assert "auto_wrap_policy:\n      - lightning_fsdp.gpt.Block" in first
+        assert "auto_wrap_policy:\n      - lightning_fsdp.demo.gpt.Block" in first
         assert "state_dict_type: full" in first
     else:
         assert "strategy: fsdp_custom\n" in first
@@ -127,7 +127,7 @@ def test_activation_checkpointing_policy_from_yaml(capsys, monkeypatch, tmp_path
     # Instantiating the trainer builds the strategy with the policy (nothing is launched without a subcommand).
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_fsdp.text_data import CharDataModule
+    from lightning_fsdp.demo.data import CharDataModule
 
     monkeypatch.setattr(sys, "argv", [str(TRAIN)])  # the arguments come from args= alone
     built = LightningCLI(GPTLightningModule, CharDataModule, run=False,

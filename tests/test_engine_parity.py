@@ -74,7 +74,7 @@ def sharded_cases(rank, world_size, direct_gather_min_numel=None):
         engine = fully_shard(model, sharding_strategy=strategy, auto_wrap_policy={Block})
         names = [n for n, _ in model.named_parameters()]
         losses = train(model, rank, world_size, opt, accumulate, clip, engine)
-        with engine.gathered():
+        with engine.unsharded():
             params = {k: v.detach().clone() for k, v in model.named_parameters()}
         results[(strategy, opt, accumulate, clip)] = (losses, params, names)
     return results
@@ -127,7 +127,7 @@ def _direct_vs_staged(rank, world_size):
             engine = fully_shard(model, auto_wrap_policy={Block}, mixed_precision=mp)
             direct = sum(len(u._direct) + len(u.reduce_plan().direct) for u in engine.units)
             train(model, rank, world_size, "sgd", 1, None, engine)
-            with engine.gathered():
+            with engine.unsharded():
                 out[(precision, threshold)] = (direct, {k: v.detach().clone() for k, v in model.named_parameters()})
     return out
 

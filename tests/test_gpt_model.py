@@ -1,4 +1,4 @@
-"""Single-process tests of the workload model (lightning_fsdp.gpt) and its data (lightning_fsdp.text_data)."""
+"""Single-process tests of the workload model (lightning_fsdp.demo.gpt) and its data (lightning_fsdp.demo.data)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from lightning_fsdp.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.text_data import CharDataModule, default_text_path
+from lightning_fsdp.demo.data import CharDataModule, default_text_path
+from lightning_fsdp.demo.gpt import GPT, Block, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_embd=24)
 

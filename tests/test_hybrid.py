@@ -9,7 +9,7 @@ import torch.distributed as dist
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.checkpoint.full import full_model_state_dict
 from lightning_fsdp.engine import fully_shard
-from lightning_fsdp.strategy import _node_groups
+from lightning_fsdp.process_groups import node_groups
 from tests.distributed import run_distributed
 from tests.models import Block, ToyLM, batch, loss_fn
 
@@ -17,7 +17,7 @@ STEPS = 3
 
 
 def hybrid(rank, world_size):
-    shard, replicate = _node_groups(world_size, 2, rank)
+    shard, replicate = node_groups(world_size, 2, rank)
     results = {}
     for strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
         torch.manual_seed(0)

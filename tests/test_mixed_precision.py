@@ -68,7 +68,7 @@ def sharded(rank, world_size, dtype, reduce_dtype):
         total = loss.detach().float()
         torch.distributed.all_reduce(total)
         losses.append(float(total) / world_size)
-    with engine.gathered():
+    with engine.unsharded():
         params = {k: v.detach().float().clone() for k, v in model.named_parameters()}
     return torch.tensor(losses), params, ag, rs, dtypes
 

@@ -1,7 +1,7 @@
 """ShardingMonitor and estimate_memory: what the monitor logs per rank and step through a Lightning logger, and the
 estimate made before training agrees with it.
 
-The Lightning run (tests/scripts/monitor_run.py) trains lightning_fsdp.gpt.GPT with every Block as a unit on 2
+The Lightning run (tests/scripts/monitor_run.py) trains lightning_fsdp.demo.gpt.GPT with every Block as a unit on 2
 processes, under FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, with a CSVLogger.
 """
 
@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from lightning_fsdp import MixedPrecision
+from lightning_fsdp.demo.gpt import Block
+from lightning_fsdp.demo.module import GPTLightningModule
 from lightning_fsdp.estimate import MemoryEstimate, estimate_memory
-from lightning_fsdp.gpt import Block
-from lightning_fsdp.gpt_module import GPTLightningModule
 from lightning_fsdp.monitor import QUANTITIES, ShardingMonitor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +79,8 @@ def test_estimate_is_within_ten_percent_of_what_the_monitor_measures(logged, str
 
 def test_monitor_logs_each_rank_and_shows_what_sharding_saves(logged):
     full, grad_op, no_shard = (logged[s][-1] for s in STRATEGIES)
-    unsharded = estimate_memory(_gpt_on_meta(), 1, "NO_SHARD").unsharded_params
+    # The whole model in float32, from its parameter shapes (named_parameters lists the tied head once).
+    unsharded = sum(p.numel() * p.element_size() for p in _gpt_on_meta().parameters())
 
     def value(row, rank, name):
         return int(row[f"fsdp/rank{rank}/{name}"])
@@ -213,3 +214,77 @@ def test_monitor_warns_and_logs_nothing_without_the_fsdp_strategy(tmp_path):
     with pytest.warns(UserWarning, match="ShardingMonitor needs the fsdp_custom strategy"):
         trainer.fit(Tiny(), data)
     assert monitor.last == {}
+
+
+# ------------------------------------------------------------------------- monitor against hand-computed bytes
+TINY_SCRIPT = ROOT / "tests" / "scripts" / "monitor_tiny_run.py"
+
+# tests/scripts/monitor_tiny_run.py: a = Linear(4, 3), b = Linear(3, 2), each its own unit (the root owns nothing),
+# 2 ranks, float32 (4 bytes), SGD with momentum (one buffer per parameter, the shard's size). Chunking rule: a
+# parameter of d0 rows gives each rank c = ceil(d0 / 2) rows, rank 1 the rest; collectives carry c rows per rank.
+#
+#   parameter   shape  c  rank 0 rows (floats)  rank 1 rows (floats)  padded floats per rank
+#   a.weight    3x4    2  2 (8)                 1 (4)                 8
+#   a.bias      3      2  2 (2)                 1 (1)                 2
+#   b.weight    2x3    1  1 (3)                 1 (3)                 3
+#   b.bias      2      1  1 (1)                 1 (1)                 1
+#   total (23)            14 floats = 56 B      9 floats = 36 B       unit a 10, unit b 4
+#
+# - param, grad and optimizer-state bytes: the rank's own rows, 56 B / 36 B (NO_SHARD: all 23 floats, 92 B);
+# - a gathered unit holds both ranks' padded rows: a 2 x 10 floats = 80 B, b 2 x 4 = 32 B. FULL_SHARD frees each
+#   unit before the next is gathered, so the peak is a alone (80 B); SHARD_GRAD_OP keeps both from forward to
+#   backward (112 B); NO_SHARD computes on the parameters themselves (0 B);
+# - all-gather input is the rank's padded shard: 10 + 4 floats = 56 B per pass; FULL_SHARD gathers in forward and
+#   again in backward (112 B), SHARD_GRAD_OP once (56 B);
+# - reduce-scatter input: 2 ranks x (padded floats + one used-flag per parameter): a 2 x (10 + 2), b 2 x (4 + 2)
+#   = 36 floats = 144 B; NO_SHARD all-reduces the gradients plus the flags: 23 + 4 floats = 108 B.
+TINY_EXPECTED = {
+    "FULL_SHARD": {
+        "param_bytes": (56, 36), "grad_bytes": (56, 36), "optimizer_state_bytes": (56, 36),
+        "gathered_peak_bytes": (80, 80), "all_gather_bytes": (112, 112), "reduce_scatter_bytes": (144, 144),
+        "all_reduce_bytes": (0, 0),
+    },
+    "SHARD_GRAD_OP": {
+        "param_bytes": (56, 36), "grad_bytes": (56, 36), "optimizer_state_bytes": (56, 36),
+        "gathered_peak_bytes": (112, 112), "all_gather_bytes": (56, 56), "reduce_scatter_bytes": (144, 144),
+        "all_reduce_bytes": (0, 0),
+    },
+    "NO_SHARD": {
+        "param_bytes": (92, 92), "grad_bytes": (92, 92), "optimizer_state_bytes": (92, 92),
+        "gathered_peak_bytes": (0, 0), "all_gather_bytes": (0, 0), "reduce_scatter_bytes": (0, 0),
+        "all_reduce_bytes": (108, 108),
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_logged(tmp_path_factory) -> dict[str, list[dict[str, str]]]:
+    out = tmp_path_factory.mktemp("monitor_tiny")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(TINY_SCRIPT), "--out", str(out), "--strategies", *TINY_EXPECTED],
+                          cwd=out, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = {}
+    for strategy in TINY_EXPECTED:
+        with open(out / strategy / "metrics.csv") as f:
+            rows[strategy] = [row for row in csv.DictReader(f) if row.get("fsdp/rank0/param_bytes")]
+    return rows
+
+
+def test_monitor_logs_the_hand_computed_bytes_of_a_tiny_model(tiny_logged):
+    compared = 0
+    for strategy, expected in TINY_EXPECTED.items():
+        rows = tiny_logged[strategy]
+        assert [int(r["step"]) for r in rows] == [0, 1]  # both steps of the run, under Lightning's step numbers
+        for row in rows:
+            for rank in (0, 1):
+                got = {name: int(row[f"fsdp/rank{rank}/{name}"]) for name in expected}
+                assert got == {name: values[rank] for name, values in expected.items()}, (strategy, rank)
+                # The two sums the monitor derives from its own measurements.
+                state = sum(got[n] for n in ("param_bytes", "grad_bytes", "optimizer_state_bytes"))
+                assert int(row[f"fsdp/rank{rank}/model_state_bytes"]) == state
+                assert int(row[f"fsdp/rank{rank}/model_state_peak_bytes"]) == state + got["gathered_peak_bytes"]
+                compared += len(expected) + 2
+    assert compared == 3 * 2 * 2 * 9
+    # The table's totals: the shards tile the 23 floats exactly once.
+    assert 56 + 36 == 92 == 4 * (3 * 4 + 3 + 2 * 3 + 2)

@@ -29,8 +29,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_fsdp.config import ShardingStrategy
-from lightning_fsdp.engine.shard import ShardLayout
 from tests.models import ToyLM, loss_fn, samples
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +36,6 @@ SCRIPT = ROOT / "tests" / "scripts" / "multinode_run.py"
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
 TIMEOUT_S = 240
-
-HAS_HYBRID = "HYBRID_SHARD" in ShardingStrategy.__members__
 
 
 _LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
@@ -204,8 +200,16 @@ def _model_params() -> list[torch.Tensor]:
 
 
 def expected_bytes(shard_size: int, shard_rank: int) -> int:
-    """Bytes a rank holds under the engine's layout: torch.chunk rows on dim 0 of every parameter."""
-    return sum(ShardLayout(p.shape, shard_size, shard_rank).local_numel * p.element_size() for p in _model_params())
+    """Bytes a rank holds under the chunking rule, computed here rather than by the engine's layout code: a
+    parameter of ``d0`` rows is split on dim 0 into chunks of ``c = ceil(d0 / shard_size)`` rows (torch.chunk), and
+    shard rank ``r`` keeps rows ``[min(r*c, d0), min((r+1)*c, d0))``; ranks past the end keep none."""
+    total = 0
+    for p in _model_params():
+        rows = p.shape[0] if p.dim() else 1
+        c = -(-rows // shard_size)
+        start = min(shard_rank * c, rows)
+        total += (min(start + c, rows) - start) * (p.numel() // rows) * p.element_size()
+    return total
 
 
 def check_parity(result: dict, reference: dict, environment: str = "TorchElasticEnvironment") -> None:
@@ -235,7 +239,6 @@ def check_bytes(result: dict, shard_size: int) -> None:
         assert sum(per_rank[first:first + shard_size]) == full, per_rank
 
 
-@pytest.mark.xfail(not HAS_HYBRID, strict=False, reason="sharding_strategy='HYBRID_SHARD' is not in this build yet")
 def test_hybrid_shard_two_nodes(tmp_path, reference):
     result = launch_two_nodes(tmp_path, "HYBRID_SHARD")
     check_parity(result, reference)
@@ -254,10 +257,21 @@ def test_full_shard_two_nodes(tmp_path, reference):
     check_bytes(result, shard_size=WORLD)
 
 
-@pytest.mark.xfail(not HAS_HYBRID, strict=False, reason="sharding_strategy='HYBRID_SHARD' is not in this build yet")
 def test_hybrid_shard_under_slurm_environment_with_user_groups(tmp_path, reference):
     # No SLURM here: the tasks get the variables srun would give them, so Lightning's SLURMEnvironment is used. The
     # groups come from the user this time: process_group=callable returning (shard_group, replicate_group).
     result = launch_as_slurm_tasks(tmp_path, "HYBRID_SHARD", layout="groups")
     check_parity(result, reference, environment="SLURMEnvironment")
     check_bytes(result, shard_size=PER_NODE)
+
+
+def test_expected_bytes_follow_the_chunking_rule_by_hand():
+    # ToyLM() over 4 ranks: the 7-row embedding (tied head) splits 2+2+2+1 rows, so rank 3 keeps its last row (5
+    # floats); every other parameter has at most 6 rows, which chunks of ceil(rows / 4) cover before rank 3.
+    assert expected_bytes(4, 3) == 5 * 4
+    # Over 2 ranks rank 1 keeps floor(rows / 2) rows: emb 3, tiny 0, fc1/bias of block1 3+3, fc2 2 (x6) + bias 2,
+    # frozen 2 (x5) + bias 2, block2 fc1 1 (x5) + bias 1, fc2 2 (x3) + bias 2, norm 2 + 2.
+    assert expected_bytes(2, 1) == 4 * (3 * 5 + 0 + 3 * 5 + 3 + 2 * 6 + 2 + 2 * 5 + 2 + 1 * 5 + 1 + 2 * 3 + 2 + 2 + 2)
+    full = sum(p.numel() * p.element_size() for p in _model_params())
+    for shard_size in (1, 2, 3, 4):
+        assert sum(expected_bytes(shard_size, r) for r in range(shard_size)) == full, shard_size

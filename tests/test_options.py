@@ -44,7 +44,7 @@ def ignored_case(rank, world_size, kind):
         whole = {"tiny"}
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     train(model, rank, world_size, engine=engine)
-    with engine.gathered():
+    with engine.unsharded():
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
     ignored_now = {n: p.detach().clone() for n, p in model.named_parameters() if n in whole}
     return whole, shapes, params, ignored_now
@@ -104,7 +104,7 @@ def offload_case(rank, world_size, offload):
     model = ToyLM()
     engine = fully_shard(model, auto_wrap_policy={Block}, cpu_offload=offload)
     train(model, rank, world_size)
-    with engine.gathered():
+    with engine.unsharded():
         return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
@@ -144,12 +144,12 @@ def test_ignored_and_group_options_are_validated():
 
 
 def test_names_resolve_to_submodules_and_parameters():
-    from lightning_fsdp.strategy import _resolve
+    from lightning_fsdp.options import resolve_names
 
     model = ToyLM()
-    assert _resolve(model, ["block2", "tiny"]) == [model.block2, model.tiny]
+    assert resolve_names(model, ["block2", "tiny"]) == [model.block2, model.tiny]
     with pytest.raises(ValueError, match="'nope' names no submodule or parameter of ToyLM"):
-        _resolve(model, ["nope"])
+        resolve_names(model, ["nope"])
 
 
 def test_wrap_policies_never_make_a_container_without_forward_a_unit():

@@ -66,7 +66,7 @@ def cases(rank, world_size, flip):
         model = Stack(flip)
         engine = fully_shard(model, auto_wrap_policy={Block}, **config)
         losses, peaks, gathers = train(model, rank, world_size, engine)
-        with engine.gathered():
+        with engine.unsharded():
             params = {k: v.detach().clone() for k, v in model.named_parameters()}
         alive = sum(u.full_flat.untyped_storage().nbytes() for u in engine.units)
         results.append((losses, params, peaks, gathers, alive))

@@ -22,8 +22,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom" so that YAML can name it
-from lightning_fsdp.gpt_module import GPTLightningModule  # noqa: E402
-from lightning_fsdp.text_data import CharDataModule  # noqa: E402
+from lightning_fsdp.demo.data import CharDataModule  # noqa: E402
+from lightning_fsdp.demo.module import GPTLightningModule  # noqa: E402
 
 
 def main() -> None:

@@ -79,7 +79,7 @@ class BenchmarkConfig:
     collective_timeout: float = 300.0  # gloo timeout of each process group
 
     def gpt_config(self) -> Any:
-        from lightning_fsdp.gpt import GPTConfig
+        from lightning_fsdp.demo.gpt import GPTConfig
 
         return GPTConfig(vocab_size=self.vocab, block_size=self.seq, n_layer=self.layers, n_head=self.heads,
                          n_embd=self.width, dropout=0.0)
@@ -88,7 +88,7 @@ class BenchmarkConfig:
 # ------------------------------------------------------------------------------------------------ data
 def _token_stream(vocab: int) -> torch.Tensor:
     """The bundled tiny-shakespeare text as character ids (its 62 characters fit any vocab >= 62)."""
-    from lightning_fsdp.text_data import default_text_path
+    from lightning_fsdp.demo.data import default_text_path
 
     text = default_text_path().read_text(encoding="utf-8")
     chars = sorted(set(text))
@@ -118,7 +118,7 @@ def _new_group(cfg: BenchmarkConfig) -> dist.ProcessGroup:
 
 
 def _build(key: str, cfg: BenchmarkConfig, group: dist.ProcessGroup) -> tuple[Any, torch.optim.Optimizer]:
-    from lightning_fsdp.gpt import GPT
+    from lightning_fsdp.demo.gpt import GPT
 
     torch.manual_seed(cfg.seed)
     prepared = VARIANTS[key].setup(GPT(cfg.gpt_config()), group)
@@ -448,7 +448,7 @@ def run_benchmark(cfg: BenchmarkConfig, out: str | Path | None = None,
                   progress: Callable[[str], None] | None = None, command: str | None = None) -> dict[str, Any]:
     """Run the comparison and the scaling run; write results.json/.md and plot.png into ``out`` if given."""
     say = progress or (lambda text: print(f"[benchmark] {text}", file=sys.stderr, flush=True))
-    from lightning_fsdp.gpt import GPT
+    from lightning_fsdp.demo.gpt import GPT
 
     with torch.device("meta"):
         num_parameters = GPT(cfg.gpt_config()).num_parameters()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from lightning_fsdp.benchmark.variants import VARIANTS
 
@@ -22,6 +24,28 @@ def _world_sizes(text: str) -> list[int]:
     return sorted(set(sizes))
 
 
+# The options that set a BenchmarkConfig field, in --help order: (field, parser of the value, help without the
+# default). Each becomes --<field with dashes>, defaults to the field's default, and main() passes it on by name, so
+# an option is declared once here instead of three times (the flag, its default, the config argument).
+_CONFIG_OPTIONS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
+    ("layers", int, "GPT n_layer"),
+    ("width", int, "GPT n_embd"),
+    ("heads", int, "GPT n_head"),
+    ("seq", int, "GPT block_size = sequence length"),
+    ("vocab", int, "vocabulary size, >= 62"),
+    ("batch", int, "sequences per rank per step"),
+    ("steps", int, "timed steps after warmup"),
+    ("warmup", int, "untimed first steps"),
+    ("mem_steps", int, "steps of the separate profiled memory run"),
+    ("world_sizes", _world_sizes, "world sizes of the fsdp_custom FULL_SHARD scaling run"),
+    ("threads", int, "torch threads per process"),
+    ("lr", float, "AdamW learning rate"),
+    ("seed", int, "model and data seed"),
+    ("loss_rtol", float, "relative tolerance for final losses to agree"),
+    ("variant_timeout", float, "seconds before a variant's processes are killed"),
+)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from lightning_fsdp.benchmark import BenchmarkConfig
     from lightning_fsdp.benchmark.variants import parse_variants
@@ -33,28 +57,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "FSDP2 in 2 gloo processes on CPU; report step time, memory, communication and final loss; then run "
         "fsdp_custom FULL_SHARD at several world sizes.",
     )
-    parser.add_argument("--layers", type=int, default=d.layers, help="GPT n_layer (default %(default)s)")
-    parser.add_argument("--width", type=int, default=d.width, help="GPT n_embd (default %(default)s)")
-    parser.add_argument("--heads", type=int, default=d.heads, help="GPT n_head (default %(default)s)")
-    parser.add_argument("--seq", type=int, default=d.seq, help="GPT block_size = sequence length (default %(default)s)")
-    parser.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size, >= 62 (default %(default)s)")
-    parser.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step (default %(default)s)")
-    parser.add_argument("--steps", type=int, default=d.steps, help="timed steps after warmup (default %(default)s)")
-    parser.add_argument("--warmup", type=int, default=d.warmup, help="untimed first steps (default %(default)s)")
-    parser.add_argument("--mem-steps", type=int, default=d.mem_steps,
-                        help="steps of the separate profiled memory run (default %(default)s)")
-    parser.add_argument("--world-sizes", type=_world_sizes, default=d.world_sizes,
-                        help="world sizes of the fsdp_custom FULL_SHARD scaling run (default 1,2,4)")
+    for name, parse, text in _CONFIG_OPTIONS:
+        default = getattr(d, name)
+        # A list default is written the way the option takes it ("1,2,4"), not as Python prints it.
+        shown = ",".join(map(str, default)) if isinstance(default, list) else "%(default)s"
+        parser.add_argument(f"--{name.replace('_', '-')}", type=parse, default=default,
+                            help=f"{text} (default {shown})")
     parser.add_argument("--variants", default="all",
                         help=f"'all' or a comma-separated subset of: {', '.join(VARIANTS)}")
-    parser.add_argument("--threads", type=int, default=d.threads,
-                        help="torch threads per process (default %(default)s)")
-    parser.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=d.seed, help="model and data seed (default %(default)s)")
-    parser.add_argument("--loss-rtol", type=float, default=d.loss_rtol,
-                        help="relative tolerance for final losses to agree (default %(default)s)")
-    parser.add_argument("--variant-timeout", type=float, default=d.variant_timeout,
-                        help="seconds before a variant's processes are killed (default %(default)s)")
     parser.add_argument("--out", default="benchmark-results",
                         help="folder for results.md, results.json, plot.png (default %(default)s)")
     args = parser.parse_args(argv)
@@ -76,12 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_fsdp.benchmark import BenchmarkConfig, run_benchmark
 
     args = parse_args(argv)
-    cfg = BenchmarkConfig(
-        layers=args.layers, width=args.width, heads=args.heads, seq=args.seq, vocab=args.vocab, batch=args.batch,
-        steps=args.steps, warmup=args.warmup, mem_steps=args.mem_steps, world_sizes=args.world_sizes,
-        variants=args.variant_keys, threads=args.threads, lr=args.lr, seed=args.seed, loss_rtol=args.loss_rtol,
-        variant_timeout=args.variant_timeout,
-    )
+    cfg = BenchmarkConfig(**{name: getattr(args, name) for name, _, _ in _CONFIG_OPTIONS}, variants=args.variant_keys)
     command = "python -m lightning_fsdp.benchmark " + " ".join(shlex.quote(a) for a in
                                                                (sys.argv[1:] if argv is None else argv))
     results = run_benchmark(cfg, out=args.out, command=command.strip())

@@ -40,8 +40,8 @@ def _group(name: str) -> str:
 
 
 def _worker(rank: int, world: int, folder: str, args: argparse.Namespace) -> None:
+    from lightning_fsdp.demo.gpt import GPT, Block, GPTConfig
     from lightning_fsdp.engine import fully_shard
-    from lightning_fsdp.gpt import GPT, Block, GPTConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)

@@ -1,9 +1,9 @@
 """The data-parallel variants the benchmark compares: one function each that takes the same freshly built model.
 
-Every function receives a :class:`~lightning_fsdp.gpt.GPT` built on CPU from the same seed and a gloo process
+Every function receives a :class:`~lightning_fsdp.demo.gpt.GPT` built on CPU from the same seed and a gloo process
 group of all ranks that is the variant's alone (several variants live side by side in one process while their
 steps are interleaved; their own groups keep one variant's collectives from ever meeting another's), wraps the model
-with the same unit choice (each :class:`~lightning_fsdp.gpt.Block` is a unit, the root takes the rest: embeddings,
+with the same unit choice (each :class:`~lightning_fsdp.demo.gpt.Block` is a unit, the root takes the rest: embeddings,
 final LayerNorm and the tied head) and returns a :class:`Prepared` model. The training loop, the optimizer (AdamW over
 ``prepared.model.parameters()``) and the data are the benchmark's, identical for all.
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fsdp.gpt import Block
+from lightning_fsdp.demo.gpt import Block
 
 __all__ = ["Prepared", "Variant", "VARIANTS", "REFERENCE", "engine_options", "parse_variants"]
 

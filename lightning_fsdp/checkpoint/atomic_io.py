@@ -50,10 +50,12 @@ def temp_path_for(path: _PATH, pid: Optional[int] = None) -> str:
     return os.path.join(folder, f".{name}.tmp-{os.getpid() if pid is None else pid}")
 
 
-def _fsync_dir(folder: str) -> None:
+def _fsync(path: str) -> None:
+    """Make a file's data, or a directory's entries (a rename into it), durable; best effort where the platform
+    cannot open or fsync it (directories on some systems)."""
     try:
-        fd = os.open(folder or ".", os.O_RDONLY)
-    except OSError:  # e.g. platforms that cannot open directories
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
         return
     try:
         os.fsync(fd)
@@ -61,6 +63,10 @@ def _fsync_dir(folder: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _fsync_dir(folder: str) -> None:
+    _fsync(folder or ".")
 
 
 def _is_local(path: _PATH) -> bool:

@@ -5,14 +5,18 @@
   so ``load_model_state_dict`` / ``load_optimizer_state_dict`` copy them in without slicing.
 * :class:`Collective`: the few object collectives the save/load protocols need (no-ops without a process group).
   ``agree`` turns "one rank found a problem" into the same exception on every rank, so no rank is left waiting.
+* :class:`CheckpointFormat` / :class:`DirectoryFormat`: what each of the three formats (``full.FullFormat``,
+  ``sharded.ShardedFormat``, ``local.LocalFormat``) provides; ``formats.py`` picks one. ``write_directory`` is the
+  atomic save protocol both directory formats share.
 * Name helpers mapping state-dict keys and optimizer parameters to the engine's slots.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, Optional
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,13 +24,21 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.atomic_io import (
+    AtomicCheckpointIO,
     CheckpointIsDirectoryError,
     CheckpointLoadError,
     CheckpointNotFoundError,
+    _is_local,
 )
+from lightning_fsdp.checkpoint.paths import META_FILE, commit_directory, prepare_temp_dir, remove_path, remove_stale_temps
 from lightning_fsdp.engine import ShardingEngine
-from lightning_fsdp.engine.shard import ShardLayout
+from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.unit import ParamSlot
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import CheckpointIO
+
+_T = TypeVar("_T")
 
 FORMAT_KEY = "lightning_fsdp"  # meta.pt entry describing the directory (format, version, world size, layout)
 FORMAT_VERSION = 1
@@ -57,8 +69,9 @@ class ShardedOptimizerState(dict):
 class Collective:
     """Object collectives over the default group for the checkpoint protocols; trivial without a process group."""
 
-    def __init__(self) -> None:
-        self.distributed = dist.is_available() and dist.is_initialized()
+    def __init__(self, alone: bool = False) -> None:
+        # alone: this process by itself even inside a process group (offline conversion), every collective trivial
+        self.distributed = not alone and dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
 
@@ -93,6 +106,17 @@ class Collective:
         for rank, verdict in enumerate(verdicts):
             if verdict is not None:
                 raise _rebuild(verdict, rank)
+
+    def run_agreed(self, work: Callable[[], _T]) -> _T:
+        """``work()`` on every rank; if it raises on any rank, every rank raises (see ``agree``). For checks that
+        must not leave the ranks that passed them waiting in the next collective for one that failed."""
+        problem, result = None, None
+        try:
+            result = work()
+        except Exception as exc:  # noqa: BLE001 - shared with every rank by agree
+            problem = exc
+        self.agree(problem)
+        return result  # type: ignore[return-value]
 
     def agree_from_rank0(self, problem: Optional[BaseException]) -> None:
         """Rank 0 decided alone (e.g. it renamed the directory); every rank raises if it failed."""
@@ -241,3 +265,125 @@ def to_index_keyed(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
 def numel(shape: Any) -> int:
     return math.prod(int(s) for s in shape)
+
+
+# ------------------------------------------------------------------------------------------------ formats
+class CheckpointFormat:
+    """One checkpoint format: how the strategy's state is taken, written, read back, and read whole by ``convert``.
+
+    [Note: checkpoint formats]
+    The three formats differ in every step, so each is one object with the same five operations and the strategy
+    never asks which one it holds. The format a run *writes* is the one ``state_dict_type`` names
+    (``formats.format_for_saving``); the format a load *reads* is the one on disk (``formats.format_on_disk``, by
+    ``paths.checkpoint_kind``), so any run loads a full file or a sharded directory whatever it writes itself.
+    What a load returns says how to copy it in: a plain state dict holds full tensors (each rank slices its rows);
+    a :class:`ShardedStateDict` / :class:`ShardedOptimizerState` already holds this rank's rows.
+    """
+
+    kind: ClassVar[str]  # "full", "sharded" or "local": the state_dict_type value and paths.checkpoint_kind's answer
+    writes_offline: ClassVar[bool] = False  # whether ``write_full`` works (a target of ``lightning-fsdp convert``)
+
+    def model_state_dict(self, engine: ShardingEngine) -> dict[str, Any]:
+        """What ``lightning_module_state_dict`` puts into the checkpoint (call on every rank)."""
+        raise NotImplementedError
+
+    def optimizer_state(self, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
+        """What the checkpoint's ``optimizer_states`` holds for ``optimizer`` (call on every rank)."""
+        raise NotImplementedError
+
+    def save(self, checkpoint: dict[str, Any], path: Any, *, engine: Optional[ShardingEngine],
+             optimizers: Sequence[Optimizer], checkpoint_io: CheckpointIO, storage_options: Optional[Any] = None) -> None:
+        """Write a checkpoint built from ``model_state_dict`` / ``optimizer_state`` to ``path`` (call on every rank)."""
+        raise NotImplementedError
+
+    def load(self, path: Any, *, engine: Optional[ShardingEngine], optimizers: Optional[Sequence[Optimizer]],
+             checkpoint_io: CheckpointIO, weights_only: Optional[bool] = None,
+             coll: Optional[Collective] = None) -> dict[str, Any]:
+        """Read ``path`` on every rank into a Lightning checkpoint dict (optimizer state only if ``optimizers``)."""
+        raise NotImplementedError
+
+    def read_as_full(self, path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """The checkpoint at ``path`` as one full checkpoint dict in Lightning's layout, in this process alone."""
+        raise NotImplementedError
+
+    def write_full(self, checkpoint: Mapping[str, Any], path: str) -> None:
+        """Write a full checkpoint dict (``read_as_full``'s result) to ``path`` in this format, in this process alone."""
+        raise ValueError(f"A {self.kind} checkpoint cannot be written from a full one outside a run.")
+
+
+class DirectoryFormat(CheckpointFormat):
+    """A format whose checkpoint is a directory every rank writes its part of (see :func:`write_directory`) and
+    reads its rows from, on the local (or a network-mounted) file system, not through the ``CheckpointIO``."""
+
+    def write(self, checkpoint: dict[str, Any], path: Any, engine: ShardingEngine,
+              optimizers: Sequence[Optimizer]) -> None:
+        raise NotImplementedError
+
+    def read(self, path: str, engine: ShardingEngine, optimizers: Optional[Sequence[Optimizer]], *,
+             coll: Optional[Collective], weights_only: Optional[bool]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def save(self, checkpoint: dict[str, Any], path: Any, *, engine: Optional[ShardingEngine],
+             optimizers: Sequence[Optimizer], checkpoint_io: CheckpointIO, storage_options: Optional[Any] = None) -> None:
+        self._check_save_path(path, storage_options)
+        assert engine is not None
+        self.write(checkpoint, path, engine, optimizers)
+
+    def load(self, path: Any, *, engine: Optional[ShardingEngine], optimizers: Optional[Sequence[Optimizer]],
+             checkpoint_io: CheckpointIO, weights_only: Optional[bool] = None,
+             coll: Optional[Collective] = None) -> dict[str, Any]:
+        assert engine is not None
+        return self.read(os.fspath(path), engine, optimizers, coll=coll, weights_only=weights_only)
+
+    def _check_save_path(self, path: Any, storage_options: Optional[Any]) -> None:
+        """Refuse what only a ``CheckpointIO`` could do: storage options and remote paths (every rank writes here)."""
+        if storage_options is not None:
+            raise TypeError(
+                f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported with "
+                f"state_dict_type={self.kind!r}: sharded and local checkpoints are written by every rank directly, "
+                "not through the CheckpointIO."
+            )
+        if not _is_local(path):
+            raise NotImplementedError(
+                f"state_dict_type={self.kind!r} writes to local (or network-mounted) file systems only, not to "
+                f"{str(path)!r}; use state_dict_type='full' with a CheckpointIO for remote storage."
+            )
+
+
+def write_directory(path: Any, write_part: Callable[[str], None], meta: Callable[[], Mapping[str, Any]],
+                    coll: Collective) -> None:
+    """Write a directory checkpoint atomically; call on every rank.
+
+    Rank 0 creates an empty temporary directory next to ``path``; every rank writes its part into it
+    (``write_part(tmp)``, which must raise on every rank if it fails on one); rank 0 then writes ``meta()`` as
+    ``meta.pt`` and renames the directory into place (``paths.commit_directory``). A failure at any step removes the
+    temporary directory, leaves what was at ``path`` untouched, and raises on every rank.
+    """
+    path = coll.broadcast(os.path.abspath(os.fspath(path)))
+    tmp, problem = None, None
+    if coll.is_rank0:
+        try:
+            tmp = prepare_temp_dir(path)
+        except Exception as exc:  # noqa: BLE001 - shared with every rank below
+            problem = exc
+    coll.agree_from_rank0(problem)
+    tmp = coll.broadcast(tmp)
+    try:
+        write_part(tmp)
+    except BaseException:
+        if coll.is_rank0:
+            try:
+                remove_path(tmp)
+            except OSError:  # the write's own error is the one to report
+                pass
+        raise
+    problem = None
+    if coll.is_rank0:
+        try:
+            AtomicCheckpointIO().save_checkpoint(dict(meta()), os.path.join(tmp, META_FILE))
+            commit_directory(tmp, path)
+            remove_stale_temps(path)
+        except Exception as exc:  # noqa: BLE001
+            problem = exc
+            remove_path(tmp)
+    coll.agree_from_rank0(problem)

@@ -1,23 +1,31 @@
-"""Full (unsharded) state dicts for a sharded model and its optimizers.
+"""The full format: one checkpoint file in Lightning's usual layout, with unsharded state dicts.
 
 Gathering happens one unit at a time with the result moved to host memory on rank 0, so no rank holds more than
-one unit's full parameters beyond its shards, apart from rank 0's host copy being assembled.
+one unit's full parameters beyond its shards, apart from rank 0's host copy being assembled. Global rank 0 writes
+the file through the strategy's ``CheckpointIO`` (``AtomicCheckpointIO`` by default); every rank reads it whole and
+copies its own rows in. :class:`FullFormat` is the format object the strategy and ``convert`` use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint.common import CheckpointMismatchError
+from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError
+from lightning_fsdp.checkpoint.common import CheckpointFormat, CheckpointMismatchError, Collective, to_index_keyed
+from lightning_fsdp.checkpoint.paths import FULL, remove_checkpoint_path
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import all_gather_flat
-from lightning_fsdp.engine.shard import ShardLayout
+from lightning_fsdp.engine.layout import ShardLayout
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import CheckpointIO
 
 
 def _global_rank() -> int:
@@ -186,3 +194,48 @@ def load_full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer,
             new_entry[name] = value
         local_state[index] = new_entry
     optimizer.load_state_dict({"state": local_state, "param_groups": state_dict["param_groups"]})
+
+
+class FullFormat(CheckpointFormat):
+    """One file in Lightning's layout; plain Lightning (single device, DDP) loads it too."""
+
+    kind = FULL
+    writes_offline = True
+
+    def model_state_dict(self, engine: ShardingEngine) -> dict[str, Any]:
+        return full_model_state_dict(engine)
+
+    def optimizer_state(self, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
+        return full_optimizer_state_dict(engine, optimizer)
+
+    def save(self, checkpoint: dict[str, Any], path: Any, *, engine: Optional[ShardingEngine],
+             optimizers: Sequence[Optimizer], checkpoint_io: CheckpointIO, storage_options: Optional[Any] = None) -> None:
+        # The rank the full state was gathered to writes it (the others' state dicts are empty), as Lightning's
+        # Strategy.save_checkpoint does with is_global_zero.
+        if _global_rank() == 0:
+            checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def load(self, path: Any, *, engine: Optional[ShardingEngine], optimizers: Optional[Sequence[Optimizer]],
+             checkpoint_io: CheckpointIO, weights_only: Optional[bool] = None,
+             coll: Optional[Collective] = None) -> dict[str, Any]:
+        # Every rank reads the whole file (the CheckpointIO also reports remote and missing paths), as Lightning's
+        # Strategy.load_checkpoint does, cached GPU memory released first.
+        torch.cuda.empty_cache()
+        return checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+
+    def read_as_full(self, path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = AtomicCheckpointIO().load_checkpoint(path, weights_only=weights_only)
+        if not isinstance(checkpoint.get("state_dict"), Mapping):
+            raise CheckpointLoadError(
+                f"{path!r} is not a Lightning checkpoint: it has no 'state_dict' entry with the model's weights (its "
+                f"entries: {sorted(map(str, checkpoint))}).",
+                path,
+            )
+        if "optimizer_states" in checkpoint:
+            checkpoint["optimizer_states"] = [to_index_keyed(s) for s in checkpoint["optimizer_states"]]
+        return checkpoint
+
+    def write_full(self, checkpoint: Mapping[str, Any], path: str) -> None:
+        if os.path.isdir(path):  # a directory checkpoint being replaced by a file
+            remove_checkpoint_path(path)
+        AtomicCheckpointIO().save_checkpoint(dict(checkpoint), path)

@@ -12,6 +12,7 @@ Layout of the directory:
 It loads only at the world size and shard layout that wrote it; anything else (another world size, a changed model,
 another sharding strategy) raises :class:`~lightning_fsdp.checkpoint.common.CheckpointMismatchError` naming the
 difference. ``lightning-fsdp convert`` turns it into a full file (which then loads anywhere, or converts to sharded).
+:class:`LocalFormat` is the format object the strategy and ``convert`` use.
 """
 
 from __future__ import annotations
@@ -29,23 +30,16 @@ from lightning_fsdp.checkpoint.common import (
     FORMAT_VERSION,
     CheckpointMismatchError,
     Collective,
+    DirectoryFormat,
     ShardedOptimizerState,
     ShardedStateDict,
     engine_param_names,
     managed_keys,
     numel,
-    param_names,
     shape_str,
+    write_directory,
 )
-from lightning_fsdp.checkpoint.paths import (
-    META_FILE,
-    commit_directory,
-    file_problem,
-    local_rank_file,
-    prepare_temp_dir,
-    remove_path,
-    remove_stale_temps,
-)
+from lightning_fsdp.checkpoint.paths import LOCAL, META_FILE, file_problem, local_rank_file
 from lightning_fsdp.engine import ShardingEngine
 
 
@@ -103,44 +97,20 @@ def save_local_checkpoint(checkpoint: Mapping[str, Any], path: str, engine: Shar
     directory ``path``, atomically: every rank writes its file into a temporary directory, which rank 0 renames into
     place once all have succeeded. Call on every rank."""
     coll = coll or Collective()
-    path = coll.broadcast(os.path.abspath(os.fspath(path)))
-    tmp, problem = None, None
-    if coll.is_rank0:
-        try:
-            tmp = prepare_temp_dir(path)
-        except Exception as exc:  # noqa: BLE001
-            problem = exc
-    coll.agree_from_rank0(problem)
-    tmp = coll.broadcast(tmp)
     rest = dict(checkpoint)
     state = rest.pop("state_dict", {})
     optimizer_states = rest.pop("optimizer_states", None)
-    problem = None
-    try:
-        _write_file({"format": "local", "version": FORMAT_VERSION, "rank": coll.rank, "world_size": coll.world_size,
-                     "shard_rank": engine.shard_comm.rank, "state_dict": state, "optimizer_states": optimizer_states},
-                    os.path.join(tmp, local_rank_file(coll.rank)))
-        if coll.is_rank0:
-            rest[FORMAT_KEY] = layout_info(engine, optimizers if optimizer_states is not None else None,
-                                           coll.world_size)
-            AtomicCheckpointIO().save_checkpoint(rest, os.path.join(tmp, META_FILE))
-    except Exception as exc:  # noqa: BLE001
-        problem = exc
-    try:
-        coll.agree(problem)
-    except BaseException:
-        if coll.is_rank0:
-            remove_path(tmp)
-        raise
-    problem = None
-    if coll.is_rank0:
-        try:
-            commit_directory(tmp, path)
-            remove_stale_temps(path)
-        except Exception as exc:  # noqa: BLE001
-            problem = exc
-            remove_path(tmp)
-    coll.agree_from_rank0(problem)
+
+    def write_part(tmp: str) -> None:
+        part = {"format": "local", "version": FORMAT_VERSION, "rank": coll.rank, "world_size": coll.world_size,
+                "shard_rank": engine.shard_comm.rank, "state_dict": state, "optimizer_states": optimizer_states}
+        coll.run_agreed(lambda: _write_file(part, os.path.join(tmp, local_rank_file(coll.rank))))
+
+    def meta() -> dict[str, Any]:
+        described = optimizers if optimizer_states is not None else None
+        return {**rest, FORMAT_KEY: layout_info(engine, described, coll.world_size)}
+
+    write_directory(path, write_part, meta, coll)
 
 
 # ===================================================================================================== loading
@@ -252,8 +222,8 @@ def load_local_checkpoint(
     a :class:`ShardedStateDict` and ``optimizer_states`` (when ``optimizers`` is given and the checkpoint has them)
     :class:`ShardedOptimizerState` entries. Mismatches and damaged files raise on every rank."""
     coll = coll or Collective()
-    problem, checkpoint = None, None
-    try:
+
+    def read() -> dict[str, Any]:
         meta, info = read_local_meta(path, weights_only)
         unexpected = _check_layout(path, info, engine, coll)
         load_optimizers = optimizers is not None and info.get("optimizers") is not None
@@ -261,17 +231,14 @@ def load_local_checkpoint(
             _check_optimizers(path, info, engine, optimizers)
         data = _read_rank_file(path, coll.rank, coll.world_size, weights_only)
         own = engine.root.state_dict()
-        state = ShardedStateDict({k: v for k, v in data["state_dict"].items() if k in own},
-                                 unexpected_keys=unexpected, source=path)
         checkpoint = dict(meta)
-        checkpoint["state_dict"] = state
+        checkpoint["state_dict"] = ShardedStateDict({k: v for k, v in data["state_dict"].items() if k in own},
+                                                    unexpected_keys=unexpected, source=path)
         if load_optimizers:
             checkpoint["optimizer_states"] = [ShardedOptimizerState(s) for s in data["optimizer_states"]]
-    except Exception as exc:  # noqa: BLE001 - every rank learns of it
-        problem = exc
-    coll.agree(problem)
-    assert checkpoint is not None
-    return checkpoint
+        return checkpoint
+
+    return coll.run_agreed(read)  # mismatches and damaged files raise on every rank
 
 
 # ===================================================================================================== offline
@@ -325,3 +292,28 @@ def read_local_checkpoint_full(path: str, weights_only: Optional[bool] = None) -
             optimizer_states.append({"state": full_state, "param_groups": first["param_groups"]})
         checkpoint["optimizer_states"] = optimizer_states
     return checkpoint
+
+
+class LocalFormat(DirectoryFormat):
+    """A file per rank with its raw shards (plus ``meta.pt``); loads only at the world size and layout that wrote it.
+    Not a target of ``convert``: its layout is a running engine's, which an offline conversion does not have."""
+
+    kind = LOCAL
+
+    def model_state_dict(self, engine: ShardingEngine) -> dict[str, Any]:
+        return local_model_state_dict(engine)
+
+    def optimizer_state(self, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
+        return local_optimizer_state_dict(optimizer)
+
+    def write(self, checkpoint: dict[str, Any], path: Any, engine: ShardingEngine,
+              optimizers: Sequence[Optimizer]) -> None:
+        # meta.pt names each optimizer's parameters only when the checkpoint holds their state (not weights-only).
+        save_local_checkpoint(checkpoint, path, engine, optimizers if "optimizer_states" in checkpoint else None)
+
+    def read(self, path: str, engine: ShardingEngine, optimizers: Optional[Sequence[Optimizer]], *,
+             coll: Optional[Collective], weights_only: Optional[bool]) -> dict[str, Any]:
+        return load_local_checkpoint(path, engine, optimizers, coll=coll, weights_only=weights_only)
+
+    def read_as_full(self, path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return read_local_checkpoint_full(path, weights_only=weights_only)

@@ -19,6 +19,7 @@ from lightning_fsdp.checkpoint.atomic_io import (
     CheckpointIsDirectoryError,
     CheckpointLoadError,
     CheckpointNotFoundError,
+    _fsync,
     _fsync_dir,
     temp_path_for,
 )
@@ -178,16 +179,7 @@ def remove_checkpoint_path(path: str) -> None:
 def _fsync_tree(folder: str) -> None:
     for root, _dirs, files in os.walk(folder):
         for name in files:
-            try:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+            _fsync(os.path.join(root, name))
         _fsync_dir(root)
 
 

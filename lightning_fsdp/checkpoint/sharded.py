@@ -12,15 +12,18 @@ Layout (the one Lightning's ``FSDPStrategy(state_dict_type="sharded")`` writes, 
 * ``meta.pt``: everything else of the Lightning checkpoint (epoch, global_step, loops, callbacks, lr_schedulers,
   precision state, hyper-parameters, ...) plus a ``"lightning_fsdp"`` entry (format, version, world size, how the
   optimizer state is keyed, number of optimizers).
+
+:class:`ShardedFormat` is the format object the strategy and ``convert`` use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -42,6 +45,7 @@ from lightning_fsdp.checkpoint.common import (
     FORMAT_VERSION,
     CheckpointMismatchError,
     Collective,
+    DirectoryFormat,
     ShardedOptimizerState,
     ShardedStateDict,
     contiguous_stride,
@@ -50,25 +54,26 @@ from lightning_fsdp.checkpoint.common import (
     engine_param_names,
     managed_keys,
     optimizer_params,
-    param_names,
     shape_str,
     to_index_keyed,
+    write_directory,
 )
 from lightning_fsdp.checkpoint.full import _gather_rows
-from lightning_fsdp.checkpoint.paths import (
-    DCP_METADATA_FILE,
-    META_FILE,
-    commit_directory,
-    file_problem,
-    prepare_temp_dir,
-    remove_path,
-    remove_stale_temps,
-)
+from lightning_fsdp.checkpoint.paths import DCP_METADATA_FILE, META_FILE, SHARDED, file_problem
 from lightning_fsdp.engine import ShardingEngine
-from lightning_fsdp.engine.shard import ShardLayout
+from lightning_fsdp.engine.layout import ShardLayout
 
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)")
 _SCALAR_ROWS = "lightning_fsdp_scalar_rows"
+
+
+@contextlib.contextmanager
+def _alone_on_purpose(coll: Collective) -> Iterator[None]:
+    """Without a process group DCP warns "torch.distributed is disabled ..."; here that is on purpose."""
+    with warnings.catch_warnings():
+        if not coll.distributed:
+            warnings.simplefilter("ignore", UserWarning)
+        yield
 
 
 # ===================================================================================================== saving
@@ -167,46 +172,25 @@ def _format_info(world_size: int, num_optimizers: Optional[int], optimizer_keys:
     return info
 
 
+def _write(tensors: dict[str, Any], meta: dict[str, Any], path: str, coll: Collective) -> None:
+    """The DCP files (every rank its rows) and ``meta.pt`` (rank 0), committed atomically (``write_directory``)."""
+
+    def write_part(tmp: str) -> None:
+        # A failure on any rank raises a CheckpointException on every rank (DCP gathers the results).
+        with _alone_on_purpose(coll):
+            dcp.save(tensors, checkpoint_id=tmp, no_dist=not coll.distributed)
+
+    write_directory(path, write_part, lambda: meta, coll)
+
+
 def save_sharded_checkpoint(checkpoint: Mapping[str, Any], path: str, coll: Optional[Collective] = None) -> None:
     """Write a checkpoint built from :func:`sharded_model_state_dict` / :func:`sharded_optimizer_state_dict` to the
     directory ``path``, atomically. Call on every rank."""
     coll = coll or Collective()
-    path = coll.broadcast(os.path.abspath(os.fspath(path)))
-    tmp, problem = None, None
-    if coll.is_rank0:
-        try:
-            tmp = prepare_temp_dir(path)
-        except Exception as exc:  # noqa: BLE001 - shared with every rank below
-            problem = exc
-    coll.agree_from_rank0(problem)
-    tmp = coll.broadcast(tmp)
     tensors, meta, scalar_rows = _split_checkpoint(checkpoint)
     num_optimizers = len(checkpoint["optimizer_states"]) if "optimizer_states" in checkpoint else None
     meta[FORMAT_KEY] = _format_info(coll.world_size, num_optimizers, "fqn", scalar_rows)
-    try:
-        # A failure on any rank raises a CheckpointException on every rank (DCP gathers the results).
-        dcp.save(tensors, checkpoint_id=tmp, no_dist=not coll.distributed)
-    except BaseException:
-        _remove_quietly(tmp, coll)
-        raise
-    problem = None
-    if coll.is_rank0:
-        try:
-            AtomicCheckpointIO().save_checkpoint(meta, os.path.join(tmp, META_FILE))
-            commit_directory(tmp, path)
-            remove_stale_temps(path)
-        except Exception as exc:  # noqa: BLE001
-            problem = exc
-            remove_path(tmp)
-    coll.agree_from_rank0(problem)
-
-
-def _remove_quietly(tmp: Optional[str], coll: Collective) -> None:
-    if tmp is not None and coll.is_rank0:
-        try:
-            remove_path(tmp)
-        except OSError:
-            pass
+    _write(tensors, meta, path, coll)
 
 
 def save_sharded_from_full(checkpoint: Mapping[str, Any], path: str) -> None:
@@ -230,16 +214,7 @@ def save_sharded_from_full(checkpoint: Mapping[str, Any], path: str) -> None:
     meta.pop(FORMAT_KEY, None)
     num_optimizers = len(optimizer_states) if optimizer_states is not None else None
     meta[FORMAT_KEY] = _format_info(1, num_optimizers, "index")
-    tmp = prepare_temp_dir(path)
-    try:
-        with warnings.catch_warnings():  # "torch.distributed is disabled ...": single-process on purpose
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(tensors, checkpoint_id=tmp, no_dist=True)
-        AtomicCheckpointIO().save_checkpoint(meta, os.path.join(tmp, META_FILE))
-        commit_directory(tmp, path)
-    except BaseException:
-        remove_path(tmp)
-        raise
+    _write(tensors, meta, path, Collective(alone=True))
 
 
 # ===================================================================================================== reading
@@ -275,9 +250,14 @@ def read_meta(path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
     return AtomicCheckpointIO().load_checkpoint(os.path.join(path, META_FILE), weights_only=weights_only)
 
 
+def _planner_data(metadata: Metadata) -> Mapping[str, tuple]:
+    """flat key -> path in the saved nested dict, in the order of the saved dict (written by DCP's save planner)."""
+    return metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+
+
 def _entries(metadata: Metadata) -> dict[str, tuple[tuple, Any]]:
     """flat key -> (path tuple in the saved nested dict, storage metadata)."""
-    planner_data = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+    planner_data = _planner_data(metadata)
     out = {}
     for key, storage in metadata.state_dict_metadata.items():
         path = planner_data.get(key)
@@ -308,11 +288,14 @@ def _set(container: Any, path: Sequence[Any], value: Any) -> None:
 
 
 def _load(targets: dict[str, Any], path: str, coll: Collective) -> None:
+    """Fill ``targets`` (DCP's flat keys -> a tensor or DTensor to read into, or None for a non-tensor entry, which
+    is replaced by the stored object) from the directory; a plain tensor receives the whole stored tensor."""
     if not targets:
         return
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
-        dcp.load(targets, checkpoint_id=path, planner=planner, no_dist=not coll.distributed)
+        with _alone_on_purpose(coll):
+            dcp.load(targets, checkpoint_id=path, planner=planner, no_dist=not coll.distributed)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises the same one on every rank
         raise CheckpointLoadError(
             f"Could not read sharded checkpoint {path!r}: a shard file could not be read (truncated or corrupt?). "
@@ -540,13 +523,8 @@ def load_sharded_checkpoint(
     :class:`ShardedStateDict` and (if ``optimizers`` is given and the checkpoint has them) ``optimizer_states`` as
     :class:`ShardedOptimizerState` entries, each holding this rank's rows under the current layout."""
     coll = coll or Collective()
-    problem, loader = None, None
-    try:
-        loader = _ShardedLoad(path, engine, optimizers, coll, weights_only)
-    except Exception as exc:  # noqa: BLE001 - every rank learns of it before any further collective
-        problem = exc
-    coll.agree(problem)
-    assert loader is not None
+    # Every rank checks the directory and plans its reads; a problem on one raises on all before any DCP collective.
+    loader = coll.run_agreed(lambda: _ShardedLoad(path, engine, optimizers, coll, weights_only))
     return loader.run()
 
 
@@ -554,37 +532,51 @@ def load_sharded_checkpoint(
 def read_sharded_checkpoint_full(path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
     """A sharded directory as one full checkpoint in Lightning's layout (plain ``torch.optim`` optimizer state), read
     in this process alone, without a process group."""
-    # What Lightning's consolidate_checkpoint does (lightning.fabric.utilities.load._load_distributed_checkpoint):
-    # the public dcp.load copies into a new dict, so an empty state dict to be filled needs the inner function.
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
+    # What torch's format_utils.dcp_to_torch_save reads (every entry whole), through the public dcp.load: a target
+    # for each entry the metadata lists, at its full size, then nested again in the order the saved dict had.
     metadata = read_dcp_metadata(path)
     check_shard_files(path, metadata)
     meta = read_meta(path, weights_only)
     meta.pop(FORMAT_KEY, None)
+    entries = _entries(metadata)
+    targets = {flat: torch.empty(tuple(storage.size), dtype=storage.properties.dtype)
+               if isinstance(storage, TensorStorageMetadata) else None for flat, (_, storage) in entries.items()}
+    _load(targets, path, Collective(alone=True))
+    saved_order = {flat: i for i, flat in enumerate(_planner_data(metadata))}
     tensors: dict[str, Any] = {}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            _load_state_dict(tensors, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
-                             no_dist=True)
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001
-        raise CheckpointLoadError(
-            f"Could not read sharded checkpoint {path!r}: a shard file could not be read (truncated or corrupt?). "
-            f"Underlying error: {_read_failure(exc)}",
-            path,
-        ) from exc
+    for flat in sorted(entries, key=lambda f: saved_order.get(f, len(saved_order))):
+        _set(tensors, entries[flat][0], targets[flat])
     checkpoint = dict(meta)
-    model = tensors.pop("model", {})
-    # In the order the model's state dict had when saved (DCP's own order groups entries by the rank that wrote them).
-    paths = metadata.planner_data.values() if isinstance(metadata.planner_data, Mapping) else []
-    order = [path[1] for path in paths if len(path) == 2 and path[0] == "model"]
-    state = {key: model[key] for key in order if key in model}
-    state.update({key: value for key, value in model.items() if key not in state})
-    checkpoint["state_dict"] = state
+    checkpoint["state_dict"] = tensors.pop("model", {})
     prefixes = sorted((k for k in tensors if _OPTIMIZER_KEY.fullmatch(k)), key=lambda s: int(s.split("_")[1]))
     if prefixes:
         checkpoint["optimizer_states"] = [to_index_keyed(tensors.pop(k)) for k in prefixes]
     checkpoint.update(tensors)
     return checkpoint
+
+
+class ShardedFormat(DirectoryFormat):
+    """A DCP directory plus ``meta.pt`` (the layout of Lightning's own sharded checkpoints); loads at any world size."""
+
+    kind = SHARDED
+    writes_offline = True
+
+    def model_state_dict(self, engine: ShardingEngine) -> dict[str, Any]:
+        return sharded_model_state_dict(engine)
+
+    def optimizer_state(self, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
+        return sharded_optimizer_state_dict(engine, optimizer)
+
+    def write(self, checkpoint: dict[str, Any], path: Any, engine: ShardingEngine,
+              optimizers: Sequence[Optimizer]) -> None:
+        save_sharded_checkpoint(checkpoint, path)
+
+    def read(self, path: str, engine: ShardingEngine, optimizers: Optional[Sequence[Optimizer]], *,
+             coll: Optional[Collective], weights_only: Optional[bool]) -> dict[str, Any]:
+        return load_sharded_checkpoint(path, engine, optimizers, coll=coll, weights_only=weights_only)
+
+    def read_as_full(self, path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return read_sharded_checkpoint_full(path, weights_only=weights_only)
+
+    def write_full(self, checkpoint: Mapping[str, Any], path: str) -> None:
+        save_sharded_from_full(checkpoint, path)

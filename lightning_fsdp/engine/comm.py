@@ -1,8 +1,11 @@
 """The collectives the engine uses, behind one small interface that also counts the bytes it moves.
 
+[Note: which collectives]
 Only ``all_gather``/``reduce_scatter``/``all_reduce``/``broadcast`` on flat tensors are used, because those exist on
 gloo, NCCL and HCCL alike. Reductions are always SUM followed by an explicit division: ``ReduceOp.AVG`` and
-``PREMUL_SUM`` are missing on some backends, and gloo on older torch returned SUM for them without a word.
+``PREMUL_SUM`` are missing on some backends, and gloo on older torch returned SUM for them without a word. With
+anomaly checking on, every collective of the training step is preceded by ``Communicator.agree`` (see there), which
+turns a mismatch between ranks into an error naming what each rank was about to do instead of a hang.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ class CommStats:
     all_gather_calls: int = 0
     reduce_scatter_calls: int = 0
     all_reduce_calls: int = 0
-    # The largest number of non-root units whose full parameters were alive (or being gathered) at once. The root
-    # is left out: its parameters stay gathered from its forward to its backward by design.
+    # The largest number of non-root units whose full parameters were alive (unsharded, or an unshard in flight) at
+    # once. The root is left out: it stays unsharded from its forward to its backward by design.
     peak_gathered_units: int = 0
 
     def reset(self) -> None:
@@ -43,9 +46,9 @@ class Communicator:
 
     def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> None:
         self.group = group
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.world_size = dist.get_world_size(group) if self.distributed else 1
-        self.rank = dist.get_rank(group) if self.distributed else 0
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(group) if distributed else 1
+        self.rank = dist.get_rank(group) if distributed else 0
         self.device = device or torch.device("cpu")  # where this group's collectives take tensors (NCCL: GPU)
         self.stats = CommStats()
         # Turns an ``agree`` tag into words for the error message; the engine installs one that names units.

@@ -9,20 +9,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fsdp.config import (
-    MixedPrecision,
-    ShardingStrategy,
-    check_call_signature,
-    parse_auto_wrap_policy,
-    parse_backward_prefetch,
-    parse_mixed_precision,
-    parse_sharding_strategy,
-)
+from lightning_fsdp.config import MixedPrecision, ShardingStrategy
 from lightning_fsdp.engine.comm import Communicator
-from lightning_fsdp.engine.shard import ShardLayout
+from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.state import ShardingEngine
 from lightning_fsdp.engine.unit import FlatUnit, ParamSlot
 from lightning_fsdp.engine.wrap import assign_owners, ignored_module_set, select_unit_modules
+from lightning_fsdp.options import ShardingOptions, split_ignored
+from lightning_fsdp.process_groups import check_engine_groups
 
 _ENGINE_ATTR = "_lightning_fsdp_engine"
 
@@ -68,26 +62,18 @@ def fully_shard(
     copied to ``device`` only to be gathered, and reduced gradients are copied back.
     """
     # Every argument is checked before the first collective (sync_module_states' broadcasts, the gathers), so a
-    # bad one raises the same error on every rank instead of leaving the others waiting.
+    # bad one raises the same error on every rank instead of leaving the others waiting (lightning_fsdp/options.py).
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard(module={module!r}) is not valid; expected an nn.Module.")
-    strategy = parse_sharding_strategy(sharding_strategy)
-    if strategy.is_hybrid and replicate_group is None:
-        raise ValueError(f"sharding_strategy={strategy.value!r} needs a replicate_group beside the shard group.")
-    for name, group in (("process_group", process_group), ("replicate_group", replicate_group)):
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"{name}={group!r} is not valid; expected a torch.distributed.ProcessGroup or None.")
-    policy = parse_auto_wrap_policy(auto_wrap_policy)
-    mixed_precision = parse_mixed_precision(mixed_precision) or MixedPrecision()
-    backward_prefetch = parse_backward_prefetch(backward_prefetch)
-    for name, flag in (("cpu_offload", cpu_offload), ("sync_module_states", sync_module_states),
-                       ("forward_prefetch", forward_prefetch), ("limit_all_gathers", limit_all_gathers)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}={flag!r} is not valid; expected True or False.")
-    if param_init_fn is not None and not callable(param_init_fn):
-        raise TypeError(f"param_init_fn={param_init_fn!r} is not callable.")
-    if param_init_fn is not None:
-        check_call_signature(param_init_fn, "param_init_fn", "(module)")
+    options = ShardingOptions.parse(
+        sharding_strategy=sharding_strategy, auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision,
+        backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
+        sync_module_states=sync_module_states, cpu_offload=cpu_offload, param_init_fn=param_init_fn,
+        ignored_modules=ignored_modules, ignored_states=ignored_states,
+    )
+    strategy = options.sharding_strategy
+    check_engine_groups(strategy, process_group, replicate_group)
+    mixed_precision = options.mixed_precision or MixedPrecision()
     if get_engine(module) is not None:
         raise ValueError(f"{type(module).__name__} is already sharded; call fully_shard once per module.")
     try:
@@ -96,28 +82,7 @@ def fully_shard(
         reason = str(err).splitlines()[0] if isinstance(err, RuntimeError) else f"a {type(device).__name__}"
         raise ValueError(f"device={device!r} is not valid ({reason}); expected a torch.device or a device string "
                          "such as 'cpu' or 'cuda:0'.") from None
-    ignored = _items(ignored_modules, "ignored_modules", nn.Module)
-    ignored_param_objs = []
-    for item in _items(ignored_states, "ignored_states", nn.Module):
-        if isinstance(item, nn.Module):
-            ignored.append(item)
-        elif isinstance(item, nn.Parameter):
-            ignored_param_objs.append(item)
-        else:
-            raise TypeError(f"ignored_states contains {item!r}; expected nn.Parameter or nn.Module objects.")
-    for item in ignored:
-        if not isinstance(item, nn.Module):
-            raise TypeError(f"ignored_modules contains {item!r}; expected nn.Module objects.")
-    submodules = {id(m) for m in module.modules()}
-    for item in ignored:
-        if id(item) not in submodules:
-            raise ValueError(f"ignored_modules contains a {type(item).__name__} that is not a submodule of "
-                             f"{type(module).__name__} (a module of another model instance?).")
-    own_params = {id(p) for p in module.parameters()}
-    for param in ignored_param_objs:
-        if id(param) not in own_params:
-            raise ValueError(f"ignored_states contains a parameter of shape {tuple(param.shape)} that is not a "
-                             f"parameter of {type(module).__name__} (a parameter of another model instance?).")
+    ignored, ignored_param_objs = split_ignored(module, options)
     ignored_ids = ignored_module_set(module, ignored)
     ignored_param_ids = frozenset(id(p) for p in ignored_param_objs)
 
@@ -126,7 +91,7 @@ def fully_shard(
     sharded = strategy is not ShardingStrategy.NO_SHARD
     world, rank = (shard_comm.world_size, shard_comm.rank) if sharded else (1, 0)
 
-    unit_modules = select_unit_modules(module, policy, ignored)
+    unit_modules = select_unit_modules(module, options.auto_wrap_policy, ignored)
     owners = assign_owners(module, unit_modules, ignored_ids, ignored_param_ids)
     owned: dict[int, list[int]] = {id(m): [] for m in unit_modules}
     params_by_id = {id(p): p for p in module.parameters()}
@@ -137,8 +102,8 @@ def fully_shard(
     units = []
     for unit_module in unit_modules:
         own_modules = [m for m in unit_module.modules() if unit_of_module.get(id(m)) is unit_module]
-        _materialize(own_modules, device, param_init_fn)
-        if sync_module_states:
+        _materialize(own_modules, device, options.param_init_fn)
+        if options.sync_module_states:
             _broadcast_from_first_rank(own_modules, [params_by_id[pid] for pid in owned[id(unit_module)]],
                                        shard_comm, replicate_comm)
         if mixed_precision.buffer_dtype is not None:
@@ -159,28 +124,17 @@ def fully_shard(
             reshard_after_forward=strategy.reshard_after_forward,
             param_dtype=mixed_precision.param_dtype,
             reduce_dtype=mixed_precision.effective_reduce_dtype,
-            shard_device=torch.device("cpu") if cpu_offload else None,
+            shard_device=torch.device("cpu") if options.cpu_offload else None,
         ))
     _materialize_leftovers(module, device)
     managed = {id(s.param) for u in units for s in u.slots}
     ignored_params = [p for p in module.parameters() if id(p) not in managed]
     engine = ShardingEngine(module, units, shard_comm, replicate_comm, strategy, mixed_precision=mixed_precision,
-                            ignored_params=ignored_params, forward_prefetch=forward_prefetch,
-                            backward_prefetch=backward_prefetch,
-                            limit_all_gathers=limit_all_gathers)
+                            ignored_params=ignored_params, forward_prefetch=options.forward_prefetch,
+                            backward_prefetch=options.backward_prefetch,
+                            limit_all_gathers=options.limit_all_gathers)
     module.__dict__[_ENGINE_ATTR] = engine
     return engine
-
-
-def _items(value: Any, option: str, single: type) -> list:
-    """``ignored_modules`` / ``ignored_states`` as a list: an iterable of objects, or one object on its own."""
-    if value is None:
-        return []
-    if isinstance(value, (single, nn.Parameter)):
-        return [value]
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise TypeError(f"{option}={value!r} is not valid; expected an iterable of nn.Module (or nn.Parameter) objects.")
-    return list(value)
 
 
 def _module_name(root: nn.Module, target: nn.Module) -> str:
@@ -190,6 +144,7 @@ def _module_name(root: nn.Module, target: nn.Module) -> str:
 
 
 def _innermost_units(root: nn.Module, unit_modules: list[nn.Module], ignored_ids: set[int]) -> dict[int, nn.Module]:
+    """For every module not ignored (by id): the innermost unit enclosing it, whose buffer its tensors go to."""
     unit_ids = {id(m) for m in unit_modules}
     result: dict[int, nn.Module] = {}
 
@@ -206,13 +161,26 @@ def _innermost_units(root: nn.Module, unit_modules: list[nn.Module], ignored_ids
     return result
 
 
-def _has_meta(module: nn.Module) -> bool:
-    return any(t.is_meta for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)))
+def has_meta_tensors(module: nn.Module) -> bool:
+    """Whether anything in ``module``'s tree is still on the meta device (it is then materialised when sharded)."""
+    return any(t.is_meta for m in module.modules() for t in (*_params_and_buffers(m), *_attribute_tensors(m)))
+
+
+def _params_and_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """``module``'s own parameters and buffers, not its children's."""
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+
+def _attribute_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Tensors ``module`` keeps outside its parameters and buffers, as plain attributes: torchmetrics keeps its
+    states so, and their defaults in ``_defaults``."""
+    tensors = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+    return tensors + [v for v in getattr(module, "_defaults", {}).values() if isinstance(v, torch.Tensor)]
 
 
 def _materialize(modules: list[nn.Module], device: torch.device, param_init_fn: Callable | None) -> None:
     """Allocate and initialise this unit's meta-device tensors on ``device``, keeping Parameter identity (ties)."""
-    meta_modules = [m for m in modules if _has_meta(m)]
+    meta_modules = [m for m in modules if any(t.is_meta for t in _params_and_buffers(m))]
     if not meta_modules:
         return
     for module in meta_modules:
@@ -243,9 +211,7 @@ def _materialize_leftovers(root: nn.Module, device: torch.device) -> None:
     ``reset_parameters()`` gets the chance to set its real defaults.
     """
     for module in root.modules():
-        states = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
-        states += [v for v in getattr(module, "_defaults", {}).values() if isinstance(v, torch.Tensor)]
-        if not any(t.is_meta for t in states):
+        if not any(t.is_meta for t in _attribute_tensors(module)):
             continue
         module._apply(lambda t: torch.zeros_like(t, device=device) if t.is_meta else t)
         reset = getattr(module, "reset", None) or getattr(module, "reset_parameters", None)

@@ -1,27 +1,78 @@
-"""One sharded unit: a module chosen by the wrap policy and the parameters it owns.
+"""One sharded unit: a module chosen by the wrap policy and the parameters it owns (torch FSDP2's
+``FSDPParamGroup``): unshard, reshard and gradient reduction, each a flat collective over the unit's buffers.
 
+[Note: flat buffers and stand-in parameters]
 Between steps a unit holds one contiguous flat shard buffer; every managed parameter's ``.data`` is a view into it,
-so the optimizer updates the buffer in place and the all-gather input needs no copy. While the unit computes, each
-parameter is replaced in its module(s) by a full-size ``nn.Parameter`` whose data lives in the unit's full buffer.
-Freeing a unit shrinks that buffer's storage to zero bytes; gathering again grows it back and refills it. Autograd
-keeps references to the same tensor objects, so tensors it saved stay valid after a re-gather.
+so the optimizer updates the buffer in place and the all-gather input needs no copy. While the unit computes
+(unsharded), each parameter is replaced in its module(s) by a full-size ``nn.Parameter`` stand-in whose data lives
+in the unit's full buffer. Resharding shrinks that buffer's storage to zero bytes; unsharding again grows it back
+and refills it. Autograd keeps references to the same tensor objects, so tensors it saved stay valid after a
+re-unshard.
+
+[Note: a unit's states]
+``ShardedState`` says where the unit's parameters are (SHARDED, UNSHARDING: an all-gather issued ahead of need,
+UNSHARDED); ``UnitStepState`` counts the unit's calls in the current training step, which decide when its
+gradients can be reduced (see ``ShardingEngine``). Both are declared here; the engine only drives them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum, IntEnum, auto
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from lightning_fsdp.engine.comm import Communicator, all_gather_flat
-from lightning_fsdp.engine.shard import ShardLayout
+from lightning_fsdp.engine.layout import ShardLayout
+from lightning_fsdp.engine.wrap import ParamUse
 
 
-# Kinds of a unit's collectives, for ``FlatUnit.tag``.
-GATHER, REDUCE, REPLICATE = range(3)
-_KINDS = 3
+class CollectiveKind(IntEnum):
+    """The kinds of a unit's collectives, for ``FlatUnit.tag``."""
+
+    ALL_GATHER = 0  # unshard
+    REDUCE = 1  # gradient reduction over the shard group
+    REPLICATE = 2  # all-reduce of the reduced gradients across replicas (hybrid sharding)
+
+
+class ShardedState(Enum):
+    """Where a unit's parameters are (torch FSDP2's ``ShardedState``, plus the in-flight state of a prefetch)."""
+
+    SHARDED = auto()  # the modules hold the shards; the full buffer has no storage
+    UNSHARDING = auto()  # the all-gather was issued (a prefetch) and not yet waited on; the modules hold the shards
+    UNSHARDED = auto()  # the modules hold the full-size stand-ins
+
+
+@dataclass
+class UnitStepState:
+    """A unit's calls in the current training step; ``FlatUnit.begin_step`` starts it afresh.
+
+    A call whose inputs need a gradient signals the end of its backward (a ``_PostBackward`` on its inputs); a call
+    whose inputs need none (an untracked call) gives no such signal, so the end of backward reduces the unit.
+    """
+
+    forward_calls: int = 0  # outermost calls this step that will signal the end of their backward
+    backward_calls: int = 0  # of those, how many have signalled
+    untracked_calls: int = 0  # calls whose inputs need no gradient: no signal when their backward ends
+    reduced: bool = False  # this step's gradient reduction was issued
+
+    def track_call(self) -> None:
+        self.forward_calls += 1
+
+    def untrack_call(self, *, was_tracked: bool = False) -> None:
+        """Count a call that will not signal; ``was_tracked``: it had been counted as one that would."""
+        if was_tracked:
+            self.forward_calls -= 1
+        self.untracked_calls += 1
+
+    def backward_ended(self) -> bool:
+        """Count one signalled end of backward; True when the unit's gradients are complete and can be reduced: the
+        backward of every tracked call ended (a unit that ran more than once this step waits for the backward of its
+        first call), no call was untracked, and the reduction was not issued yet."""
+        self.backward_calls += 1
+        return self.backward_calls == self.forward_calls and not self.untracked_calls and not self.reduced
 
 
 @dataclass(eq=False)
@@ -30,7 +81,7 @@ class ParamSlot:
 
     fqn: str
     param: nn.Parameter
-    uses: list[tuple[nn.Module, str]]
+    uses: list[ParamUse]
     layout: ShardLayout
     offset: int = 0  # element offset of this parameter's padded chunk in the flat shard buffer
     full: nn.Parameter | None = None
@@ -62,11 +113,11 @@ class ReducePlan(NamedTuple):
 
 
 class PendingGather(NamedTuple):
-    """An all-gather in flight: its work handles, the inputs kept alive until they complete, the staging output."""
+    """An unshard's all-gathers in flight (see ``FlatUnit.start_unshard``)."""
 
     works: list[Any]
-    inputs: Any
-    staged_out: torch.Tensor | None
+    inputs: list[torch.Tensor]  # kept alive until the collectives complete
+    staged_out: torch.Tensor | None  # the staging buffer's output, copied into the full buffer when done
 
 
 class PendingReduce(NamedTuple):
@@ -82,7 +133,7 @@ class PendingReduce(NamedTuple):
 
 
 class FlatUnit:
-    """Gather, free and gradient reduction for one unit's parameters: flat collectives over its shard buffer."""
+    """Unshard, reshard and gradient reduction for one unit's parameters: flat collectives over its shard buffer."""
 
     # Parameters whose full (padded) size reaches this many elements are all-gathered on their own, straight into
     # place: for one parameter the ranks' chunks laid end to end are its rows, so it needs no staging buffer and no
@@ -115,19 +166,24 @@ class FlatUnit:
         self.slots = sorted(slots, key=lambda s: not s.trainable)
         self._plans: dict[tuple[bool, ...], ReducePlan] = {}
         self._last_plan: ReducePlan | None = None
-        self.is_gathered = False
-        self._pending: PendingGather | None = None
+        self.sharded_state = ShardedState.SHARDED
+        self._pending_unshard: PendingGather | None = None  # UNSHARDING with collectives to wait for
         self._check_uniform_dtype()
         # Fixed now: once sharded, the parameters may live elsewhere (CPU offload).
         self.dtype = self.slots[0].param.dtype if self.slots else torch.float32
         self.device = self.slots[0].param.device if self.slots else torch.device("cpu")
-        # Mixed precision: the shards keep their dtype (the master weights); gathers move and compute in
+        # Mixed precision: the shards keep their dtype (the master weights); unshards move and compute in
         # param_dtype, gradients are reduced in reduce_dtype.
         self.compute_dtype = param_dtype or self.dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         # CPU offload keeps the shards (and so their gradients and the optimizer state) in host memory.
         self.shard_device = shard_device or self.device
         self.index = 0  # position in the engine's unit list: names this unit's collectives for ``Communicator.agree``
+        # The engine's view of the unit's forward: calls open right now (the outermost one, and nested or
+        # recomputed ones inside it), and whether the open outermost call put a ``_PostBackward`` on its inputs.
+        self.forward_depth = 0
+        self.marked_call = False
+        self.step_state = UnitStepState()
         # After a reduction: per trainable parameter, how many ranks had a gradient for it (> 0: some rank used it),
         # and whether its shard already had a gradient (accumulation). Read once per backward by the engine.
         self.used_counts: torch.Tensor | None = None
@@ -207,6 +263,8 @@ class FlatUnit:
                 slot.in_graph = True
 
     def begin_step(self) -> None:
+        """Forget the current training step: its calls, its reduction, which parameters took part."""
+        self.step_state = UnitStepState()
         for slot in self.slots:
             slot.in_graph = False
 
@@ -228,7 +286,7 @@ class FlatUnit:
         for slot in slots:
             offsets.append(numel)
             numel += slot.layout.padded_numel
-        # Like gathers, large gradients are reduced on their own when their rows split evenly over the ranks: the
+        # Like unshards, large gradients are reduced on their own when their rows split evenly over the ranks: the
         # full gradient is then already the reduce-scatter's rank-major input and needs no padded copy.
         many = self.sharded and len(self.slots) > 1
         direct = [j for j, slot in enumerate(slots)
@@ -237,33 +295,37 @@ class FlatUnit:
         staged = [j for j in range(len(slots)) if j not in direct]
         return ReducePlan(slots, offsets, numel, direct, staged)
 
-    # --------------------------------------------------------------------------------------- gather / free
+    # ------------------------------------------------------------------------------------- unshard / reshard
     def _free_full(self) -> None:
         self.full_flat.untyped_storage().resize_(0)
 
-    def gather(self) -> None:
-        """Make every parameter of the unit full-size in its modules (one all-gather when sharded)."""
-        if self.is_gathered:
-            return
-        if self._pending is None:
-            self.start_gather(async_op=False)
-        self._finish_gather()
+    @property
+    def is_unsharded(self) -> bool:
+        return self.sharded_state is ShardedState.UNSHARDED
 
     @property
     def is_alive(self) -> bool:
-        """Full parameters allocated: gathered, or a (prefetch) gather in flight."""
-        return self.is_gathered or self._pending is not None
+        """Full parameters (or their staging buffer) allocated: unsharded, or an unshard in flight."""
+        return self.sharded_state is not ShardedState.SHARDED
 
     @property
     def is_prefetched(self) -> bool:
-        """A gather was issued ahead of need and the unit has not been used yet."""
-        return self._pending is not None
+        """An unshard was issued ahead of need and the unit has not been used yet."""
+        return self.sharded_state is ShardedState.UNSHARDING
 
-    def start_gather(self, *, async_op: bool = True) -> None:
-        """Issue this unit's all-gather; with ``async_op`` it overlaps whatever runs until ``gather()``."""
+    def unshard(self) -> None:
+        """Make every parameter of the unit full-size in its modules (one all-gather when sharded)."""
+        if self.is_unsharded:
+            return
+        if not self.is_prefetched:
+            self.start_unshard(async_op=False)
+        self._finish_unshard()
+
+    def start_unshard(self, *, async_op: bool = True) -> None:
+        """Issue this unit's all-gather; with ``async_op`` it overlaps whatever runs until ``unshard()``."""
         if self.is_alive:
             return
-        self._pending = PendingGather([], None, None)
+        self.sharded_state = ShardedState.UNSHARDING
         if self._aliases_shard or not self.slots:
             return
         shard = self.flat_shard.to(self.device, self.compute_dtype)  # no copy in full precision on one device
@@ -273,12 +335,12 @@ class FlatUnit:
                 self.full_flat.copy_(shard)
             return
         n = self.world_size
-        self.shard_comm.agree(self.tag(GATHER))
+        self.shard_comm.agree(self.tag(CollectiveKind.ALL_GATHER))
         if len(self.slots) == 1:
             # One parameter: rank-major and parameter-major layouts coincide, so gather in place.
             self._allocate_full()
             work = self.shard_comm.all_gather(self.full_flat, shard, async_op=async_op)
-            self._pending = PendingGather([work], shard, None)
+            self._pending_unshard = PendingGather([work], [shard], None)
             return
         works = []
         if self._direct:
@@ -287,7 +349,7 @@ class FlatUnit:
                 slot = self.slots[i]
                 chunk = shard[slot.offset : slot.offset + slot.layout.padded_numel]
                 works.append(self.shard_comm.all_gather(self._full_regions[i].view(-1), chunk, async_op=async_op))
-        gathered = None
+        inputs, gathered = [shard], None
         if self._staged:
             # The full buffer is allocated at copy-out, not now (unless a parameter is gathered in place): a
             # prefetched unit in flight then holds one unit-sized buffer (this staging one), not two.
@@ -298,16 +360,16 @@ class FlatUnit:
                 staged_in = shard
             gathered = torch.empty(n * staged_in.numel(), dtype=self.compute_dtype, device=self.device)
             works.append(self.shard_comm.all_gather(gathered, staged_in, async_op=async_op))
-            shard = (shard, staged_in)  # both kept alive until the gathers complete
-        self._pending = PendingGather(works, shard, gathered)
+            inputs.append(staged_in)
+        self._pending_unshard = PendingGather(works, inputs, gathered)
 
     def _allocate_full(self) -> None:
         storage = self.full_flat.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.full_flat.numel() * self.full_flat.element_size())
 
-    def _finish_gather(self) -> None:
-        pending, self._pending = self._pending, None
+    def _finish_unshard(self) -> None:
+        pending, self._pending_unshard = self._pending_unshard, None
         if pending is not None:
             _wait(pending.works)
             gathered = pending.staged_out
@@ -317,7 +379,7 @@ class FlatUnit:
                     torch.split_with_sizes_copy(gathered.view(self.world_size, -1), self._staged_sizes, dim=1,
                                                 out=self._staged_regions)
         self._install(full=True)
-        self.is_gathered = True
+        self.sharded_state = ShardedState.UNSHARDED
 
     @torch.no_grad()
     def full_tensors(self) -> list[torch.Tensor]:
@@ -343,15 +405,15 @@ class FlatUnit:
 
     def reshard(self) -> None:
         """Put the shards back into the modules and release the full parameters' memory."""
-        if self._pending is not None:
+        if self.is_prefetched:
             # A prefetch that was not used (the execution order changed): complete it, then drop it.
-            self._finish_gather()
-        if not self.is_gathered:
+            self._finish_unshard()
+        if not self.is_unsharded:
             return
         self._install(full=False)
         if not self._aliases_shard:
             self._free_full()
-        self.is_gathered = False
+        self.sharded_state = ShardedState.SHARDED
 
     def release_buffers(self) -> None:
         """Free the flat buffers once the parameters own their full values again (``restore_unsharded``)."""
@@ -368,8 +430,8 @@ class FlatUnit:
 
     # ------------------------------------------------------------------------------------------ gradients
     def tag(self, kind: int) -> int:
-        """This unit's collective of ``kind`` (GATHER, REDUCE, REPLICATE) as one integer for ``Communicator.agree``."""
-        return self.index * _KINDS + kind
+        """This unit's collective of ``kind`` as one integer for ``Communicator.agree`` (``describe_tag`` reads it)."""
+        return self.index * len(CollectiveKind) + kind
 
     def reduce_grads(self) -> None:
         """Start averaging this step's full gradients across ranks into the shards' ``.grad``; ``finish_reduce``
@@ -404,7 +466,7 @@ class FlatUnit:
         staged_out = None
         if self.sharded:
             reduced = torch.empty(plan.numel + k, dtype=self.reduce_dtype, device=self.device)
-            self.shard_comm.agree(self.tag(REDUCE))
+            self.shard_comm.agree(self.tag(CollectiveKind.REDUCE))
             works, inputs = [], []
             for j in plan.direct:
                 flat = grads[j].reshape(-1).to(self.reduce_dtype)
@@ -429,7 +491,7 @@ class FlatUnit:
             reduced = torch.cat([g.reshape(-1).to(self.reduce_dtype) for g in grads] + [flags])
             if pre_divide:
                 reduced.div_(ranks)
-            self.shard_comm.agree(self.tag(REDUCE))
+            self.shard_comm.agree(self.tag(CollectiveKind.REDUCE))
             works, inputs = [self.shard_comm.all_reduce(reduced, async_op=True)], []
         self._pending_reduce = PendingReduce(works, reduced, inputs, staged_out, pre_divide, ranks, plan)
 
@@ -448,7 +510,7 @@ class FlatUnit:
             sizes = [r.numel() for r in regions] + [len(plan.slots)]
             torch.split_with_sizes_copy(pending.staged_out, sizes, out=regions + [reduced[plan.numel :]])
         if self.replicate_comm is not None and self.replicate_comm.world_size > 1:
-            self.replicate_comm.agree(self.tag(REPLICATE))
+            self.replicate_comm.agree(self.tag(CollectiveKind.REPLICATE))
             self.replicate_comm.all_reduce(reduced)
         if not pending.pre_divide:
             reduced.div_(pending.ranks)

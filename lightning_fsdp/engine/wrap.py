@@ -1,12 +1,34 @@
-"""Choosing the units: which modules get their own flat buffer, and which unit owns each parameter."""
+"""Choosing the units: which modules get their own flat buffer, and which unit owns each parameter.
+
+[Note: wrapping and ownership]
+``select_unit_modules`` follows torch FSDP's recursive auto-wrapping (children before their parent; a parent counts
+only the parameters no wrapped descendant took). ``assign_owners`` then gives each parameter to the innermost unit
+that encloses every module using it, so tied weights belong to one unit and are unsharded once, around all uses.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from torch import nn
 
 from lightning_fsdp.config import WrapPolicy
+
+
+class ParamUse(NamedTuple):
+    """One place a module holds a parameter: ``module._parameters[attr]`` (several for tied weights)."""
+
+    module: nn.Module
+    attr: str
+
+
+class ParamOwner(NamedTuple):
+    """The unit module that owns a parameter, every place it is used, and its fully qualified name."""
+
+    unit_module: nn.Module
+    uses: list[ParamUse]
+    fqn: str
 
 
 def _wants_descend(policy: WrapPolicy, module: nn.Module, numel: int) -> bool:
@@ -15,22 +37,20 @@ def _wants_descend(policy: WrapPolicy, module: nn.Module, numel: int) -> bool:
     return True
 
 
+def _named_by_policy(policy: WrapPolicy, module: nn.Module, nonwrapped_numel: int) -> bool:
+    """Selected by class or by the policy function (as opposed to by size alone)."""
+    return bool(policy.classes and isinstance(module, policy.classes)) or bool(
+        policy.fn is not None and policy.fn(module, False, nonwrapped_numel))
+
+
 def _wants_wrap(policy: WrapPolicy, module: nn.Module, nonwrapped_numel: int) -> bool:
-    if policy.classes and isinstance(module, policy.classes):
-        return True
-    if policy.fn is not None and policy.fn(module, False, nonwrapped_numel):
-        return True
-    return policy.min_num_params is not None and nonwrapped_numel >= policy.min_num_params
+    return _named_by_policy(policy, module, nonwrapped_numel) or (
+        policy.min_num_params is not None and nonwrapped_numel >= policy.min_num_params)
 
 
 def _has_forward(module: nn.Module) -> bool:
     """False for containers such as ``nn.ModuleList`` / ``nn.ModuleDict`` that are never called themselves."""
     return type(module).forward is not nn.Module.forward
-
-
-def _named_by_policy(policy: WrapPolicy, module: nn.Module, nonwrapped_numel: int) -> bool:
-    return bool(policy.classes and isinstance(module, policy.classes)) or bool(
-        policy.fn is not None and policy.fn(module, False, nonwrapped_numel))
 
 
 def select_unit_modules(root: nn.Module, policy: WrapPolicy, ignored: Iterable[nn.Module] = ()) -> list[nn.Module]:
@@ -84,8 +104,8 @@ def ignored_module_set(root: nn.Module, ignored: Iterable[nn.Module]) -> set[int
 
 def assign_owners(
     root: nn.Module, unit_modules: list[nn.Module], ignored_ids: set[int], ignored_param_ids: frozenset[int] = frozenset()
-) -> dict[int, tuple[nn.Module, list[tuple[nn.Module, str]], str]]:
-    """Map each managed parameter (by id) to (owning unit module, its uses, its fully qualified name).
+) -> dict[int, ParamOwner]:
+    """Map each managed parameter (by id) to its owning unit module, its uses and its fully qualified name.
 
     A parameter used by several modules (tied weights) belongs to the innermost unit that encloses all its uses.
     """
@@ -104,7 +124,7 @@ def assign_owners(
 
     walk(root, [])
     names = {id(p): name for name, p in root.named_parameters()}
-    uses: dict[int, list[tuple[nn.Module, str]]] = {}
+    uses: dict[int, list[ParamUse]] = {}
     owners: dict[int, list[nn.Module]] = {}
     for module in root.modules():
         if id(module) not in chains:
@@ -112,7 +132,7 @@ def assign_owners(
         for attr, param in module._parameters.items():
             if param is None or id(param) not in names or id(param) in ignored_param_ids:
                 continue
-            uses.setdefault(id(param), []).append((module, attr))
+            uses.setdefault(id(param), []).append(ParamUse(module, attr))
             chain = chains[id(module)]
             common = owners.get(id(param))
             if common is None:
@@ -122,4 +142,4 @@ def assign_owners(
                 while k < min(len(common), len(chain)) and common[k] is chain[k]:
                     k += 1
                 owners[id(param)] = common[:k]
-    return {pid: (owners[pid][-1], uses[pid], names[pid]) for pid in uses}
+    return {pid: ParamOwner(owners[pid][-1], uses[pid], names[pid]) for pid in uses}

@@ -17,10 +17,10 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from lightning_fsdp import FSDPStrategy  # noqa: E402
-from lightning_fsdp.gpt import Block  # noqa: E402
-from lightning_fsdp.gpt_module import GPTLightningModule  # noqa: E402
+from lightning_fsdp.demo.data import CharDataModule  # noqa: E402
+from lightning_fsdp.demo.gpt import Block  # noqa: E402
+from lightning_fsdp.demo.module import GPTLightningModule  # noqa: E402
 from lightning_fsdp.monitor import ShardingMonitor  # noqa: E402
-from lightning_fsdp.text_data import CharDataModule  # noqa: E402
 
 # Shared with tests/test_monitor.py, which estimates the same model.
 MODEL = {"vocab_size": 65, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}

@@ -1,8 +1,13 @@
-"""One parameter's shard layout: ``torch.chunk`` semantics on dim 0 over the shard group.
+"""One parameter's shard layout: which rows of it each rank holds, and how big its slot in a flat collective is.
 
-Rank ``r`` of ``N`` holds rows ``[r*c, min((r+1)*c, d0))`` with ``c = ceil(d0 / N)``; ranks past the end hold zero
-rows. Communication buffers give every rank ``c`` rows so that one flat collective serves a whole unit; the
-padding rows are zero and never reach a user-visible tensor.
+(This module is the chunking rule only; ``sharding.py`` is ``fully_shard``, which applies it to a whole model.)
+
+[Note: the chunking rule]
+Rank ``r`` of ``N`` holds rows ``[r*c, min((r+1)*c, d0))`` with ``c = ceil(d0 / N)``: ``torch.chunk`` semantics on
+dim 0, as torch's FSDP shards (so ranks past the end hold zero rows, and a 0-dim parameter counts as one row of one
+element). Communication buffers give every rank ``c`` rows so that one flat collective serves a whole unit; the
+padding rows are zero and never reach a user-visible tensor. Checkpoints of the local format store these rows, so
+the rule must not change.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import torch
 
 @dataclass(frozen=True)
 class ShardLayout:
+    """The layout of a parameter of ``shape`` over ``world_size`` ranks, seen from ``rank``."""
+
     shape: torch.Size
     world_size: int
     rank: int

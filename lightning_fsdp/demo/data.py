@@ -1,7 +1,7 @@
 """Character-level language-modelling data: a text file cut into random blocks.
 
 ``CharDataModule`` reads one text file (by default the tiny-shakespeare excerpt shipped in
-``lightning_fsdp/assets/``), builds the vocabulary of its sorted unique characters, encodes the text, splits
+``lightning_fsdp/demo/assets/``), builds the vocabulary of its sorted unique characters, encodes the text, splits
 it 90/10 into train and validation, and serves fixed-size epochs of random ``block_size + 1`` character
 windows as ``(input, target)`` pairs shifted by one. Everything is deterministic given ``seed``.
 """

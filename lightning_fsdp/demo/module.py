@@ -13,7 +13,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_fsdp.gpt import GPT, GPTConfig
+from lightning_fsdp.demo.gpt import GPT, GPTConfig
 
 __all__ = ["GPTLightningModule"]
 
@@ -23,12 +23,12 @@ DEFAULT_VOCAB_SIZE = 65
 
 
 class GPTLightningModule(L.LightningModule):
-    """A :class:`~lightning_fsdp.gpt.GPT` language model trained with AdamW, for ``CharDataModule`` batches.
+    """A :class:`~lightning_fsdp.demo.gpt.GPT` language model trained with AdamW, for ``CharDataModule`` batches.
 
     Args:
         vocab_size: number of token ids the model accepts; at least the data module's ``vocab_size``.
         block_size: longest sequence (the data module's ``block_size`` must not exceed it).
-        n_layer: transformer blocks (each ``lightning_fsdp.gpt.Block`` is the natural FSDP unit).
+        n_layer: transformer blocks (each ``lightning_fsdp.demo.gpt.Block`` is the natural FSDP unit).
         n_head: attention heads; must divide ``n_embd``.
         n_embd: model width.
         dropout: dropout probability.

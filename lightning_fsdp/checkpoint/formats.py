@@ -1,0 +1,33 @@
+"""Choosing a checkpoint format: by ``state_dict_type`` for saving, by what is on disk for loading.
+
+The three formats are :class:`~lightning_fsdp.checkpoint.full.FullFormat`,
+:class:`~lightning_fsdp.checkpoint.sharded.ShardedFormat` and :class:`~lightning_fsdp.checkpoint.local.LocalFormat`
+(see ``[Note: checkpoint formats]`` in ``common.py``); each is stateless, so one object of each serves every run.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+from lightning_fsdp.checkpoint.common import CheckpointFormat
+from lightning_fsdp.checkpoint.full import FullFormat
+from lightning_fsdp.checkpoint.local import LocalFormat
+from lightning_fsdp.checkpoint.paths import checkpoint_kind
+from lightning_fsdp.checkpoint.sharded import ShardedFormat
+from lightning_fsdp.config import StateDictType
+
+__all__ = ["FORMATS", "FULL_FORMAT", "format_for_saving", "format_on_disk"]
+
+FULL_FORMAT = FullFormat()
+FORMATS: dict[str, CheckpointFormat] = {f.kind: f for f in (FULL_FORMAT, ShardedFormat(), LocalFormat())}
+
+
+def format_for_saving(state_dict_type: Union[StateDictType, str]) -> CheckpointFormat:
+    """The format a run with this ``state_dict_type`` writes (the value is parsed and checked by the strategy)."""
+    return FORMATS[StateDictType(state_dict_type).value]
+
+
+def format_on_disk(path: str) -> CheckpointFormat:
+    """The format of the checkpoint at ``path``; raises ``paths.checkpoint_kind``'s error naming the path if it holds
+    none (missing, an unrelated directory, a directory missing its shard files or ``meta.pt``)."""
+    return FORMATS[checkpoint_kind(path)]

@@ -1,0 +1,233 @@
+"""``ShardingOptions``: the user's sharding options, validated in one place for ``FSDPStrategy`` and ``fully_shard``.
+
+[Note: validate before the first collective]
+Every option is checked on every rank before any process group exists (``FSDPStrategy.__init__``) or before the
+first collective (``fully_shard``): a bad value then raises the same ``TypeError`` / ``ValueError`` on every rank,
+naming the value and the valid choices, instead of failing on one rank while the others wait in a collective.
+``ShardingOptions.parse`` is the only place the options of the engine are checked; the strategy builds one from its
+constructor's arguments, and ``fully_shard`` builds one from its keyword arguments (parsing an already parsed value
+returns it unchanged, so the strategy can hand its options on).
+
+The value parsers themselves (``parse_sharding_strategy``, ``parse_auto_wrap_policy``, ``MixedPrecision``, ...)
+live in ``lightning_fsdp.config`` beside the public types they produce. The checks of the Lightning-only arguments
+(``check_lightning_arguments``, ``check_device_id``, ``check_use_orig_params``) are here too, so the strategy's
+constructor is only the list of its options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fsdp.config import (
+    BackwardPrefetch,
+    MixedPrecision,
+    ShardingStrategy,
+    WrapPolicy,
+    check_call_signature,
+    parse_auto_wrap_policy,
+    parse_backward_prefetch,
+    parse_mixed_precision,
+    parse_sharding_strategy,
+)
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """The validated options of the sharding engine (see ``fully_shard`` and ``FSDPStrategy`` for their meaning).
+
+    Built with ``ShardingOptions.parse(...)``, never directly: ``parse`` is where every value is checked.
+    ``mixed_precision`` is ``None`` when not given (the strategy then takes it from ``Trainer(precision=...)``).
+    ``ignored_modules`` / ``ignored_states`` are tuples of objects, or also of names where ``names=True``.
+    """
+
+    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    auto_wrap_policy: WrapPolicy = WrapPolicy()
+    mixed_precision: MixedPrecision | None = None
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+    sync_module_states: bool = False
+    cpu_offload: bool = False
+    param_init_fn: Callable[[nn.Module], None] | None = None
+    ignored_modules: tuple[Any, ...] = ()
+    ignored_states: tuple[Any, ...] = ()
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        sharding_strategy: Any = ShardingStrategy.FULL_SHARD,
+        auto_wrap_policy: Any = None,
+        mixed_precision: Any = None,
+        backward_prefetch: Any = BackwardPrefetch.BACKWARD_PRE,
+        forward_prefetch: Any = False,
+        limit_all_gathers: Any = True,
+        sync_module_states: Any = False,
+        cpu_offload: Any = False,
+        param_init_fn: Any = None,
+        ignored_modules: Any = None,
+        ignored_states: Any = None,
+        names: bool = False,
+    ) -> ShardingOptions:
+        """Check and normalise the user's values; raises ``TypeError`` / ``ValueError`` naming the bad one.
+
+        ``cpu_offload`` also takes torch's ``CPUOffload(offload_params=...)``. ``names``: ``ignored_modules`` /
+        ``ignored_states`` may also name submodules and parameters (strings, handy in YAML configs), as the
+        strategy's options may; ``resolve_names`` turns them into objects once the model exists.
+        """
+        cpu_offload = getattr(cpu_offload, "offload_params", cpu_offload)  # torch's CPUOffload(offload_params=...)
+        for option, flag in (("forward_prefetch", forward_prefetch), ("limit_all_gathers", limit_all_gathers),
+                             ("sync_module_states", sync_module_states), ("cpu_offload", cpu_offload)):
+            check_flag(flag, option)
+        if param_init_fn is not None:
+            if not callable(param_init_fn):
+                raise TypeError(f"param_init_fn={param_init_fn!r} is not callable.")
+            check_call_signature(param_init_fn, "param_init_fn", "(module)")
+        name_kind = (str,) if names else ()
+        return cls(
+            sharding_strategy=parse_sharding_strategy(sharding_strategy),
+            auto_wrap_policy=parse_auto_wrap_policy(auto_wrap_policy),
+            mixed_precision=parse_mixed_precision(mixed_precision),
+            backward_prefetch=parse_backward_prefetch(backward_prefetch),
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            sync_module_states=sync_module_states,
+            cpu_offload=cpu_offload,
+            param_init_fn=param_init_fn,
+            ignored_modules=item_list(ignored_modules, "ignored_modules", (nn.Module, *name_kind)),
+            ignored_states=item_list(ignored_states, "ignored_states", (nn.Parameter, nn.Module, *name_kind)),
+        )
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The options as ``fully_shard`` keyword arguments (a shallow copy: modules stay the same objects)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+
+def check_flag(value: Any, option: str) -> None:
+    """A boolean option: ``True`` or ``False`` only (not 1, "yes" or None, which YAML configs produce by mistake)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{option}={value!r} is not valid; expected True or False.")
+
+
+def item_list(value: Any, option: str, kinds: tuple[type, ...]) -> tuple:
+    """``ignored_modules`` / ``ignored_states`` as a tuple: an iterable of entries, or one entry on its own.
+
+    A module (even an iterable one such as ``nn.ModuleList``), a tensor, a string or a mapping is one entry; every
+    entry must be an instance of one of ``kinds`` (``str`` among them where names are allowed).
+    """
+    if value is None:
+        return ()
+    names = [_KIND_NAMES.get(kind, kind.__name__) for kind in kinds]
+    spelled = " or ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} or {names[-1]}"
+    if isinstance(value, str) and str not in kinds:
+        raise TypeError(f"{option}={value!r} is not valid; expected an iterable of {spelled} objects (names of "
+                        "submodules are resolved by FSDPStrategy, not by fully_shard).")
+    single = isinstance(value, (nn.Module, torch.Tensor, str, bytes, Mapping)) or not isinstance(value, Iterable)
+    items = (value,) if single else tuple(value)
+    for item in items:
+        if not isinstance(item, kinds):
+            hint = " (a string names a submodule or parameter of the LightningModule)" if str in kinds else ""
+            raise TypeError(f"{option} contains {item!r}; expected {spelled} objects{hint}.")
+    return items
+
+
+_KIND_NAMES = {nn.Module: "nn.Module", nn.Parameter: "nn.Parameter"}
+
+
+def resolve_names(root: nn.Module, items: Iterable[Any]) -> list:
+    """Strings name submodules or parameters of ``root`` (handy in YAML configs); objects pass through."""
+    resolved = []
+    for item in items:
+        if isinstance(item, str):
+            try:
+                resolved.append(root.get_submodule(item))
+            except AttributeError:
+                try:
+                    resolved.append(root.get_parameter(item))
+                except AttributeError as err:
+                    raise ValueError(f"{item!r} names no submodule or parameter of {type(root).__name__}.") from err
+        else:
+            resolved.append(item)
+    return resolved
+
+
+def split_ignored(root: nn.Module, options: ShardingOptions) -> tuple[list[nn.Module], list[nn.Parameter]]:
+    """The ignored modules and the ignored parameters of ``root`` (``ignored_states`` holds both kinds).
+
+    Raises ``ValueError`` for an entry that does not belong to ``root`` (a module of another model instance), which
+    would otherwise be silently sharded.
+    """
+    modules = list(options.ignored_modules)
+    params = []
+    for item in options.ignored_states:
+        (modules if isinstance(item, nn.Module) else params).append(item)
+    submodules = {id(m) for m in root.modules()}
+    for module in modules:
+        if id(module) not in submodules:
+            raise ValueError(f"ignored_modules contains a {type(module).__name__} that is not a submodule of "
+                             f"{type(root).__name__} (a module of another model instance?).")
+    own_params = {id(p) for p in root.parameters()}
+    for param in params:
+        if id(param) not in own_params:
+            raise ValueError(f"ignored_states contains a parameter of shape {tuple(param.shape)} that is not a "
+                             f"parameter of {type(root).__name__} (a parameter of another model instance?).")
+    return modules, params
+
+
+def check_use_orig_params(value: Any) -> None:
+    """Torch FSDP's ``use_orig_params``: accepted (Lightning users pass it), but only ``True`` is what this does."""
+    check_flag(value, "use_orig_params")
+    if not value:
+        raise ValueError(
+            "use_orig_params=False is not supported: this strategy always keeps the original parameters "
+            "(named_parameters() gives the unwrapped model's names); pass use_orig_params=True."
+        )
+
+
+def check_device_id(value: Any) -> None:
+    """The type of ``device_id``; whether it names this rank's device is checked at setup, once that is known."""
+    if value is not None and not (
+        isinstance(value, torch.device) or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+    ):
+        raise TypeError(f"device_id={value!r} is not valid; expected a non-negative int or a torch.device.")
+
+
+def check_lightning_arguments(accelerator: Any, parallel_devices: Any, cluster_environment: Any, checkpoint_io: Any,
+                              precision_plugin: Any, process_group_backend: Any, timeout: Any) -> None:
+    """Type checks for the arguments Lightning's Trainer normally fills in, so a wrong one given by hand fails here,
+    on every rank, instead of as an AttributeError deep inside setup or a process-group error on some ranks."""
+    from lightning.fabric.accelerators import Accelerator
+    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+    from lightning.pytorch.plugins.precision import Precision
+
+    for name, value, kind, expected in (
+        ("accelerator", accelerator, Accelerator, "a lightning Accelerator instance (or pass accelerator= to the "
+                                                  "Trainer)"),
+        ("cluster_environment", cluster_environment, ClusterEnvironment, "a lightning ClusterEnvironment instance"),
+        ("checkpoint_io", checkpoint_io, CheckpointIO, "a lightning CheckpointIO instance"),
+        ("precision_plugin", precision_plugin, Precision, "a lightning Precision plugin (or pass precision= to the "
+                                                          "Trainer, e.g. 'bf16-mixed')"),
+    ):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"{name}={value!r} is not valid; expected {expected} or None.")
+    if parallel_devices is not None and not (
+        isinstance(parallel_devices, (list, tuple)) and all(isinstance(d, torch.device) for d in parallel_devices)
+    ):
+        raise TypeError(f"parallel_devices={parallel_devices!r} is not valid; expected a list of torch.device or None.")
+    if process_group_backend is not None and not (isinstance(process_group_backend, str) and process_group_backend):
+        raise TypeError(
+            f"process_group_backend={process_group_backend!r} is not valid; expected a backend name such as 'gloo', "
+            "'nccl' or 'hccl', or None (chosen from the accelerator)."
+        )
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout={timeout!r} is not valid; expected a datetime.timedelta (e.g. timedelta(minutes=30)) "
+                        "or None.")
+    if timeout is not None and timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout={timeout!r} is not valid; a process-group timeout must be positive.")
