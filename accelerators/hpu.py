@@ -1,6 +1,6 @@
 """Lightning accelerator for Intel Gaudi (HPU) devices, importable on machines without Gaudi software."""
 
-from typing import Any, Union
+from typing import Any
 
 import torch
 from lightning.fabric.accelerators.registry import _AcceleratorRegistry
@@ -19,7 +19,7 @@ from .hpu_runtime import (
 
 __all__ = ["HPUAccelerator"]
 
-_DevicesSpec = Union[int, str, list[int], tuple[int, ...]]
+_DevicesSpec = int | str | list[int] | tuple[int, ...]
 
 _VALID_DEVICES = (
     "a positive int N (the first N HPUs), -1 or 'auto' (all HPUs), a string such as '2' or '0,1', "
@@ -118,7 +118,7 @@ class HPUAccelerator(Accelerator):
         accelerator_registry.register(cls.name(), cls, description=cls.__name__)
 
 
-def _normalize_devices(devices: Any) -> Union[int, list[int]]:
+def _normalize_devices(devices: Any) -> int | list[int]:
     """Check the form of ``devices`` without looking at hardware: returns -1 (all), a count N > 0, or an index list."""
     invalid = ValueError(f"Invalid HPU `devices={devices!r}`. Valid values are {_VALID_DEVICES}.")
     # bool is a subclass of int, and `devices=True` is almost certainly a mistake rather than "1 device".

@@ -9,7 +9,7 @@ damaged install is reported instead of silently falling back to another device.
 import importlib
 import os
 from types import ModuleType
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -32,7 +32,7 @@ _INSTALL_HINT = (
 )
 
 
-def _import_hpu_module() -> Optional[ModuleType]:
+def _import_hpu_module() -> ModuleType | None:
     """Return ``habana_frameworks.torch.hpu``, or ``None`` when the Gaudi software is not installed."""
     # Deliberately not cached: `sys.modules` already makes repeated imports cheap, and a cache would freeze the
     # first answer even after a test double is put on `sys.path`.
@@ -68,7 +68,7 @@ def hpu_device_count() -> int:
     return int(module.device_count())
 
 
-def hpu_memory_stats(device: Union[torch.device, str, int, None] = None) -> dict[str, Any]:
+def hpu_memory_stats(device: torch.device | str | int | None = None) -> dict[str, Any]:
     """Memory statistics of one HPU from ``habana_frameworks.torch.hpu.memory_stats``; ``{}`` when unavailable.
 
     The keys are the bridge's own (``Limit``, ``InUse``, ``MaxInUse``, ``NumAllocs``, ...), values in bytes or counts.

@@ -1,7 +1,6 @@
 """Registration of :class:`~accelerators.hpu.HPUAccelerator` under the name ``"hpu"`` in Lightning's registry."""
 
 import logging
-from typing import Optional
 
 from lightning.fabric.accelerators.registry import _AcceleratorRegistry
 
@@ -12,7 +11,7 @@ __all__ = ["register_hpu_accelerator"]
 _log = logging.getLogger(__name__)
 
 
-def register_hpu_accelerator(registry: Optional[_AcceleratorRegistry] = None) -> bool:
+def register_hpu_accelerator(registry: _AcceleratorRegistry | None = None) -> bool:
     """Register :class:`HPUAccelerator` as ``"hpu"`` so that ``Trainer(accelerator="hpu")`` finds it.
 
     An ``"hpu"`` entry registered by another package (e.g. ``lightning-habana``) is left alone: overriding it at

@@ -28,8 +28,9 @@ from lightning_fsdp.engine import fully_shard
 
 def measure(rank: int, world_size: int, folder: str, args: argparse.Namespace, checkpointed: bool) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rdzv-{checkpointed}", rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{folder}/rdzv-{checkpointed}", rank=rank, world_size=world_size
+    )
     config = GPTConfig(vocab_size=65, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width)
     generator = torch.Generator().manual_seed(rank)
     data = torch.randint(0, 65, (args.batch, args.seq + 1), generator=generator)
@@ -43,7 +44,7 @@ def measure(rank: int, world_size: int, folder: str, args: argparse.Namespace, c
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         saved = []
         with live.window():
-            for step in range(2):
+            for _step in range(2):
                 hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.nbytes) or t, lambda t: t)
                 with hooks:
                     _, loss = model(x, y)
@@ -74,13 +75,18 @@ def main() -> None:
         for checkpointed in (False, True):
             mp.start_processes(measure, args=(2, folder, args, checkpointed), nprocs=2, start_method="spawn")
             rows.append((checkpointed, torch.load(f"{folder}/result-{checkpointed}.pt")))
-    print(f"GPT {args.layers} layers x {args.width} wide, seq {args.seq}, batch {args.batch} per rank, "
-          "FULL_SHARD, 2 CPU ranks, AdamW")
+    print(
+        f"GPT {args.layers} layers x {args.width} wide, seq {args.seq}, batch {args.batch} per rank, "
+        "FULL_SHARD, 2 CPU ranks, AdamW"
+    )
     print("| activation checkpointing | rank | saved activations (MiB) | peak live tensor bytes (MiB) | loss |")
     print("| --- | --- | --- | --- | --- |")
     for checkpointed, per_rank in rows:
         for rank, (saved, peak, loss) in enumerate(per_rank):
-            print(f"| {'on' if checkpointed else 'off'} | {rank} | {saved / 2**20:.1f} | {peak / 2**20:.1f} | {loss:.4f} |")
+            print(
+                f"| {'on' if checkpointed else 'off'} | {rank} | {saved / 2**20:.1f} | {peak / 2**20:.1f} "
+                f"| {loss:.4f} |"
+            )
 
 
 if __name__ == "__main__":

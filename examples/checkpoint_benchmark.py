@@ -53,9 +53,16 @@ def main() -> None:
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=2)
     rows = []
     for mode in ("full", "sharded", "local"):
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block},
-                            state_dict_type=mode), max_steps=1, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=FSDPStrategy(auto_wrap_policy={Block}, state_dict_type=mode),
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         torch.manual_seed(0)
         module = Module(config)
         params = sum(p.numel() for p in module.parameters())
@@ -82,8 +89,11 @@ def main() -> None:
             load_s = time.perf_counter() - start
         load_peak = live.peak - live.at_window_start
         stats = strategy.all_gather(torch.tensor([save_s, load_s, save_peak, load_peak], dtype=torch.float64))
-        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) if os.path.isdir(
-            path) else os.path.getsize(path)
+        size = (
+            sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+            if os.path.isdir(path)
+            else os.path.getsize(path)
+        )
         rows.append({"mode": mode, "params": params, "bytes_on_disk": size, "per_rank": stats.tolist()})
         strategy.barrier()
         if trainer.is_global_zero:
@@ -92,13 +102,18 @@ def main() -> None:
         print(json.dumps(rows))
         mib = 2**20
         print(f"GPT {args.layers}x{args.width}: {rows[0]['params']:,} parameters; 2 CPU ranks, FULL_SHARD, AdamW")
-        print("| format | on disk (MiB) | save s (max rank) | load s (max rank) | save peak MiB r0 / r1 | load peak MiB r0 / r1 |")
+        print(
+            "| format | on disk (MiB) | save s (max rank) | load s (max rank) "
+            "| save peak MiB r0 / r1 | load peak MiB r0 / r1 |"
+        )
         print("| --- | ---: | ---: | ---: | --- | --- |")
         for row in rows:
             per = row["per_rank"]
-            print(f"| {row['mode']} | {row['bytes_on_disk'] / mib:.0f} | {max(p[0] for p in per):.2f} | "
-                  f"{max(p[1] for p in per):.2f} | {per[0][2] / mib:.0f} / {per[1][2] / mib:.0f} | "
-                  f"{per[0][3] / mib:.0f} / {per[1][3] / mib:.0f} |")
+            print(
+                f"| {row['mode']} | {row['bytes_on_disk'] / mib:.0f} | {max(p[0] for p in per):.2f} | "
+                f"{max(p[1] for p in per):.2f} | {per[0][2] / mib:.0f} / {per[1][2] / mib:.0f} | "
+                f"{per[0][3] / mib:.0f} / {per[1][3] / mib:.0f} |"
+            )
 
 
 if __name__ == "__main__":

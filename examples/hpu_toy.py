@@ -94,8 +94,14 @@ def main() -> None:
         accelerator, devices = hpu_accelerator(), args.devices or "auto"
     L.seed_everything(0, verbose=False)  # every rank builds the same initial model
     trainer = L.Trainer(
-        accelerator=accelerator, devices=devices, strategy="fsdp_custom", max_steps=args.max_steps,
-        logger=False, enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=10,
+        accelerator=accelerator,
+        devices=devices,
+        strategy="fsdp_custom",
+        max_steps=args.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=10,
     )
     module = ToyModule()
     # Lightning adds a DistributedSampler: each rank gets a different part of every epoch.
@@ -105,8 +111,10 @@ def main() -> None:
     held = trainer.strategy.all_gather(torch.tensor([engine.local_param_bytes()])).flatten().tolist()
     if trainer.is_global_zero:
         device = trainer.strategy.root_device if args.cpu else trainer.strategy.device
-        print(f"\n{trainer.world_size} ranks on {device.type} (backend {trainer.strategy.process_group_backend}), "
-              f"{trainer.global_step} steps")
+        print(
+            f"\n{trainer.world_size} ranks on {device.type} (backend {trainer.strategy.process_group_backend}), "
+            f"{trainer.global_step} steps"
+        )
         print(f"loss: first step {module.losses[0]:.4f} -> last step {module.losses[-1]:.4f}")
         print(f"parameter bytes per rank: {held} (full model: {module.num_model_bytes})")
 

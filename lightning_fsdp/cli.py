@@ -44,8 +44,9 @@ class FSDPLightningCLI(LightningCLI):
         super().__init__(*args, trainer_defaults=trainer_defaults, **kwargs)
 
     def init_parser(self, **kwargs: Any) -> Any:
-        kwargs.setdefault("dump_header", [f"lightning.pytorch=={pl.__version__}",
-                                          f"lightning_fsdp=={lightning_fsdp.__version__}"])
+        kwargs.setdefault(
+            "dump_header", [f"lightning.pytorch=={pl.__version__}", f"lightning_fsdp=={lightning_fsdp.__version__}"]
+        )
         return super().init_parser(**kwargs)
 
     def instantiate_classes(self) -> None:
@@ -61,8 +62,11 @@ class FSDPLightningCLI(LightningCLI):
         except (ValueError, TypeError, MisconfigurationException) as err:
             if _debug():
                 raise
-            print(f"{_PROG}: error: the configuration could not be instantiated: {_config_error_text(err)}\n"
-                  f"(set LIGHTNING_FSDP_DEBUG=1 to see the traceback)", file=sys.stderr)
+            print(
+                f"{_PROG}: error: the configuration could not be instantiated: {_config_error_text(err)}\n"
+                f"(set LIGHTNING_FSDP_DEBUG=1 to see the traceback)",
+                file=sys.stderr,
+            )
             sys.exit(2)
 
 
@@ -70,8 +74,10 @@ _PROG = "lightning-fsdp"
 
 
 def _debug() -> bool:
-    return any(os.environ.get(name, "").lower() not in ("", "0", "false", "no")
-               for name in ("LIGHTNING_FSDP_DEBUG", "JSONARGPARSE_DEBUG"))
+    return any(
+        os.environ.get(name, "").lower() not in ("", "0", "false", "no")
+        for name in ("LIGHTNING_FSDP_DEBUG", "JSONARGPARSE_DEBUG")
+    )
 
 
 def _config_error_text(err: BaseException) -> str:

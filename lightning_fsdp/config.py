@@ -183,7 +183,8 @@ class MixedPrecision:
     moves this dtype. ``reduce_dtype``: dtype gradients are reduce-scattered in (defaults to ``param_dtype``).
     ``buffer_dtype``: buffers are cast to it when the model is sharded. ``keep_low_precision_grads``: must stay
     False here: a parameter's ``.grad`` must have the parameter's dtype, and the shards are full-precision master
-    weights, so reduced gradients are converted to the shards' dtype. ``cast_forward_inputs``: every unit casts floating-point inputs to ``param_dtype``;
+    weights, so reduced gradients are converted to the shards' dtype. ``cast_forward_inputs``: every unit casts
+    floating-point inputs to ``param_dtype``;
     ``cast_root_forward_inputs``: the root unit does (default).
     """
 
@@ -198,7 +199,9 @@ class MixedPrecision:
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-                raise TypeError(f"MixedPrecision({name}={value!r}) is not valid; expected a floating torch.dtype or None.")
+                raise TypeError(
+                    f"MixedPrecision({name}={value!r}) is not valid; expected a floating torch.dtype or None."
+                )
         for name in ("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MixedPrecision({name}={getattr(self, name)!r}) is not valid; expected True or False.")

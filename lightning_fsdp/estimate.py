@@ -58,6 +58,7 @@ _OPTIMIZERS: dict[str, tuple[int, int]] = {
     "none": (0, 0),
 }
 
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Predicted bytes one rank holds, by component (see the module docstring for what each one counts)."""
@@ -94,8 +95,10 @@ class MemoryEstimate:
             ("total (model's share of peak)", self.peak),
         ]
         width = max(len(name) for name, _ in rows)
-        head = (f"{self.sharding_strategy}, rank {self.rank} of {self.world_size}, {self.num_units} units; "
-                f"unsharded parameters: {_fmt(self.unsharded_params)}")
+        head = (
+            f"{self.sharding_strategy}, rank {self.rank} of {self.world_size}, {self.num_units} units; "
+            f"unsharded parameters: {_fmt(self.unsharded_params)}"
+        )
         return "\n".join([head] + [f"  {name:<{width}}  {_fmt(value)}" for name, value in rows])
 
 

@@ -35,7 +35,7 @@ shortest rank runs out (raises, although that run would have stopped).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,14 +44,28 @@ from lightning.pytorch.trainer.states import RunningStage
 
 from lightning_fsdp.engine.comm import all_gather_flat
 
-_STAGES = (RunningStage.TRAINING, RunningStage.SANITY_CHECKING, RunningStage.VALIDATING, RunningStage.TESTING,
-           RunningStage.PREDICTING)
+_STAGES = (
+    RunningStage.TRAINING,
+    RunningStage.SANITY_CHECKING,
+    RunningStage.VALIDATING,
+    RunningStage.TESTING,
+    RunningStage.PREDICTING,
+)
 _CODES = {stage: code for code, stage in enumerate(_STAGES, start=1)}
-_WORDS = {RunningStage.TRAINING: "training", RunningStage.SANITY_CHECKING: "sanity-check validation",
-          RunningStage.VALIDATING: "validation", RunningStage.TESTING: "test", RunningStage.PREDICTING: "predict"}
-_LIMITS = {RunningStage.TRAINING: "limit_train_batches", RunningStage.SANITY_CHECKING: "num_sanity_val_steps",
-           RunningStage.VALIDATING: "limit_val_batches", RunningStage.TESTING: "limit_test_batches",
-           RunningStage.PREDICTING: "limit_predict_batches"}
+_WORDS = {
+    RunningStage.TRAINING: "training",
+    RunningStage.SANITY_CHECKING: "sanity-check validation",
+    RunningStage.VALIDATING: "validation",
+    RunningStage.TESTING: "test",
+    RunningStage.PREDICTING: "predict",
+}
+_LIMITS = {
+    RunningStage.TRAINING: "limit_train_batches",
+    RunningStage.SANITY_CHECKING: "num_sanity_val_steps",
+    RunningStage.VALIDATING: "limit_val_batches",
+    RunningStage.TESTING: "limit_test_batches",
+    RunningStage.PREDICTING: "limit_predict_batches",
+}
 _UNKNOWN = -1  # a count or an index that this rank does not know
 
 
@@ -70,8 +84,10 @@ def _advice(stage: RunningStage) -> str:
         f"or cap the loop with Trainer({_LIMITS[stage]}=N), N at most the smallest count."
     )
     if stage is RunningStage.PREDICTING:
-        text += (" Trainer.predict's own sampler does not repeat samples: with it, a dataset whose length is a "
-                 "multiple of the world size splits evenly.")
+        text += (
+            " Trainer.predict's own sampler does not repeat samples: with it, a dataset whose length is a "
+            "multiple of the world size splits evenly."
+        )
     return text
 
 
@@ -101,7 +117,7 @@ class EvenBatches:
         self._device = device
         self._per_batch: dict[RunningStage, bool] = {}  # loops that are checked batch by batch
         self._notes: dict[RunningStage, str] = {}  # what the messages say about each rank's counts
-        self._train_epoch: Optional[int] = None  # the training epoch whose counts were compared last
+        self._train_epoch: int | None = None  # the training epoch whose counts were compared last
 
     # ------------------------------------------------------------------------------------------ the hooks
     def loop_started(self, trainer: Any) -> None:
@@ -131,8 +147,11 @@ class EvenBatches:
     def after_step(self, trainer: Any) -> None:
         """Called by the strategy's ``training_step`` after the user's step; only manual optimization checks here."""
         stage = trainer.state.stage
-        if (stage is RunningStage.TRAINING and self._distributed(trainer)
-                and not trainer.lightning_module.automatic_optimization):
+        if (
+            stage is RunningStage.TRAINING
+            and self._distributed(trainer)
+            and not trainer.lightning_module.automatic_optimization
+        ):
             self._check_batch(trainer, stage)
 
     # -------------------------------------------------------------------------------------------- helpers
@@ -184,9 +203,11 @@ class EvenBatches:
             raise UnevenBatchesError(
                 f"Uneven inputs: the ranks have different numbers of {words} dataloaders ({listing}). {_advice(stage)}"
             )
-        every_count = "; ".join((f"dataloader {j}: " if width > 1 else "")
-                                + ", ".join(f"rank {r}: {_count(row[j])}" for r, row in enumerate(rows))
-                                for j in range(width))
+        every_count = "; ".join(
+            (f"dataloader {j}: " if width > 1 else "")
+            + ", ".join(f"rank {r}: {_count(row[j])}" for r, row in enumerate(rows))
+            for j in range(width)
+        )
         uneven_but_may_stop = False
         for j in range(width):
             column = [row[j] for row in rows]
@@ -219,14 +240,20 @@ class EvenBatches:
         lookahead_any = any(row[2] for row in headers)
         self._per_batch[stage] = lookahead_any or uneven_but_may_stop
         if uneven_but_may_stop:
-            self._notes[stage] = (f" Batches per rank: {every_count}; checked batch by batch, as max_steps might "
-                                  "have ended training first, which it did not.")
+            self._notes[stage] = (
+                f" Batches per rank: {every_count}; checked batch by batch, as max_steps might "
+                "have ended training first, which it did not."
+            )
         elif any(c != _UNKNOWN for row in rows for c in row):
-            self._notes[stage] = (f" Batches per rank: {every_count}. A loader without a length (an "
-                                  "IterableDataset) shows its count only as its batches are fetched, one batch ahead.")
+            self._notes[stage] = (
+                f" Batches per rank: {every_count}. A loader without a length (an "
+                "IterableDataset) shows its count only as its batches are fetched, one batch ahead."
+            )
         else:
-            self._notes[stage] = (" The loader has no length (an IterableDataset), so its count shows only as its "
-                                  "batches are fetched, one batch ahead.")
+            self._notes[stage] = (
+                " The loader has no length (an IterableDataset), so its count shows only as its "
+                "batches are fetched, one batch ahead."
+            )
         if lookahead_any and first_batch:
             epoch = f" in epoch {trainer.current_epoch}" if stage is RunningStage.TRAINING else ""
             self._check_rows([[_CODES[stage], -1, *row[4:7]] for row in headers], stage, epoch)
@@ -252,7 +279,8 @@ class EvenBatches:
         note = self._notes.get(stage, "")
         if any(row[:2] != rows[0][:2] for row in rows):
             listing = ", ".join(
-                f"rank {r}: {_WORDS[_STAGES[row[0] - 1]]} batch {row[1] + 1}" for r, row in enumerate(rows))
+                f"rank {r}: {_WORDS[_STAGES[row[0] - 1]]} batch {row[1] + 1}" for r, row in enumerate(rows)
+            )
             raise UnevenBatchesError(
                 f"Uneven inputs: the ranks are at different batches ({listing}); the loaders yielded different "
                 f"numbers of batches earlier on.{note} {_advice(stage)}"

@@ -32,8 +32,13 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-__all__ = ["FSDPMultiProcessingLauncher", "check_start_method", "choose_launcher", "is_interactive",
-           "stop_launched_processes"]
+__all__ = [
+    "FSDPMultiProcessingLauncher",
+    "check_start_method",
+    "choose_launcher",
+    "is_interactive",
+    "stop_launched_processes",
+]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 

@@ -134,7 +134,9 @@ class ShardingMonitor(pl.Callback):
         self._restore.clear()
 
     # ------------------------------------------------------------------------------------------------ steps
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         engine = self._engine
         if engine is None:
             return

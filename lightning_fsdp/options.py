@@ -83,8 +83,12 @@ class ShardingOptions:
         strategy's options may; ``resolve_names`` turns them into objects once the model exists.
         """
         cpu_offload = getattr(cpu_offload, "offload_params", cpu_offload)  # torch's CPUOffload(offload_params=...)
-        for option, flag in (("forward_prefetch", forward_prefetch), ("limit_all_gathers", limit_all_gathers),
-                             ("sync_module_states", sync_module_states), ("cpu_offload", cpu_offload)):
+        for option, flag in (
+            ("forward_prefetch", forward_prefetch),
+            ("limit_all_gathers", limit_all_gathers),
+            ("sync_module_states", sync_module_states),
+            ("cpu_offload", cpu_offload),
+        ):
             check_flag(flag, option)
         if param_init_fn is not None:
             if not callable(param_init_fn):
@@ -127,8 +131,10 @@ def item_list(value: Any, option: str, kinds: tuple[type, ...]) -> tuple:
     names = [_KIND_NAMES.get(kind, kind.__name__) for kind in kinds]
     spelled = " or ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} or {names[-1]}"
     if isinstance(value, str) and str not in kinds:
-        raise TypeError(f"{option}={value!r} is not valid; expected an iterable of {spelled} objects (names of "
-                        "submodules are resolved by FSDPStrategy, not by fully_shard).")
+        raise TypeError(
+            f"{option}={value!r} is not valid; expected an iterable of {spelled} objects (names of "
+            "submodules are resolved by FSDPStrategy, not by fully_shard)."
+        )
     single = isinstance(value, (nn.Module, torch.Tensor, str, bytes, Mapping)) or not isinstance(value, Iterable)
     items = (value,) if single else tuple(value)
     for item in items:
@@ -171,13 +177,17 @@ def split_ignored(root: nn.Module, options: ShardingOptions) -> tuple[list[nn.Mo
     submodules = {id(m) for m in root.modules()}
     for module in modules:
         if id(module) not in submodules:
-            raise ValueError(f"ignored_modules contains a {type(module).__name__} that is not a submodule of "
-                             f"{type(root).__name__} (a module of another model instance?).")
+            raise ValueError(
+                f"ignored_modules contains a {type(module).__name__} that is not a submodule of "
+                f"{type(root).__name__} (a module of another model instance?)."
+            )
     own_params = {id(p) for p in root.parameters()}
     for param in params:
         if id(param) not in own_params:
-            raise ValueError(f"ignored_states contains a parameter of shape {tuple(param.shape)} that is not a "
-                             f"parameter of {type(root).__name__} (a parameter of another model instance?).")
+            raise ValueError(
+                f"ignored_states contains a parameter of shape {tuple(param.shape)} that is not a "
+                f"parameter of {type(root).__name__} (a parameter of another model instance?)."
+            )
     return modules, params
 
 
@@ -199,8 +209,15 @@ def check_device_id(value: Any) -> None:
         raise TypeError(f"device_id={value!r} is not valid; expected a non-negative int or a torch.device.")
 
 
-def check_lightning_arguments(accelerator: Any, parallel_devices: Any, cluster_environment: Any, checkpoint_io: Any,
-                              precision_plugin: Any, process_group_backend: Any, timeout: Any) -> None:
+def check_lightning_arguments(
+    accelerator: Any,
+    parallel_devices: Any,
+    cluster_environment: Any,
+    checkpoint_io: Any,
+    precision_plugin: Any,
+    process_group_backend: Any,
+    timeout: Any,
+) -> None:
     """Type checks for the arguments Lightning's Trainer normally fills in, so a wrong one given by hand fails here,
     on every rank, instead of as an AttributeError deep inside setup or a process-group error on some ranks."""
     from lightning.fabric.accelerators import Accelerator
@@ -208,12 +225,20 @@ def check_lightning_arguments(accelerator: Any, parallel_devices: Any, cluster_e
     from lightning.pytorch.plugins.precision import Precision
 
     for name, value, kind, expected in (
-        ("accelerator", accelerator, Accelerator, "a lightning Accelerator instance (or pass accelerator= to the "
-                                                  "Trainer)"),
+        (
+            "accelerator",
+            accelerator,
+            Accelerator,
+            "a lightning Accelerator instance (or pass accelerator= to the Trainer)",
+        ),
         ("cluster_environment", cluster_environment, ClusterEnvironment, "a lightning ClusterEnvironment instance"),
         ("checkpoint_io", checkpoint_io, CheckpointIO, "a lightning CheckpointIO instance"),
-        ("precision_plugin", precision_plugin, Precision, "a lightning Precision plugin (or pass precision= to the "
-                                                          "Trainer, e.g. 'bf16-mixed')"),
+        (
+            "precision_plugin",
+            precision_plugin,
+            Precision,
+            "a lightning Precision plugin (or pass precision= to the Trainer, e.g. 'bf16-mixed')",
+        ),
     ):
         if value is not None and not isinstance(value, kind):
             raise TypeError(f"{name}={value!r} is not valid; expected {expected} or None.")
@@ -227,7 +252,8 @@ def check_lightning_arguments(accelerator: Any, parallel_devices: Any, cluster_e
             "'nccl' or 'hccl', or None (chosen from the accelerator)."
         )
     if timeout is not None and not isinstance(timeout, timedelta):
-        raise TypeError(f"timeout={timeout!r} is not valid; expected a datetime.timedelta (e.g. timedelta(minutes=30)) "
-                        "or None.")
+        raise TypeError(
+            f"timeout={timeout!r} is not valid; expected a datetime.timedelta (e.g. timedelta(minutes=30)) or None."
+        )
     if timeout is not None and timeout.total_seconds() <= 0:
         raise ValueError(f"timeout={timeout!r} is not valid; a process-group timeout must be positive.")

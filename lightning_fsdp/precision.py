@@ -15,18 +15,24 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # also lightning_fsdp.precision.ShardedGradScaler
+from torch.distributed.fsdp.sharded_grad_scaler import (
+    ShardedGradScaler,  # also lightning_fsdp.precision.ShardedGradScaler
+)
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp.config import MixedPrecision
 
-_LOW_DTYPE = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
-              "16-true": torch.float16}
+_LOW_DTYPE = {
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "16-true": torch.float16,
+}
 SUPPORTED_PRECISION = ("32-true", *_LOW_DTYPE)
 
 
@@ -99,7 +105,7 @@ class FSDPPrecision(Precision):
         return closure_result
 
     @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self.engine is None:
             return super().clip_grad_by_norm(optimizer, clip_val)
         self.engine.clip_grad_norm_(self.main_params(optimizer), clip_val)

@@ -19,7 +19,8 @@ which has no timeout argument (torch issues #119574, #119613): it creates its gr
 ``split_group`` with torch's default timeout (checked on torch 2.13: groups of 30 minutes under a default group of
 77 seconds). Only the per-dimension option objects of ``backend_override`` carry a timeout, and those are
 backend-specific (gloo's, NCCL's and HCCL's option classes differ), and ``backend_override`` is missing from torch 2.6
-(whose ``init_device_mesh`` takes ``mesh_dim_names`` only). The groups are the same: shard groups of consecutive ranks, replicate groups of equal local rank.
+(whose ``init_device_mesh`` takes ``mesh_dim_names`` only). The groups are the same: shard groups of consecutive
+ranks, replicate groups of equal local rank.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch.distributed as dist
 
@@ -44,7 +45,7 @@ def is_group_pair(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and len(value) == 2 and all(is_process_group(g) for g in value)
 
 
-def node_groups(world_size: int, per_node: int, rank: int, timeout: Optional[timedelta] = None) -> GroupPair:
+def node_groups(world_size: int, per_node: int, rank: int, timeout: timedelta | None = None) -> GroupPair:
     """The default hybrid layout: ``(shard group, replicate group)`` of this rank, sharding within a node's
     ``per_node`` processes and replicating across nodes.
 
@@ -77,7 +78,7 @@ class GroupChoice:
     """
 
     sharding_strategy: ShardingStrategy
-    process_group: Union[dist.ProcessGroup, GroupPair, Callable[[], Any], None] = None
+    process_group: dist.ProcessGroup | GroupPair | Callable[[], Any] | None = None
     device_mesh: Any = None
 
     def __post_init__(self) -> None:
@@ -106,8 +107,9 @@ class GroupChoice:
                     f"device_mesh={mesh!r} is not valid; expected a 2-D DeviceMesh with dims (replicate, shard)."
                 )
 
-    def resolve(self, world_size: int, per_node: int, rank: int,
-                timeout: Optional[timedelta]) -> tuple[Optional[Any], Optional[Any]]:
+    def resolve(
+        self, world_size: int, per_node: int, rank: int, timeout: timedelta | None
+    ) -> tuple[Any | None, Any | None]:
         """``(shard group, replicate group)`` for ``fully_shard``; ``None`` means the whole world / no replication.
 
         Collective: with the default hybrid layout every rank creates every group, so every rank must call this.

@@ -10,8 +10,9 @@ from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import cached_property
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -34,7 +35,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from accelerators.hpu_runtime import check_eager_mode, compute_device, register_hccl_backend
 from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, _is_local
@@ -63,7 +63,7 @@ from lightning_fsdp.options import (
     resolve_names,
 )
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
-from lightning_fsdp.process_groups import GroupChoice, node_groups
+from lightning_fsdp.process_groups import GroupChoice
 from lightning_fsdp.shutdown import settle_at_exit
 from lightning_fsdp.weight_averaging import (
     gather_averages_for_save,
@@ -120,40 +120,48 @@ class FSDPStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         *,
         sharding_strategy: str = "FULL_SHARD",
         auto_wrap_policy: Any = None,
         activation_checkpointing_policy: Any = None,
         state_dict_type: str = "full",
-        mixed_precision: Optional[MixedPrecision] = None,
+        mixed_precision: MixedPrecision | None = None,
         sync_module_states: bool = False,
-        param_init_fn: Optional[Callable[[nn.Module], None]] = None,
-        backward_prefetch: Optional[str] = "BACKWARD_PRE",
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        backward_prefetch: str | None = "BACKWARD_PRE",
         forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
         cpu_offload: Any = False,
-        ignored_modules: Optional[Any] = None,
-        ignored_states: Optional[Any] = None,
-        process_group: Optional[Any] = None,
-        device_mesh: Optional[Any] = None,
-        device_id: Optional[Union[int, torch.device]] = None,
+        ignored_modules: Any | None = None,
+        ignored_states: Any | None = None,
+        process_group: Any | None = None,
+        device_mesh: Any | None = None,
+        device_id: int | torch.device | None = None,
         use_orig_params: bool = True,
     ) -> None:
         # Validate everything first: this runs on every rank before any process group exists, so a bad value
         # raises the same error everywhere instead of leaving a rank waiting in a collective (options.py).
         self.options = ShardingOptions.parse(
-            sharding_strategy=sharding_strategy, auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision,
-            backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
-            limit_all_gathers=limit_all_gathers, sync_module_states=sync_module_states, cpu_offload=cpu_offload,
-            param_init_fn=param_init_fn, ignored_modules=ignored_modules, ignored_states=ignored_states, names=True,
+            sharding_strategy=sharding_strategy,
+            auto_wrap_policy=auto_wrap_policy,
+            mixed_precision=mixed_precision,
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            sync_module_states=sync_module_states,
+            cpu_offload=cpu_offload,
+            param_init_fn=param_init_fn,
+            ignored_modules=ignored_modules,
+            ignored_states=ignored_states,
+            names=True,
         )
         self.activation_checkpointing_policy = parse_checkpointing_policy(activation_checkpointing_policy)
         self.state_dict_type = parse_state_dict_type(state_dict_type)  # full, sharded or local
@@ -162,8 +170,15 @@ class FSDPStrategy(ParallelStrategy):
         self.device_id = device_id
         self._group_choice = GroupChoice(self.options.sharding_strategy, process_group, device_mesh)
         check_start_method(start_method)
-        check_lightning_arguments(accelerator, parallel_devices, cluster_environment, checkpoint_io,
-                                  precision_plugin, process_group_backend, timeout)
+        check_lightning_arguments(
+            accelerator,
+            parallel_devices,
+            cluster_environment,
+            checkpoint_io,
+            precision_plugin,
+            process_group_backend,
+            timeout,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -177,7 +192,7 @@ class FSDPStrategy(ParallelStrategy):
         self._stop_at_exit = False  # stop_launched_processes registered to run when this process exits
         self._stage_failed = False  # on_exception ran: teardown must not gather (the ranks may be apart)
         self._start_method = start_method
-        self.engine: Optional[ShardingEngine] = None
+        self.engine: ShardingEngine | None = None
 
     # --------------------------------------------------------------------------------------------- properties
     # The sharding options are ``self.options`` (a ShardingOptions); these are the ones read by name elsewhere.
@@ -190,7 +205,7 @@ class FSDPStrategy(ParallelStrategy):
         return self.options.auto_wrap_policy
 
     @property
-    def mixed_precision(self) -> Optional[MixedPrecision]:
+    def mixed_precision(self) -> MixedPrecision | None:
         """The explicit ``mixed_precision`` option (``None``: ``Trainer(precision=...)`` decides)."""
         return self.options.mixed_precision
 
@@ -239,7 +254,7 @@ class FSDPStrategy(ParallelStrategy):
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
-    def process_group_backend(self) -> Optional[str]:
+    def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
     @property
@@ -250,7 +265,7 @@ class FSDPStrategy(ParallelStrategy):
 
     @precision_plugin.setter
     @override
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+    def precision_plugin(self, plugin: Precision | None) -> None:
         if plugin is None:
             self._precision_plugin = None
             return
@@ -263,7 +278,7 @@ class FSDPStrategy(ParallelStrategy):
         self._precision_plugin = plugin
 
     @property
-    def mixed_precision_config(self) -> Optional[MixedPrecision]:
+    def mixed_precision_config(self) -> MixedPrecision | None:
         """The engine's mixed precision: the explicit option, else what the Trainer's precision flag implies."""
         return self.mixed_precision or self.precision_plugin.mixed_precision_config
 
@@ -280,7 +295,7 @@ class FSDPStrategy(ParallelStrategy):
 
     @checkpoint_io.setter
     @override
-    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
         self._checkpoint_io = io
 
     @property
@@ -337,7 +352,7 @@ class FSDPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------------------------ model setup
     @contextmanager
     @override
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         # With empty_init the model is created on the meta device and materialised unit by unit when sharded,
         # so no rank ever holds the whole model.
         device_context = torch.device("meta") if empty_init else self.root_device
@@ -345,7 +360,7 @@ class FSDPStrategy(ParallelStrategy):
             yield
 
     @override
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         assert self.lightning_module is not None
         self.accelerator.setup(trainer)
@@ -391,8 +406,13 @@ class FSDPStrategy(ParallelStrategy):
             ignored_modules=tuple(resolve_names(module, self.options.ignored_modules)),
             ignored_states=tuple(resolve_names(module, self.options.ignored_states)),
         )
-        return fully_shard(module, process_group=shard_group, replicate_group=replicate_group,
-                           device=self.root_device, **options.as_kwargs())
+        return fully_shard(
+            module,
+            process_group=shard_group,
+            replicate_group=replicate_group,
+            device=self.root_device,
+            **options.as_kwargs(),
+        )
 
     @property
     def _offloads(self) -> bool:
@@ -406,7 +426,9 @@ class FSDPStrategy(ParallelStrategy):
         if isinstance(wanted, int):
             wanted = torch.device(self.device.type, wanted)
         root = self.device  # as the accelerator names it (hpu:0 even where the test double computes on CPU)
-        if wanted.type != root.type or (wanted.index is not None and root.index is not None and wanted.index != root.index):
+        if wanted.type != root.type or (
+            wanted.index is not None and root.index is not None and wanted.index != root.index
+        ):
             raise ValueError(
                 f"device_id={self.device_id!r} does not match this rank's device {root}; the accelerator and "
                 "devices chosen in the Trainer decide the device, so leave device_id unset or pass that device."
@@ -443,7 +465,7 @@ class FSDPStrategy(ParallelStrategy):
         """Where the default group's collectives take tensors: host memory for gloo, this rank's device else."""
         return torch.device("cpu") if self._process_group_backend == "gloo" else self.root_device
 
-    def _trainer(self) -> Optional["pl.Trainer"]:
+    def _trainer(self) -> pl.Trainer | None:
         return getattr(self.lightning_module, "_trainer", None)
 
     def _check_loop_start(self) -> None:
@@ -521,7 +543,7 @@ class FSDPStrategy(ParallelStrategy):
         return box[0]
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
             # Trainer(detect_anomaly=True): torch's own NaN check would raise on the rank that produced the NaN only,
             # leaving the others blocked in their next collective. The engine checks every gradient instead and
@@ -531,15 +553,16 @@ class FSDPStrategy(ParallelStrategy):
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
-    def reduce(
-        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
-    ) -> Tensor:
+    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
             return tensor
         # SUM then an explicit division for means: ReduceOp.AVG is missing on gloo and on some HCCL releases
         # (Lightning's helper only works around gloo by its backend name).
-        mean = reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")) or (
-            reduce_op == ReduceOp.AVG)
+        mean = (
+            reduce_op is None
+            or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg"))
+            or (reduce_op == ReduceOp.AVG)
+        )
         if mean:
             op = ReduceOp.SUM
         elif isinstance(reduce_op, str):
@@ -607,15 +630,19 @@ class FSDPStrategy(ParallelStrategy):
                 load_full_optimizer_state_dict(self.engine, optimizer, to_index_keyed(state))
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         gather_averages_for_save(self, checkpoint)  # SWA / EMA averages: full tensors, not rank 0's rows only
-        self._checkpoint_format.save(checkpoint, filepath, engine=self.engine, optimizers=self.optimizers,
-                                     checkpoint_io=self.checkpoint_io, storage_options=storage_options)
+        self._checkpoint_format.save(
+            checkpoint,
+            filepath,
+            engine=self.engine,
+            optimizers=self.optimizers,
+            checkpoint_io=self.checkpoint_io,
+            storage_options=storage_options,
+        )
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = self.broadcast(checkpoint_path)
         coll = Collective()
         if not _is_local(path) or not os.path.exists(path) or os.path.isfile(path):
@@ -628,8 +655,14 @@ class FSDPStrategy(ParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else None
-        checkpoint = fmt.load(path, engine=self.engine, optimizers=optimizers, checkpoint_io=self.checkpoint_io,
-                              weights_only=weights_only, coll=coll)
+        checkpoint = fmt.load(
+            path,
+            engine=self.engine,
+            optimizers=optimizers,
+            checkpoint_io=self.checkpoint_io,
+            weights_only=weights_only,
+            coll=coll,
+        )
         # Each rank takes its rows of the SWA / EMA averages before the callbacks load them.
         return slice_loaded_averages(self, checkpoint)
 

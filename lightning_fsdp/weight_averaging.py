@@ -30,10 +30,9 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_fsdp.checkpoint.common import managed_keys
@@ -43,11 +42,11 @@ from lightning_fsdp.engine.unit import ParamSlot
 
 # Averaged copies whose parameters hold this rank's rows, with (a weak reference to) the engine whose layout they
 # follow; and averages handed back whole at the end of a stage (a later stage shards their own values again).
-_SHARDED: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
-_RESTORED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+_RESTORED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-def _callback_classes() -> tuple[Optional[type], Optional[type]]:
+def _callback_classes() -> tuple[type | None, type | None]:
     try:
         from lightning.pytorch.callbacks import StochasticWeightAveraging
     except ImportError:  # pragma: no cover - every supported Lightning has it
@@ -59,9 +58,12 @@ def _callback_classes() -> tuple[Optional[type], Optional[type]]:
     return StochasticWeightAveraging, WeightAveraging
 
 
-def _engine_of(strategy_or_engine: Any, helper: str) -> Optional[ShardingEngine]:
-    engine = strategy_or_engine if isinstance(strategy_or_engine, ShardingEngine) else getattr(
-        strategy_or_engine, "engine", None)
+def _engine_of(strategy_or_engine: Any, helper: str) -> ShardingEngine | None:
+    engine = (
+        strategy_or_engine
+        if isinstance(strategy_or_engine, ShardingEngine)
+        else getattr(strategy_or_engine, "engine", None)
+    )
     if engine is not None and getattr(engine, "closed", False):
         raise RuntimeError(
             f"{helper} was called after the Trainer stage ended: the fsdp_custom strategy has given the model its "
@@ -71,7 +73,7 @@ def _engine_of(strategy_or_engine: Any, helper: str) -> Optional[ShardingEngine]
     return engine
 
 
-def _live_engine(strategy: Any) -> Optional[ShardingEngine]:
+def _live_engine(strategy: Any) -> ShardingEngine | None:
     engine = getattr(strategy, "engine", None)
     return None if engine is None or getattr(engine, "closed", False) else engine
 
@@ -203,7 +205,7 @@ def restore_averaged_models(trainer: Any, engine: ShardingEngine) -> None:
         _RESTORED.add(module)
 
 
-def _tensor_lists(value: Any) -> Optional[list[Tensor]]:
+def _tensor_lists(value: Any) -> list[Tensor] | None:
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, Tensor) for v in value):
         return list(value)
     if isinstance(value, Mapping) and value and all(isinstance(v, Tensor) for v in value.values()):
@@ -242,8 +244,9 @@ def _check_no_full_copies(callback: Any, engine: ShardingEngine) -> None:
 
 # ======================================================================================== user helpers
 @torch.no_grad()
-def full_tensors(strategy: Any, tensors: Sequence[Tensor], params: Optional[Sequence[nn.Parameter]] = None,
-                 *, rank0_only: bool = False) -> list[Tensor]:
+def full_tensors(
+    strategy: Any, tensors: Sequence[Tensor], params: Sequence[nn.Parameter] | None = None, *, rank0_only: bool = False
+) -> list[Tensor]:
     """Full tensors (on CPU) from per-rank ``tensors`` aligned with ``params`` (default: the LightningModule's
     ``parameters()``), e.g. an EMA kept as shard copies. Call on every rank: sharded entries are all-gathered.
 
@@ -255,8 +258,10 @@ def full_tensors(strategy: Any, tensors: Sequence[Tensor], params: Optional[Sequ
         return [t.detach().cpu().clone() for t in tensors]
     params = list(engine.root.parameters()) if params is None else list(params)
     if len(params) != len(tensors):
-        raise ValueError(f"full_tensors got {len(tensors)} tensors for {len(params)} parameters; pass one per "
-                         "parameter, in the order of params (default: pl_module.parameters()).")
+        raise ValueError(
+            f"full_tensors got {len(tensors)} tensors for {len(params)} parameters; pass one per "
+            "parameter, in the order of params (default: pl_module.parameters())."
+        )
     keep = not rank0_only or _global_rank() == 0
     out = []
     for param, tensor in zip(params, tensors):
@@ -268,8 +273,9 @@ def full_tensors(strategy: Any, tensors: Sequence[Tensor], params: Optional[Sequ
 
 
 @torch.no_grad()
-def local_tensors(strategy: Any, tensors: Sequence[Tensor],
-                  params: Optional[Sequence[nn.Parameter]] = None) -> list[Tensor]:
+def local_tensors(
+    strategy: Any, tensors: Sequence[Tensor], params: Sequence[nn.Parameter] | None = None
+) -> list[Tensor]:
     """This rank's rows of full ``tensors`` aligned with ``params`` (default: the LightningModule's parameters()),
     the inverse of :func:`full_tensors`; entries that are not full-shaped pass through. No collectives."""
     engine = _engine_of(strategy, "local_tensors")
@@ -375,7 +381,7 @@ def slice_loaded_averages(strategy: Any, checkpoint: Any) -> Any:
 
     callbacks_state = checkpoint.get("callbacks")
     has_wa = False
-    for callback, kind, module in _sharded_averages(trainer, engine):
+    for callback, kind, _module in _sharded_averages(trainer, engine):
         if kind == "wa":
             has_wa = True
             continue

@@ -10,15 +10,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                       "MASTER_ADDR", "MASTER_PORT")
+_LAUNCHER_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without any launcher's variables (pytest itself may run under SLURM or torchrun), one
     thread per process, the repository importable, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))
+    }
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
 
 
@@ -38,7 +49,7 @@ def group_members(pgid: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        state, _ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
+        state, _ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
         if int(pgrp) == pgid and state != "Z":
             found.append(int(entry.name))
     return found

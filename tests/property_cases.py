@@ -92,8 +92,10 @@ ALL_FEATURES = ("flips", "fault", "forwards", "evals", "prefetch")
 _FEATURES_ENV = os.environ.get("LIGHTNING_FSDP_PROPERTY_FEATURES", ",".join(ALL_FEATURES))
 FEATURES = frozenset(f.strip() for f in _FEATURES_ENV.split(",") if f.strip() and f.strip() != "none")
 if FEATURES - set(ALL_FEATURES):
-    raise ValueError(f"LIGHTNING_FSDP_PROPERTY_FEATURES: unknown {sorted(FEATURES - set(ALL_FEATURES))}; "
-                     f"choose from {', '.join(ALL_FEATURES)} or none")
+    raise ValueError(
+        f"LIGHTNING_FSDP_PROPERTY_FEATURES: unknown {sorted(FEATURES - set(ALL_FEATURES))}; "
+        f"choose from {', '.join(ALL_FEATURES)} or none"
+    )
 
 
 # ============================================================================================ the modules
@@ -233,8 +235,7 @@ class Raiser(nn.Module):
 
 
 class Block(nn.Module):
-    """A container with a parameter of its own, 0-dim or of one row (fewer rows than ranks): ``chain(x) + skip * x``.
-    """
+    """A container with a parameter of its own, 0-dim or of one row (fewer rows than ranks): ``chain(x) + skip * x``."""
 
     def __init__(self, children: list[nn.Module], scalar_skip: bool, ctx: Context) -> None:
         super().__init__()
@@ -307,9 +308,28 @@ class Root(nn.Module):
 
 WRAP_CLASSES: dict[str, type[nn.Module]] = {
     cls.__name__: cls
-    for cls in (Block, ListBlock, Repeat, Branch, nn.Sequential, ResLinear, Bottleneck, TiedPair, ScalarGate, Conv1dLeaf, Conv2dLeaf,
-                EmbedLeaf, HeadLeaf, Raiser,
-                nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.LayerNorm, nn.BatchNorm1d)
+    for cls in (
+        Block,
+        ListBlock,
+        Repeat,
+        Branch,
+        nn.Sequential,
+        ResLinear,
+        Bottleneck,
+        TiedPair,
+        ScalarGate,
+        Conv1dLeaf,
+        Conv2dLeaf,
+        EmbedLeaf,
+        HeadLeaf,
+        Raiser,
+        nn.Linear,
+        nn.Conv1d,
+        nn.Conv2d,
+        nn.Embedding,
+        nn.LayerNorm,
+        nn.BatchNorm1d,
+    )
 }
 
 
@@ -433,7 +453,7 @@ def chunk(batch: tuple[torch.Tensor, ...], micro: int, accumulate: int, rank: in
     for t in batch:
         t = t[micro::accumulate]
         b = t.shape[0] // world
-        out.append(t[rank * b:(rank + 1) * b])
+        out.append(t[rank * b : (rank + 1) * b])
     return out
 
 
@@ -459,8 +479,12 @@ def _load_buffers(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
 # (one chunk each, BatchNorm buffers swapped in) and this rank for the sharded run.
 def schedule(case: dict[str, Any]) -> dict[str, Any]:
     given = case.get("schedule") or {}
-    return {"flips": given.get("flips", []), "fault": given.get("fault"), "forwards": given.get("forwards", 1),
-            "evals": given.get("evals", [])}
+    return {
+        "flips": given.get("flips", []),
+        "fault": given.get("fault"),
+        "forwards": given.get("forwards", 1),
+        "evals": given.get("evals", []),
+    }
 
 
 def requires_grad_flags(initial: dict[str, bool], case: dict[str, Any], step: int) -> dict[str, bool]:
@@ -500,8 +524,9 @@ def _failing_forward(model: nn.Module, ctx: Context, x: torch.Tensor, ids: torch
     raise AssertionError("the armed forward did not raise")  # cannot happen: the root raises if no Raiser did
 
 
-def eval_forward(model: nn.Module, ctx: Context, case: dict[str, Any], spec: dict[str, Any], step: int, rank: int,
-                 world: int) -> torch.Tensor:
+def eval_forward(
+    model: nn.Module, ctx: Context, case: dict[str, Any], spec: dict[str, Any], step: int, rank: int, world: int
+) -> torch.Tensor:
     x, ids, _ = chunk(global_batch(case, 100 + step), 0, 1, rank, world)
     was_training, index = model.training, ctx.index
     ctx.index, ctx.reverse = spec["index"], spec["reverse"]
@@ -547,6 +572,7 @@ class _Trainer:
         for micro in range(accumulate):
             total = None
             for rank in ranks:
+
                 def micro_loss(rank: int = rank) -> torch.Tensor:
                     self.ctx.index = step * accumulate + micro
                     x, ids, y = chunk(batch, micro, accumulate, rank, world)
@@ -560,8 +586,9 @@ class _Trainer:
                         loss = part if loss is None else loss + part
                     for i, spec in enumerate(plan["evals"]):
                         if spec["step"] == step and spec["where"] == "before_backward" and micro == 0:
-                            evals.setdefault(i, {})[rank] = eval_forward(self.model, self.ctx, self.case, spec, step,
-                                                                         rank, world)
+                            evals.setdefault(i, {})[rank] = eval_forward(
+                                self.model, self.ctx, self.case, spec, step, rank, world
+                            )
                     return loss / plan["forwards"] / accumulate
 
                 loss = self._on_ranks(rank, micro_loss)
@@ -577,7 +604,8 @@ class _Trainer:
             if spec["step"] == step and spec["where"] == "after_step":
                 for rank in ranks:
                     evals.setdefault(i, {})[rank] = self._on_ranks(
-                        rank, lambda rank=rank: eval_forward(self.model, self.ctx, self.case, spec, step, rank, world))
+                        rank, lambda rank=rank: eval_forward(self.model, self.ctx, self.case, spec, step, rank, world)
+                    )
         return losses, evals
 
 
@@ -624,8 +652,9 @@ class Reference(_Trainer):
     def step(self, step: int) -> tuple[list[float], dict[int, list[torch.Tensor]]]:
         """Each rank's loss and the eval outputs {eval index: [output of rank r, ...]}."""
         losses, evals = self.train_step(step, list(range(self.world)), self.world)
-        return [losses[r] for r in range(self.world)], {i: [by_rank[r] for r in range(self.world)]
-                                                         for i, by_rank in evals.items()}
+        return [losses[r] for r in range(self.world)], {
+            i: [by_rank[r] for r in range(self.world)] for i, by_rank in evals.items()
+        }
 
     def params(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.named_parameters()}
@@ -644,10 +673,14 @@ class _Sharded(_Trainer):
         prefetch = opts.get("prefetch") or {}
         extra = {}
         if prefetch:
-            extra = {"forward_prefetch": prefetch["forward"], "backward_prefetch": prefetch["backward"],
-                     "limit_all_gathers": prefetch["limit"]}
-        self.engine = fully_shard(self.model, sharding_strategy=opts["strategy"],
-                                  auto_wrap_policy=wrap_policy(opts["wrap"]), **extra)
+            extra = {
+                "forward_prefetch": prefetch["forward"],
+                "backward_prefetch": prefetch["backward"],
+                "limit_all_gathers": prefetch["limit"],
+            }
+        self.engine = fully_shard(
+            self.model, sharding_strategy=opts["strategy"], auto_wrap_policy=wrap_policy(opts["wrap"]), **extra
+        )
         self.optimizer = make_optimizer(self.model.parameters(), opts["optimizer"])
 
     def _clip(self, max_norm: float) -> None:
@@ -704,9 +737,19 @@ class _Comparison:
         self.steps: list[dict[str, Any]] = []
 
     def begin_step(self, step: int) -> None:
-        self.current = {"step": step, "values": 0, "base": 0, "widened": 0, "chaotic": 0, "beyond_base": 0,
-                        "max_widening": 0.0, "max_error_ratio": 0.0, "chaotic_max_error_ratio": 0.0,
-                        "chaotic_tensors": [], "loss_at_base": False}
+        self.current = {
+            "step": step,
+            "values": 0,
+            "base": 0,
+            "widened": 0,
+            "chaotic": 0,
+            "beyond_base": 0,
+            "max_widening": 0.0,
+            "max_error_ratio": 0.0,
+            "chaotic_max_error_ratio": 0.0,
+            "chaotic_tensors": [],
+            "loss_at_base": False,
+        }
         self.steps.append(self.current)
 
     def close(self, what: str, actual: Any, expected: Any, probes: list[Any], *, widen: bool = True) -> None:
@@ -759,7 +802,8 @@ class _Comparison:
                 f"{what}: {int(bad.sum())} of {n} values differ; the largest at flat index {worst}: "
                 f"{float(a.flatten()[worst]):.8g} vs reference {float(e.flatten()[worst]):.8g} (error "
                 f"{float(error.flatten()[worst]):.2e}, allowed {float(allowed.flatten()[worst]):.2e} = max(base "
-                f"rtol {RTOL:g}/atol {ATOL:g}, {DRIFT_K:g} x drift {drift:.1e}))")
+                f"rtol {RTOL:g}/atol {ATOL:g}, {DRIFT_K:g} x drift {drift:.1e}))"
+            )
 
 
 def run_case(case: dict[str, Any], rank: int, world: int, workdir: str) -> dict[str, Any]:
@@ -783,26 +827,40 @@ def run_case(case: dict[str, Any], rank: int, world: int, workdir: str) -> dict[
         ref_losses, ref_evals = reference.step(step)
         probe_steps = [probe.step(step) for probe in probes]
         info["losses"].append(loss)
-        comparison.close(f"step {step}: loss of rank {rank}", loss, ref_losses[rank],
-                         [p_losses[rank] for p_losses, _ in probe_steps], widen=step > 0)
+        comparison.close(
+            f"step {step}: loss of rank {rank}",
+            loss,
+            ref_losses[rank],
+            [p_losses[rank] for p_losses, _ in probe_steps],
+            widen=step > 0,
+        )
         if step == 0:
             comparison.current["loss_at_base"] = True
         expected, params = reference.params(), run.params()
         probe_params = [probe.params() for probe in probes]
         for name in names:
-            comparison.close(f"step {step}: parameter {name}", params[name], expected[name],
-                             [p[name] for p in probe_params])
+            comparison.close(
+                f"step {step}: parameter {name}", params[name], expected[name], [p[name] for p in probe_params]
+            )
         own = _buffers(run.model)
         for name, value in reference.rank_buffers[rank].items():
-            comparison.close(f"step {step}: buffer {name} of rank {rank}", own[name], value,
-                             [probe.rank_buffers[rank][name] for probe in probes])
+            comparison.close(
+                f"step {step}: buffer {name} of rank {rank}",
+                own[name],
+                value,
+                [probe.rank_buffers[rank][name] for probe in probes],
+            )
         for i in sorted(ref_evals):
             if i not in evals:
                 errors.add(f"step {step}: eval forward {i} did not run")
                 continue
             spec = plan["evals"][i]
-            comparison.close(f"step {step}: output of eval forward {i} ({spec['where']}) on rank {rank}", evals[i],
-                             ref_evals[i][rank], [p_evals[i][rank] for _, p_evals in probe_steps])
+            comparison.close(
+                f"step {step}: output of eval forward {i} ({spec['where']}) on rank {rank}",
+                evals[i],
+                ref_evals[i][rank],
+                [p_evals[i][rank] for _, p_evals in probe_steps],
+            )
         if checkpoint is not None and checkpoint["after_step"] == step:
             info["fault_where"] += run.fault_where
             run = _round_trip(run, checkpoint["mode"], [reference, *probes], rank, world, workdir, errors, step)
@@ -812,8 +870,16 @@ def run_case(case: dict[str, Any], rank: int, world: int, workdir: str) -> dict[
     return {"errors": list(errors), "info": info}
 
 
-def _round_trip(run: _Sharded, mode: str, references: list[Reference], rank: int, world: int, workdir: str,
-                errors: _Errors, step: int) -> _Sharded:
+def _round_trip(
+    run: _Sharded,
+    mode: str,
+    references: list[Reference],
+    rank: int,
+    world: int,
+    workdir: str,
+    errors: _Errors,
+    step: int,
+) -> _Sharded:
     """Save ``run`` in ``mode`` to real files, load into a freshly sharded copy (other initial values) and check that
     it holds exactly what was saved. Adjusts the reference's per-rank buffers to the format's semantics."""
     from lightning_fsdp.checkpoint.common import load_sharded_model_state_dict
@@ -823,27 +889,50 @@ def _round_trip(run: _Sharded, mode: str, references: list[Reference], rank: int
         load_full_model_state_dict,
         load_full_optimizer_state_dict,
     )
-    from lightning_fsdp.checkpoint.local import load_local_checkpoint, local_model_state_dict, \
-        local_optimizer_state_dict, save_local_checkpoint
-    from lightning_fsdp.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint, \
-        sharded_model_state_dict, sharded_optimizer_state_dict
+    from lightning_fsdp.checkpoint.local import (
+        load_local_checkpoint,
+        local_model_state_dict,
+        local_optimizer_state_dict,
+        save_local_checkpoint,
+    )
+    from lightning_fsdp.checkpoint.sharded import (
+        load_sharded_checkpoint,
+        save_sharded_checkpoint,
+        sharded_model_state_dict,
+        sharded_optimizer_state_dict,
+    )
 
     params, optimizer_state, buffers = run.params(), run.optimizer_state(), _buffers(run.model)
     path = os.path.join(workdir, f"{mode}-step{step}" + (".pt" if mode == "full" else ".ckpt"))
     if mode == "full":
-        state = {"state_dict": full_model_state_dict(run.engine),
-                 "optimizer_states": [full_optimizer_state_dict(run.engine, run.optimizer)], "global_step": step + 1}
+        state = {
+            "state_dict": full_model_state_dict(run.engine),
+            "optimizer_states": [full_optimizer_state_dict(run.engine, run.optimizer)],
+            "global_step": step + 1,
+        }
         if rank == 0:
             torch.save(state, path)
         dist.barrier()
     elif mode == "sharded":
-        save_sharded_checkpoint({"state_dict": sharded_model_state_dict(run.engine),
-                                 "optimizer_states": [sharded_optimizer_state_dict(run.engine, run.optimizer)],
-                                 "global_step": step + 1}, path)
+        save_sharded_checkpoint(
+            {
+                "state_dict": sharded_model_state_dict(run.engine),
+                "optimizer_states": [sharded_optimizer_state_dict(run.engine, run.optimizer)],
+                "global_step": step + 1,
+            },
+            path,
+        )
     else:
-        save_local_checkpoint({"state_dict": local_model_state_dict(run.engine),
-                               "optimizer_states": [local_optimizer_state_dict(run.optimizer)],
-                               "global_step": step + 1}, path, run.engine, [run.optimizer])
+        save_local_checkpoint(
+            {
+                "state_dict": local_model_state_dict(run.engine),
+                "optimizer_states": [local_optimizer_state_dict(run.optimizer)],
+                "global_step": step + 1,
+            },
+            path,
+            run.engine,
+            [run.optimizer],
+        )
     del run  # nothing of the saving run survives into the continuation
     fresh = _Sharded(references[0].case, seed_offset=1)
     if mode == "full":
@@ -873,8 +962,10 @@ def _round_trip(run: _Sharded, mode: str, references: list[Reference], rank: int
         sources = [0] if mode == "full" else range(world)
         source = next((r for r in sources if torch.equal(after[name], every_before[r][name])), None)
         if source is None:
-            errors.add(f"after the {mode} round trip: buffer {name} = {after[name]!r} is no rank's saved value "
-                       f"{[b[name] for b in every_before]}")
+            errors.add(
+                f"after the {mode} round trip: buffer {name} = {after[name]!r} is no rank's saved value "
+                f"{[b[name] for b in every_before]}"
+            )
             continue
         for r in range(world):
             errors.equal(f"after the {mode} round trip: buffer {name} on rank {r}", every_after[r][name], after[name])
@@ -898,10 +989,16 @@ LEAVES = st.one_of(
     _leaf("tiedpair", bias=st.booleans(), frozen=FROZEN),
     _leaf("bottleneck", hidden=st.sampled_from([1, 2, 3]), bias=st.booleans(), frozen=FROZEN),
     _leaf("scalar", frozen=FROZEN),
-    _leaf("conv1d", channels=st.sampled_from([1, 3]), kernel=st.sampled_from([1, 3]), bias=st.booleans(),
-          frozen=FROZEN),
-    _leaf("conv2d", channels=st.sampled_from([1, 2]), kernel=st.sampled_from([[1, 1], [1, 3], [3, 3], [3, 1]]),
-          bias=st.booleans(), frozen=FROZEN),
+    _leaf(
+        "conv1d", channels=st.sampled_from([1, 3]), kernel=st.sampled_from([1, 3]), bias=st.booleans(), frozen=FROZEN
+    ),
+    _leaf(
+        "conv2d",
+        channels=st.sampled_from([1, 2]),
+        kernel=st.sampled_from([[1, 1], [1, 3], [3, 3], [3, 1]]),
+        bias=st.booleans(),
+        frozen=FROZEN,
+    ),
     _leaf("embedding", vocab=st.sampled_from([1, 2, 5]), frozen=FROZEN),
     _leaf("head", tie=TIE, frozen=FROZEN),
     _leaf("layernorm", affine=st.booleans(), bias=st.booleans(), frozen=FROZEN),
@@ -917,8 +1014,9 @@ def _containers(children: st.SearchStrategy, min_size: int = 1) -> st.SearchStra
         st.fixed_dictionaries({"kind": st.just("list"), "children": kids}),
         st.fixed_dictionaries({"kind": st.just("block"), "children": kids, "scalar_skip": st.booleans()}),
         st.fixed_dictionaries({"kind": st.just("repeat"), "children": kids}),
-        st.fixed_dictionaries({"kind": st.just("branch"), "children": kids, "period": st.sampled_from([2, 3]),
-                               "phase": st.integers(0, 2)}),
+        st.fixed_dictionaries(
+            {"kind": st.just("branch"), "children": kids, "period": st.sampled_from([2, 3]), "phase": st.integers(0, 2)}
+        ),
     )
 
 
@@ -931,8 +1029,11 @@ WRAPS = st.one_of(
     st.fixed_dictionaries({"kind": st.just("min"), "n": st.sampled_from([1, 4, 10, 30, 100])}),
     st.fixed_dictionaries({"kind": st.just("callable"), "classes": CLASS_NAMES, "n": st.sampled_from([1, 10, 30])}),
 )
-CHECKPOINTS = st.builds(lambda mode, step: None if mode is None else {"mode": mode, "after_step": step},
-                        st.sampled_from([None, "full", "sharded", "local"]), st.integers(0, STEPS - 2))
+CHECKPOINTS = st.builds(
+    lambda mode, step: None if mode is None else {"mode": mode, "after_step": step},
+    st.sampled_from([None, "full", "sharded", "local"]),
+    st.integers(0, STEPS - 2),
+)
 
 
 def _feature(name: str, strategy: st.SearchStrategy, off: Any) -> st.SearchStrategy:
@@ -940,39 +1041,80 @@ def _feature(name: str, strategy: st.SearchStrategy, off: Any) -> st.SearchStrat
     return strategy if name in FEATURES else st.just(off)
 
 
-PREFETCH = _feature("prefetch", st.none() | st.fixed_dictionaries({
-    "forward": st.booleans(), "backward": st.sampled_from(["BACKWARD_PRE", "BACKWARD_POST", None]),
-    "limit": st.booleans()}), None)
-OPTIONS = st.fixed_dictionaries({
-    "strategy": st.sampled_from(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]),
-    "wrap": WRAPS,
-    "accumulate": st.sampled_from([1, 2]),
-    "clip": st.sampled_from([None, 0.01, 0.1, 1.0]),
-    "optimizer": st.sampled_from(["sgd", "adamw"]),
-    "checkpoint": CHECKPOINTS,
-    "prefetch": PREFETCH,
-})
-FLIPS = _feature("flips", st.lists(st.fixed_dictionaries({
-    "before_step": st.integers(0, STEPS - 1), "every": st.sampled_from([1, 2, 3]), "offset": st.integers(0, 2)}),
-    max_size=2), [])
-FAULTS = _feature("fault", st.none() | st.fixed_dictionaries({
-    "step": st.integers(0, STEPS - 1), "micro": st.integers(0, 1)}), None)
+PREFETCH = _feature(
+    "prefetch",
+    st.none()
+    | st.fixed_dictionaries(
+        {
+            "forward": st.booleans(),
+            "backward": st.sampled_from(["BACKWARD_PRE", "BACKWARD_POST", None]),
+            "limit": st.booleans(),
+        }
+    ),
+    None,
+)
+OPTIONS = st.fixed_dictionaries(
+    {
+        "strategy": st.sampled_from(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]),
+        "wrap": WRAPS,
+        "accumulate": st.sampled_from([1, 2]),
+        "clip": st.sampled_from([None, 0.01, 0.1, 1.0]),
+        "optimizer": st.sampled_from(["sgd", "adamw"]),
+        "checkpoint": CHECKPOINTS,
+        "prefetch": PREFETCH,
+    }
+)
+FLIPS = _feature(
+    "flips",
+    st.lists(
+        st.fixed_dictionaries(
+            {"before_step": st.integers(0, STEPS - 1), "every": st.sampled_from([1, 2, 3]), "offset": st.integers(0, 2)}
+        ),
+        max_size=2,
+    ),
+    [],
+)
+FAULTS = _feature(
+    "fault", st.none() | st.fixed_dictionaries({"step": st.integers(0, STEPS - 1), "micro": st.integers(0, 1)}), None
+)
 FORWARDS = _feature("forwards", st.sampled_from([1, 2]), 1)
-EVALS = _feature("evals", st.lists(st.fixed_dictionaries({
-    "step": st.integers(0, STEPS - 1), "where": st.sampled_from(["after_step", "before_backward"]),
-    "grad": st.booleans(), "train": st.booleans(), "reverse": st.booleans(), "index": st.integers(0, 5)}),
-    max_size=2), [])
+EVALS = _feature(
+    "evals",
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "step": st.integers(0, STEPS - 1),
+                "where": st.sampled_from(["after_step", "before_backward"]),
+                "grad": st.booleans(),
+                "train": st.booleans(),
+                "reverse": st.booleans(),
+                "index": st.integers(0, 5),
+            }
+        ),
+        max_size=2,
+    ),
+    [],
+)
 SCHEDULES = st.fixed_dictionaries({"flips": FLIPS, "fault": FAULTS, "forwards": FORWARDS, "evals": EVALS})
 # Options and schedule first: hypothesis draws in this order and the (large) tree drawn first skewed the options to
 # their simplest values.
-CASES = st.fixed_dictionaries({
-    "options": OPTIONS,
-    "schedule": SCHEDULES,
-    "seed": st.integers(0, 2**16),
-    "dim": st.sampled_from([3, 1, 4]),
-    "tree": TREES,
-}).map(lambda case: {"seed": case["seed"], "dim": case["dim"], "tree": case["tree"], "options": case["options"],
-                     "schedule": case["schedule"]})
+CASES = st.fixed_dictionaries(
+    {
+        "options": OPTIONS,
+        "schedule": SCHEDULES,
+        "seed": st.integers(0, 2**16),
+        "dim": st.sampled_from([3, 1, 4]),
+        "tree": TREES,
+    }
+).map(
+    lambda case: {
+        "seed": case["seed"],
+        "dim": case["dim"],
+        "tree": case["tree"],
+        "options": case["options"],
+        "schedule": case["schedule"],
+    }
+)
 
 
 def features_of(case: dict[str, Any]) -> list[str]:
@@ -1003,4 +1145,3 @@ def describe(case: dict[str, Any]) -> str:
 
     walk(case["tree"], 0)
     return "\n".join(lines)
-

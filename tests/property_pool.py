@@ -42,8 +42,13 @@ def _worker(rank: int, world_size: int, folder: str, inbox: Any, outbox: Any) ->
     torch.set_num_threads(1)
     try:
         # A collective whose peer is gone fails after this long instead of blocking forever.
-        dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=CASE_TIMEOUT_S / 2))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{folder}/rendezvous",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=CASE_TIMEOUT_S / 2),
+        )
         from tests.property_cases import run_case
     except BaseException:  # noqa: BLE001 - reported to the parent
         outbox.put(("start", rank, ("error", traceback.format_exc())))
@@ -86,8 +91,12 @@ class WorkerPool:
         self.inboxes = [self.context.Queue() for _ in range(self.world_size)]
         self.outbox = self.context.Queue()
         self.processes = [
-            self.context.Process(target=_worker, args=(rank, self.world_size, self.folder, self.inboxes[rank],
-                                                       self.outbox), daemon=True, name=f"property-worker-{rank}")
+            self.context.Process(
+                target=_worker,
+                args=(rank, self.world_size, self.folder, self.inboxes[rank], self.outbox),
+                daemon=True,
+                name=f"property-worker-{rank}",
+            )
             for rank in range(self.world_size)
         ]
         for process in self.processes:
@@ -97,7 +106,9 @@ class WorkerPool:
         if problems or len(answers) < self.world_size:
             missing = sorted(set(range(self.world_size)) - set(answers))
             self._stop(force=True)
-            raise PoolFailure(f"the worker pool did not start (no answer from ranks {missing}):\n" + "\n".join(problems))
+            raise PoolFailure(
+                f"the worker pool did not start (no answer from ranks {missing}):\n" + "\n".join(problems)
+            )
 
     def _stop(self, *, force: bool) -> None:
         if not force:

@@ -9,7 +9,8 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
-from lightning_fsdp.demo.gpt import GPT, Block as GPTBlock, GPTConfig
+from lightning_fsdp.demo.gpt import GPT, GPTConfig
+from lightning_fsdp.demo.gpt import Block as GPTBlock
 from lightning_fsdp.engine import fully_shard
 from tests.distributed import run_distributed
 from tests.models import Block, ToyLM, batch, loss_fn

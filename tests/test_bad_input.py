@@ -26,19 +26,19 @@ import functools
 import json
 import subprocess
 import sys
-import tomllib
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 from torch import nn
 
 import lightning_fsdp  # noqa: F401  (registers "fsdp_custom")
 from lightning_fsdp import FSDPStrategy, MixedPrecision
 from lightning_fsdp.config import parse_mixed_precision, parse_module_classes
-
 from tests.processes import ROOT, clean_env, free_port  # noqa: E402
+
 SCRIPT = ROOT / "tests" / "scripts" / "bad_input_run.py"
 from tests.scripts.bad_input_run import LOADS, MISUSE  # noqa: E402
 
@@ -70,15 +70,21 @@ CONSTRUCTOR_CASES = [
     ({"auto_wrap_policy": {"no.such.Module"}}, ValueError, ["'no.such.Module'", "cannot be imported"]),
     ({"auto_wrap_policy": {"torch.nn"}}, TypeError, ["'torch.nn'", "not an nn.Module subclass"]),
     ({"auto_wrap_policy": {"torch.nn.NoSuchLayer"}}, ValueError, ["'torch.nn.NoSuchLayer'", "cannot be imported"]),
-    ({"auto_wrap_policy": lambda module: True}, TypeError,
-     ["auto_wrap_policy=", "(module, recurse, nonwrapped_numel)"]),
+    (
+        {"auto_wrap_policy": lambda module: True},
+        TypeError,
+        ["auto_wrap_policy=", "(module, recurse, nonwrapped_numel)"],
+    ),
     # activation_checkpointing_policy
     ({"activation_checkpointing_policy": "Block"}, TypeError, ["'Block'", "set of nn.Module classes"]),
     ({"activation_checkpointing_policy": 3}, TypeError, ["activation_checkpointing_policy=3"]),
     ({"activation_checkpointing_policy": {int}}, TypeError, ["<class 'int'>", "not an nn.Module subclass"]),
     ({"activation_checkpointing_policy": {"no.such.Block"}}, ValueError, ["'no.such.Block'", "cannot be imported"]),
-    ({"activation_checkpointing_policy": lambda module, recurse: True}, TypeError,
-     ["activation_checkpointing_policy=", "activation_checkpointing_policy(module)"]),
+    (
+        {"activation_checkpointing_policy": lambda module, recurse: True},
+        TypeError,
+        ["activation_checkpointing_policy=", "activation_checkpointing_policy(module)"],
+    ),
     # state_dict_type
     ({"state_dict_type": "zip"}, ValueError, ["'zip'", "'full'", "'sharded'", "'local'"]),
     ({"state_dict_type": None}, ValueError, ["state_dict_type=None", "'full'"]),
@@ -114,13 +120,22 @@ CONSTRUCTOR_CASES = [
     # process_group / device_mesh
     ({"process_group": 5}, TypeError, ["process_group=5", "ProcessGroup or a callable"]),
     ({"process_group": "world"}, TypeError, ["process_group='world'"]),
-    ({"sharding_strategy": "HYBRID_SHARD", "process_group": 5}, TypeError,
-     ["process_group=5", "HYBRID_SHARD", "(shard_group, replicate_group) pair"]),
+    (
+        {"sharding_strategy": "HYBRID_SHARD", "process_group": 5},
+        TypeError,
+        ["process_group=5", "HYBRID_SHARD", "(shard_group, replicate_group) pair"],
+    ),
     ({"device_mesh": object()}, ValueError, ["device_mesh is only used by HYBRID_SHARD", "'FULL_SHARD'"]),
-    ({"sharding_strategy": "HYBRID_SHARD_ZERO2", "device_mesh": "mesh"}, ValueError,
-     ["device_mesh='mesh'", "2-D DeviceMesh"]),
-    ({"sharding_strategy": "HYBRID_SHARD", "device_mesh": object(), "process_group": lambda: None}, ValueError,
-     ["either device_mesh or process_group"]),
+    (
+        {"sharding_strategy": "HYBRID_SHARD_ZERO2", "device_mesh": "mesh"},
+        ValueError,
+        ["device_mesh='mesh'", "2-D DeviceMesh"],
+    ),
+    (
+        {"sharding_strategy": "HYBRID_SHARD", "device_mesh": object(), "process_group": lambda: None},
+        ValueError,
+        ["either device_mesh or process_group"],
+    ),
     # the process options
     ({"start_method": "thread"}, ValueError, ["'thread'", "popen", "spawn", "fork", "forkserver"]),
     ({"start_method": None}, ValueError, ["start_method=None", "popen"]),
@@ -157,8 +172,13 @@ def test_precision_plugin_and_mixed_precision_conflict():
 def test_good_values_are_accepted():
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
-    strategy = FSDPStrategy(auto_wrap_policy={"torch.nn.Linear"}, backward_prefetch=None, timeout=None,
-                            activation_checkpointing_policy=lambda module: False, param_init_fn=lambda m: None)
+    strategy = FSDPStrategy(
+        auto_wrap_policy={"torch.nn.Linear"},
+        backward_prefetch=None,
+        timeout=None,
+        activation_checkpointing_policy=lambda module: False,
+        param_init_fn=lambda m: None,
+    )
     assert strategy.auto_wrap_policy.classes == (torch.nn.Linear,)
     FSDPStrategy(auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=10))
     assert FSDPStrategy(ignored_modules=nn.Linear(2, 2)).ignored_modules[0].in_features == 2
@@ -185,8 +205,12 @@ MIXED_PRECISION_CASES = [
     ("class", {"cast_forward_inputs": 1}, TypeError, ["cast_forward_inputs=1", "True or False"]),
     ("class", {"cast_root_forward_inputs": None}, TypeError, ["cast_root_forward_inputs=None"]),
     ("class", {"param_type": torch.bfloat16}, TypeError, ["param_type"]),
-    ("dict", {"param_type": "bfloat16"}, ValueError,
-     ["'param_type'", "param_dtype", "reduce_dtype", "buffer_dtype", "cast_root_forward_inputs"]),
+    (
+        "dict",
+        {"param_type": "bfloat16"},
+        ValueError,
+        ["'param_type'", "param_dtype", "reduce_dtype", "buffer_dtype", "cast_root_forward_inputs"],
+    ),
     ("dict", {"param_dtype": "bfloat17"}, ValueError, ["param_dtype='bfloat17'", "not a torch dtype", "'bfloat16'"]),
     ("dict", {"reduce_dtype": "torch.int8"}, TypeError, ["reduce_dtype=torch.int8", "floating torch.dtype"]),
     ("dict", {"buffer_dtype": "Tensor"}, ValueError, ["buffer_dtype='Tensor'", "not a torch dtype"]),
@@ -220,8 +244,12 @@ FULLY_SHARD_CASES = [
     (None, {"sharding_strategy": "ZERO3"}, ValueError, ["'ZERO3'", *CHOICES]),
     (None, {"sharding_strategy": "HYBRID_SHARD"}, ValueError, ["'HYBRID_SHARD'", "replicate_group"]),
     (None, {"process_group": 5}, TypeError, ["process_group=5", "ProcessGroup"]),
-    (None, {"sharding_strategy": "HYBRID_SHARD", "replicate_group": "group"}, TypeError,
-     ["replicate_group='group'", "ProcessGroup"]),
+    (
+        None,
+        {"sharding_strategy": "HYBRID_SHARD", "replicate_group": "group"},
+        TypeError,
+        ["replicate_group='group'", "ProcessGroup"],
+    ),
     (None, {"auto_wrap_policy": "Block"}, TypeError, ["auto_wrap_policy='Block'"]),
     (None, {"auto_wrap_policy": lambda module, recurse: True}, TypeError, ["(module, recurse, nonwrapped_numel)"]),
     (None, {"mixed_precision": "bf16"}, TypeError, ["mixed_precision='bf16'"]),
@@ -299,29 +327,69 @@ def _trainer(**kwargs):
 
 # (label, call, exception, fragments)
 OTHER_CASES = [
-    ("parse_module_classes: a string", lambda: parse_module_classes("torch.nn.Linear", "policy"), TypeError,
-     ["policy='torch.nn.Linear'", "set of nn.Module subclasses"]),
-    ("parse_module_classes: a class", lambda: parse_module_classes(nn.Linear, "policy"), TypeError,
-     ["policy=<class", "set of nn.Module subclasses"]),
-    ("parse_module_classes: empty path", lambda: parse_module_classes([""], "policy"), ValueError,
-     ["policy names ''", "cannot be imported"]),
-    ("parse_module_classes: a function", lambda: parse_module_classes(["torch.nn.functional.relu"], "policy"),
-     TypeError, ["'torch.nn.functional.relu'", "not an nn.Module subclass"]),
-    ("checkpointing policy: a float", lambda: _checkpointing_policy(0.5), TypeError,
-     ["activation_checkpointing_policy=0.5", "callable (module) -> bool"]),
+    (
+        "parse_module_classes: a string",
+        lambda: parse_module_classes("torch.nn.Linear", "policy"),
+        TypeError,
+        ["policy='torch.nn.Linear'", "set of nn.Module subclasses"],
+    ),
+    (
+        "parse_module_classes: a class",
+        lambda: parse_module_classes(nn.Linear, "policy"),
+        TypeError,
+        ["policy=<class", "set of nn.Module subclasses"],
+    ),
+    (
+        "parse_module_classes: empty path",
+        lambda: parse_module_classes([""], "policy"),
+        ValueError,
+        ["policy names ''", "cannot be imported"],
+    ),
+    (
+        "parse_module_classes: a function",
+        lambda: parse_module_classes(["torch.nn.functional.relu"], "policy"),
+        TypeError,
+        ["'torch.nn.functional.relu'", "not an nn.Module subclass"],
+    ),
+    (
+        "checkpointing policy: a float",
+        lambda: _checkpointing_policy(0.5),
+        TypeError,
+        ["activation_checkpointing_policy=0.5", "callable (module) -> bool"],
+    ),
     ("estimate_memory: model", lambda: _estimate(model=3), TypeError, ["model=3", "nn.Module"]),
-    ("estimate_memory: world_size str", lambda: _estimate(world_size="2"), ValueError,
-     ["world_size='2'", "positive int"]),
+    (
+        "estimate_memory: world_size str",
+        lambda: _estimate(world_size="2"),
+        ValueError,
+        ["world_size='2'", "positive int"],
+    ),
     ("estimate_memory: world_size bool", lambda: _estimate(world_size=True), ValueError, ["world_size=True"]),
     ("estimate_memory: rank -1", lambda: _estimate(rank=-1), ValueError, ["rank=-1", "[0, 1]"]),
-    ("estimate_memory: auto_wrap_policy", lambda: _estimate(auto_wrap_policy="Linear"), TypeError,
-     ["auto_wrap_policy='Linear'"]),
-    ("estimate_memory: precision flag", lambda: _estimate(mixed_precision="64-true"), ValueError,
-     ["mixed_precision='64-true'", "'bf16-mixed'", "'32-true'"]),
-    ("estimate_memory: dict field", lambda: _estimate(mixed_precision={"dtype": "bfloat16"}), ValueError,
-     ["'dtype'", "param_dtype"]),
-    ("ShardingMonitor: log_every str", lambda: _monitor(log_every_n_steps="5"), ValueError,
-     ["log_every_n_steps='5'", "positive int or None"]),
+    (
+        "estimate_memory: auto_wrap_policy",
+        lambda: _estimate(auto_wrap_policy="Linear"),
+        TypeError,
+        ["auto_wrap_policy='Linear'"],
+    ),
+    (
+        "estimate_memory: precision flag",
+        lambda: _estimate(mixed_precision="64-true"),
+        ValueError,
+        ["mixed_precision='64-true'", "'bf16-mixed'", "'32-true'"],
+    ),
+    (
+        "estimate_memory: dict field",
+        lambda: _estimate(mixed_precision={"dtype": "bfloat16"}),
+        ValueError,
+        ["'dtype'", "param_dtype"],
+    ),
+    (
+        "ShardingMonitor: log_every str",
+        lambda: _monitor(log_every_n_steps="5"),
+        ValueError,
+        ["log_every_n_steps='5'", "positive int or None"],
+    ),
     ("ShardingMonitor: log_every -1", lambda: _monitor(log_every_n_steps=-1), ValueError, ["log_every_n_steps=-1"]),
     ("ShardingMonitor: prefix int", lambda: _monitor(prefix=3), ValueError, ["prefix=3", "non-empty string"]),
     ("HPU devices: a dict", lambda: _hpu_parse({0: 1}), ValueError, ["devices={0: 1}", "-1 or 'auto'"]),
@@ -329,13 +397,26 @@ OTHER_CASES = [
     ("HPU devices: [0.5]", lambda: _hpu_parse([0.5]), ValueError, ["devices=[0.5]"]),
     ("HPU devices: (True,)", lambda: _hpu_parse((True,)), ValueError, ["devices=(True,)"]),
     ("HPU devices: bytes", lambda: _hpu_parse(b"1"), ValueError, ["devices=b'1'"]),
-    ("Trainer: unknown strategy name", lambda: _trainer(strategy="fsdp_custom_bogus"), ValueError,
-     ["strategy='fsdp_custom_bogus'", "choices"]),
-    ("Trainer: precision fsdp_custom refuses", lambda: _trainer(strategy="fsdp_custom", precision="64-true"),
-     ValueError, ["precision='64-true'", "'32-true'", "'bf16-mixed'"]),
-    ("Trainer: flag and MixedPrecision", lambda: _trainer(
-        strategy=FSDPStrategy(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)), precision="bf16-mixed"),
-     ValueError, ["precision='bf16-mixed'", "mixed_precision", "only one"]),
+    (
+        "Trainer: unknown strategy name",
+        lambda: _trainer(strategy="fsdp_custom_bogus"),
+        ValueError,
+        ["strategy='fsdp_custom_bogus'", "choices"],
+    ),
+    (
+        "Trainer: precision fsdp_custom refuses",
+        lambda: _trainer(strategy="fsdp_custom", precision="64-true"),
+        ValueError,
+        ["precision='64-true'", "'32-true'", "'bf16-mixed'"],
+    ),
+    (
+        "Trainer: flag and MixedPrecision",
+        lambda: _trainer(
+            strategy=FSDPStrategy(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)), precision="bf16-mixed"
+        ),
+        ValueError,
+        ["precision='bf16-mixed'", "mixed_precision", "only one"],
+    ),
 ]
 
 
@@ -359,14 +440,26 @@ def launch(tmp_path_factory) -> tuple[Path, list[dict], list[tuple]]:
     port = str(free_port())
     procs = []
     for rank in range(2):
-        env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", NODE_RANK="0",
-                        LOCAL_RANK=str(rank))
+        env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", NODE_RANK="0", LOCAL_RANK=str(rank))
         log = open(work / f"log.rank{rank}", "w")
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--work", str(work)], env=env, cwd=work,
-                                      stdout=log, stderr=subprocess.STDOUT))
-    commands = [(argv, subprocess.Popen(argv, cwd=commands_dir, env=clean_env(), stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True))
-                for argv in _real_commands(commands_dir)]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), "--work", str(work)],
+                env=env,
+                cwd=work,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    commands = [
+        (
+            argv,
+            subprocess.Popen(
+                argv, cwd=commands_dir, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            ),
+        )
+        for argv in _real_commands(commands_dir)
+    ]
     try:
         finished = [(argv, *_communicate(proc)) for argv, proc in commands]
         codes = [p.wait(timeout=240) for p in procs]
@@ -400,23 +493,35 @@ LOADER_CASES = {
     "full_two_optimizers": ("CheckpointMismatchError", ["state of 2 optimizer(s)", "configured 1"]),
     "full_bad_optimizer_state": ("CheckpointMismatchError", ["not a torch.optim state dict", "'momentum_buffer'"]),
     "sharded_no_meta": ("CheckpointLoadError", ["{work}/sharded_no_meta", "'meta.pt'", "is missing"]),
-    "sharded_corrupt_metadata": ("CheckpointLoadError", ["{work}/sharded_corrupt_metadata", "'.metadata'",
-                                                         "truncated or corrupt"]),
-    "sharded_corrupt_shard": ("CheckpointLoadError", ["{work}/sharded_corrupt_shard", "shard data is corrupt",
-                                                      "rank 0"]),
+    "sharded_corrupt_metadata": (
+        "CheckpointLoadError",
+        ["{work}/sharded_corrupt_metadata", "'.metadata'", "truncated or corrupt"],
+    ),
+    "sharded_corrupt_shard": (
+        "CheckpointLoadError",
+        ["{work}/sharded_corrupt_shard", "shard data is corrupt", "rank 0"],
+    ),
     "sharded_other_optimizer": ("CheckpointMismatchError", ["{work}/good_sharded", "sizes [6, 6]", "[12]"]),
-    "local_rank0_random": ("CheckpointLoadError", ["{work}/local_rank0_random/rank-0.pt",
-                                                   "is not a PyTorch checkpoint"]),
+    "local_rank0_random": (
+        "CheckpointLoadError",
+        ["{work}/local_rank0_random/rank-0.pt", "is not a PyTorch checkpoint"],
+    ),
     "local_rank1_empty": ("CheckpointLoadError", ["{work}/local_rank1_empty", "'rank-1.pt' is empty"]),
-    "local_rank_files_swapped": ("CheckpointLoadError", ["rank-1.pt' holds the shards of rank 0 of 2",
-                                                         "assembled from different saves"]),
+    "local_rank_files_swapped": (
+        "CheckpointLoadError",
+        ["rank-1.pt' holds the shards of rank 0 of 2", "assembled from different saves"],
+    ),
     "local_meta_truncated": ("CheckpointLoadError", ["{work}/local_meta_truncated/meta.pt", "truncated or corrupt"]),
-    "local_meta_foreign": ("CheckpointLoadError", ["{work}/local_meta_foreign/meta.pt",
-                                                   "does not describe a local checkpoint"]),
+    "local_meta_foreign": (
+        "CheckpointLoadError",
+        ["{work}/local_meta_foreign/meta.pt", "does not describe a local checkpoint"],
+    ),
     "local_other_optimizer": ("CheckpointMismatchError", ["{work}/good_local", "sizes [6, 6]", "[12]"]),
     "dir_only_meta": ("CheckpointLoadError", ["{work}/dir_only_meta", "shard files are missing"]),
-    "dir_rank_files_no_meta": ("CheckpointIsDirectoryError", ["{work}/dir_rank_files_no_meta",
-                                                              "is a directory but not a checkpoint", "'rank-0.pt'"]),
+    "dir_rank_files_no_meta": (
+        "CheckpointIsDirectoryError",
+        ["{work}/dir_rank_files_no_meta", "is a directory but not a checkpoint", "'rank-0.pt'"],
+    ),
 }
 
 
@@ -553,15 +658,24 @@ STRATEGY_BY_CLASS = "trainer:\n  strategy:\n    class_path: lightning_fsdp.FSDPS
 CLI_CASES = [
     (STRATEGY_BY_CLASS + "      sharding_strategy: BOGUS\n", ["sharding_strategy='BOGUS'", *CHOICES]),
     (STRATEGY_BY_CLASS + "      state_dict_type: zip\n", ["state_dict_type='zip'", "'full'", "'sharded'", "'local'"]),
-    (STRATEGY_BY_CLASS + "      auto_wrap_policy: [lightning_fsdp.demo.gpt.NoSuchBlock]\n",
-     ["'lightning_fsdp.demo.gpt.NoSuchBlock'", "cannot be imported"]),
-    (STRATEGY_BY_CLASS + "      activation_checkpointing_policy: [no_such_package.Block]\n",
-     ["'no_such_package.Block'", "cannot be imported"]),
+    (
+        STRATEGY_BY_CLASS + "      auto_wrap_policy: [lightning_fsdp.demo.gpt.NoSuchBlock]\n",
+        ["'lightning_fsdp.demo.gpt.NoSuchBlock'", "cannot be imported"],
+    ),
+    (
+        STRATEGY_BY_CLASS + "      activation_checkpointing_policy: [no_such_package.Block]\n",
+        ["'no_such_package.Block'", "cannot be imported"],
+    ),
     (STRATEGY_BY_CLASS + "      backward_prefetch: EARLY\n", ["backward_prefetch='EARLY'", "BACKWARD_POST"]),
     # jsonargparse checks MixedPrecision's fields itself, while parsing (no traceback either):
-    (STRATEGY_BY_CLASS + "      mixed_precision: {param_dtype: torch.bfloat17}\n",
-     ['Parser key "param_dtype"', "torch.bfloat17"]),
-    (STRATEGY_BY_CLASS + "      mixed_precision: {param_type: torch.bfloat16}\n", ["Option 'param_type' is not accepted"]),
+    (
+        STRATEGY_BY_CLASS + "      mixed_precision: {param_dtype: torch.bfloat17}\n",
+        ['Parser key "param_dtype"', "torch.bfloat17"],
+    ),
+    (
+        STRATEGY_BY_CLASS + "      mixed_precision: {param_type: torch.bfloat16}\n",
+        ["Option 'param_type' is not accepted"],
+    ),
     (STRATEGY_BY_CLASS + "      mixed_precision: {param_dtype: torch.int8}\n", ["param_dtype=torch.int8", "floating"]),
     (STRATEGY_BY_CLASS + "      start_method: thread\n", ['Parser key "start_method"', "thread", "popen"]),
     (STRATEGY_BY_CLASS + "      forward_prefetch: maybe\n", ["forward_prefetch", "maybe"]),
@@ -595,8 +709,11 @@ def _console_script() -> list[str]:
         return [str(installed)]
     entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["lightning-fsdp"]
     module, func = entry.split(":")
-    return [sys.executable, "-c",
-            f"import sys; sys.argv[0] = 'lightning-fsdp'; from {module} import {func}; sys.exit({func}())"]
+    return [
+        sys.executable,
+        "-c",
+        f"import sys; sys.argv[0] = 'lightning-fsdp'; from {module} import {func}; sys.exit({func}())",
+    ]
 
 
 def _real_commands(folder: Path) -> list[list[str]]:
@@ -609,10 +726,18 @@ def _real_commands(folder: Path) -> list[list[str]]:
 # The commands as a user types them, each in its own process: (program, arguments, exit status, fragments of stderr).
 # The other cases of both commands run through the same main() in this process (sections 7 and 8).
 REAL_COMMANDS = [
-    ([sys.executable, "-m", "lightning_fsdp.checkpoint.convert"], ["{dir}/garbage.ckpt", "{dir}/out"], 1,
-     ["lightning-fsdp convert: error:", "garbage.ckpt", "not a PyTorch checkpoint"]),
-    (_console_script(), ["fit", *CLI_BASE, "--config", "{dir}/bad.yaml"], 2,
-     ["lightning-fsdp: error:", "sharding_strategy='BOGUS'", "FULL_SHARD", "LIGHTNING_FSDP_DEBUG"]),
+    (
+        [sys.executable, "-m", "lightning_fsdp.checkpoint.convert"],
+        ["{dir}/garbage.ckpt", "{dir}/out"],
+        1,
+        ["lightning-fsdp convert: error:", "garbage.ckpt", "not a PyTorch checkpoint"],
+    ),
+    (
+        _console_script(),
+        ["fit", *CLI_BASE, "--config", "{dir}/bad.yaml"],
+        2,
+        ["lightning-fsdp: error:", "sharding_strategy='BOGUS'", "FULL_SHARD", "LIGHTNING_FSDP_DEBUG"],
+    ),
 ]
 
 

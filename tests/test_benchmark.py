@@ -18,8 +18,26 @@ from lightning_fsdp.benchmark.variants import parse_variants
 from lightning_fsdp.demo.data import default_text_path
 from lightning_fsdp.demo.gpt import GPT, GPTConfig
 
-TINY = ["--layers", "2", "--width", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "3",
-        "--warmup", "1", "--mem-steps", "2", "--world-sizes", "1,2"]
+TINY = [
+    "--layers",
+    "2",
+    "--width",
+    "32",
+    "--heads",
+    "2",
+    "--seq",
+    "16",
+    "--batch",
+    "2",
+    "--steps",
+    "3",
+    "--warmup",
+    "1",
+    "--mem-steps",
+    "2",
+    "--world-sizes",
+    "1,2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +132,9 @@ def test_engine_traffic_matches_theory(tiny_run):
     # The root unit (embeddings, final LayerNorm, tied head) stays gathered from forward into backward.
     root_share = 1 - sum(p.numel() for p in model.blocks.parameters()) / model.num_parameters()
     by_key = {r["key"]: r for r in results["variants"]}
-    full, grad_op, no_shard = (by_key[k]["comm_per_step"] for k in
-                               ("custom_full_shard", "custom_shard_grad_op", "custom_no_shard"))
+    full, grad_op, no_shard = (
+        by_key[k]["comm_per_step"] for k in ("custom_full_shard", "custom_shard_grad_op", "custom_no_shard")
+    )
     padding = 0.02  # a padding row per parameter at most, on a tiny model
     assert 2 - root_share - 0.01 <= full["all_gathered"] / P <= 2 + padding
     assert 1 <= full["reduce_scatter"] / P <= 1 + padding

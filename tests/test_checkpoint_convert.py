@@ -73,12 +73,21 @@ def test_sharded_to_full_is_a_plain_lightning_checkpoint(runs):
     module, optimizer = _reference_optimizer()
     module.load_state_dict(ckpt["state_dict"])
     optimizer.load_state_dict(state)
-    assert torch.equal(optimizer.state[module.model.emb.weight]["momentum_buffer"],
-                       saved["optimizer_states"][0]["state"][1]["momentum_buffer"])
+    assert torch.equal(
+        optimizer.state[module.model.emb.weight]["momentum_buffer"],
+        saved["optimizer_states"][0]["state"][1]["momentum_buffer"],
+    )
     # `python -m lightning_fsdp.checkpoint.convert` writes the same checkpoint.
     out = runs.path("cv_module.ckpt")
-    proc = subprocess.run([sys.executable, "-m", "lightning_fsdp.checkpoint.convert", runs.path("sh_3.ckpt"), out],
-                          env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_fsdp.checkpoint.convert", runs.path("sh_3.ckpt"), out],
+        env=ENV,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Wrote a full checkpoint" in proc.stdout
     again = torch.load(out, weights_only=False)
@@ -91,8 +100,21 @@ def test_lightning_consolidate_checkpoint_reads_our_directories(runs):
     out = runs.path("cv_lightning.ckpt")
     if not os.path.exists(out):
         proc = subprocess.run(
-            [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", runs.path("sh_3.ckpt"),
-             "--output_file", out], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+            [
+                sys.executable,
+                "-m",
+                "lightning.pytorch.utilities.consolidate_checkpoint",
+                runs.path("sh_3.ckpt"),
+                "--output_file",
+                out,
+            ],
+            env=ENV,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt = torch.load(out, weights_only=False)
     saved = full["saved"]
@@ -108,8 +130,9 @@ def test_lightning_consolidate_checkpoint_reads_our_directories(runs):
     _module, optimizer = _reference_optimizer()
     optimizer.load_state_dict(state)
     for index, param in enumerate(p for g in optimizer.param_groups for p in g["params"]):
-        assert torch.equal(optimizer.state[param]["momentum_buffer"],
-                           saved["optimizer_states"][0]["state"][index]["momentum_buffer"])
+        assert torch.equal(
+            optimizer.state[param]["momentum_buffer"], saved["optimizer_states"][0]["state"][index]["momentum_buffer"]
+        )
 
 
 def test_converted_file_resumes_under_plain_lightning_on_one_device(runs):
@@ -118,8 +141,9 @@ def test_converted_file_resumes_under_plain_lightning_on_one_device(runs):
     resumed = runs.train("cv_single")
     assert resumed["strategy"] == "SingleDeviceStrategy" and resumed["world_size"] == 1
     assert_tensors_equal(resumed["start"]["params"], full["saved"]["params"], "restored params")
-    assert_optimizer_equal(resumed["start"]["optimizer_states"][0], full["saved"]["optimizer_states"][0],
-                           "restored optim")
+    assert_optimizer_equal(
+        resumed["start"]["optimizer_states"][0], full["saved"]["optimizer_states"][0], "restored optim"
+    )
     assert resumed["start"]["global_step"] == 3
     # One process averages over 24 tokens at once, two over 12 each: equal up to fp32 rounding.
     assert [r[0] for r in resumed["records"]] == [3, 4, 5]
@@ -145,8 +169,9 @@ def test_full_to_sharded_round_trip_and_resume(runs):
     resumed = runs.train("cv_sharded")
     assert resumed["records"] == full["records"][3:]
     assert_tensors_equal(resumed["start"]["params"], full["saved"]["params"], "restored params")
-    assert_optimizer_equal(resumed["start"]["optimizer_states"][0], full["saved"]["optimizer_states"][0],
-                           "restored optim")
+    assert_optimizer_equal(
+        resumed["start"]["optimizer_states"][0], full["saved"]["optimizer_states"][0], "restored optim"
+    )
     assert_tensors_equal(resumed["end"]["params"], full["end"]["params"], "final params")
 
 

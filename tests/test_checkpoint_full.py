@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -30,8 +31,9 @@ def _script(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
     """Run the script in its own session; on timeout kill the whole group (Lightning's launcher starts rank 1 as a
     child of rank 0, which ``subprocess.run``'s timeout alone would leave behind, blocked in a collective)."""
     cmd = [sys.executable, SCRIPT, *args]
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -53,20 +55,39 @@ class Runs:
         # fsdp_custom, SGD with momentum: 6 steps, saving after step 3 (at the first epoch's end, where
         # ModelCheckpoint saves); then fresh processes resume from that file to step 6.
         "fsdp_sgd_6": ["--epochs", "2", "--save-in-fit", "{dir}/fsdp_sgd_3.ckpt"],
-        "fsdp_sgd_resumed": ["--epochs", "2", "--resume", "{dir}/fsdp_sgd_3.ckpt",
-                             "--validate-ckpt", "{dir}/fsdp_sgd_3.ckpt"],
+        "fsdp_sgd_resumed": [
+            "--epochs",
+            "2",
+            "--resume",
+            "{dir}/fsdp_sgd_3.ckpt",
+            "--validate-ckpt",
+            "{dir}/fsdp_sgd_3.ckpt",
+        ],
         # fsdp_custom, AdamW + StepLR(step_size=2) stepped per step.
         "fsdp_adamw_6": ["--optimizer", "adamw", "--epochs", "2", "--save-in-fit", "{dir}/fsdp_adamw_3.ckpt"],
         "fsdp_adamw_resumed": ["--optimizer", "adamw", "--epochs", "2", "--resume", "{dir}/fsdp_adamw_3.ckpt"],
         # Interchange. DDP trains 3 steps and saves after fit; fsdp_custom resumes it and saves after fit too.
         "ddp_from_fsdp": ["--strategy", "ddp", "--epochs", "2", "--resume", "{dir}/fsdp_sgd_3.ckpt"],
-        "single_from_fsdp": ["--strategy", "single", "--devices", "1", "--epochs", "2",
-                             "--resume", "{dir}/fsdp_sgd_3.ckpt"],
+        "single_from_fsdp": [
+            "--strategy",
+            "single",
+            "--devices",
+            "1",
+            "--epochs",
+            "2",
+            "--resume",
+            "{dir}/fsdp_sgd_3.ckpt",
+        ],
         "ddp_sgd_3": ["--strategy", "ddp", "--epochs", "1", "--save", "{dir}/ddp_sgd_3.ckpt"],
         "fsdp_from_ddp": ["--epochs", "2", "--resume", "{dir}/ddp_sgd_3.ckpt", "--save", "{dir}/fsdp_final.ckpt"],
     }
-    NEEDS = {"fsdp_sgd_resumed": "fsdp_sgd_6", "fsdp_adamw_resumed": "fsdp_adamw_6", "ddp_from_fsdp": "fsdp_sgd_6",
-             "single_from_fsdp": "fsdp_sgd_6", "fsdp_from_ddp": "ddp_sgd_3"}
+    NEEDS = {
+        "fsdp_sgd_resumed": "fsdp_sgd_6",
+        "fsdp_adamw_resumed": "fsdp_adamw_6",
+        "ddp_from_fsdp": "fsdp_sgd_6",
+        "single_from_fsdp": "fsdp_sgd_6",
+        "fsdp_from_ddp": "ddp_sgd_3",
+    }
 
     def __init__(self, folder: str) -> None:
         self.dir = folder
@@ -299,7 +320,7 @@ def test_failed_save_removes_temp_file_and_keeps_previous(tmp_path):
     good = _good_checkpoint()
     io.save_checkpoint(good, path)
     before = _sha(path)
-    with pytest.raises(Exception):
+    with pytest.raises(pickle.PicklingError):
         io.save_checkpoint({"state_dict": good["state_dict"], "unpicklable": lambda: None}, path)
     assert _sha(path) == before
     assert os.listdir(tmp_path) == ["last.ckpt"]

@@ -35,14 +35,20 @@ from tests.models import Block, ToyLM, batch, loss_fn
 def build(groups, seed):
     torch.manual_seed(seed)
     model = ToyLM()
-    engine = fully_shard(model, sharding_strategy="HYBRID_SHARD", auto_wrap_policy={Block}, process_group=groups[0],
-                         replicate_group=groups[1])
+    engine = fully_shard(
+        model,
+        sharding_strategy="HYBRID_SHARD",
+        auto_wrap_policy={Block},
+        process_group=groups[0],
+        replicate_group=groups[1],
+    )
     return model, engine, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
 def snapshot(engine, optimizer):
-    return full_model_state_dict(engine, rank0_only=False), full_optimizer_state_dict(engine, optimizer,
-                                                                                      rank0_only=False)
+    return full_model_state_dict(engine, rank0_only=False), full_optimizer_state_dict(
+        engine, optimizer, rank0_only=False
+    )
 
 
 def round_trip(rank, world_size, mode, folder):
@@ -56,13 +62,25 @@ def round_trip(rank, world_size, mode, folder):
     saved = snapshot(engine, optimizer)
     path = os.path.join(folder, f"{mode}.ckpt")
     if mode == "sharded":
-        save_sharded_checkpoint({"state_dict": sharded_model_state_dict(engine),
-                                 "optimizer_states": [sharded_optimizer_state_dict(engine, optimizer)],
-                                 "global_step": 2}, path)
+        save_sharded_checkpoint(
+            {
+                "state_dict": sharded_model_state_dict(engine),
+                "optimizer_states": [sharded_optimizer_state_dict(engine, optimizer)],
+                "global_step": 2,
+            },
+            path,
+        )
     else:
-        save_local_checkpoint({"state_dict": local_model_state_dict(engine),
-                               "optimizer_states": [local_optimizer_state_dict(optimizer)], "global_step": 2}, path,
-                              engine, [optimizer])
+        save_local_checkpoint(
+            {
+                "state_dict": local_model_state_dict(engine),
+                "optimizer_states": [local_optimizer_state_dict(optimizer)],
+                "global_step": 2,
+            },
+            path,
+            engine,
+            [optimizer],
+        )
     dist.barrier()
     _, engine_b, optimizer_b = build(groups, seed=1)  # different initial values, overwritten by the load
     loader = load_sharded_checkpoint if mode == "sharded" else load_local_checkpoint

@@ -51,8 +51,9 @@ def test_resume_parity_after_a_rank_is_killed_mid_save(runs):
     resumed = runs.train("lo_resumed")
     assert resumed["records"] == full["records"][3:]  # steps 4-6: same losses and lr, bit for bit
     assert_tensors_equal(resumed["start"]["params"], full["saved"]["params"], "restored params")
-    assert_optimizer_equal(resumed["start"]["optimizer_states"][0], full["saved"]["optimizer_states"][0],
-                           "restored optim")
+    assert_optimizer_equal(
+        resumed["start"]["optimizer_states"][0], full["saved"]["optimizer_states"][0], "restored optim"
+    )
     assert_tensors_equal(resumed["end"]["params"], full["end"]["params"], "final params")
     assert_optimizer_equal(resumed["end"]["optimizer_states"][0], full["end"]["optimizer_states"][0], "final optim")
     after = load_as_full(path)  # replaced by the resumed run's save after fit
@@ -87,7 +88,9 @@ def test_layout_one_file_per_rank_with_its_raw_shards(runs):
         assert fc1_w.untyped_storage().data_ptr() == fc1_b.untyped_storage().data_ptr()
         # The rows of rank r are rows_of(r) of the full tensor saved at step 3.
         start, end = emb["rows"][rank]
-        assert torch.equal(data["state_dict"]["model.emb.weight"], full["saved"]["params"]["model.emb.weight"][start:end])
+        assert torch.equal(
+            data["state_dict"]["model.emb.weight"], full["saved"]["params"]["model.emb.weight"][start:end]
+        )
 
 
 def test_convert_local_to_full(runs, tmp_path):
@@ -144,10 +147,18 @@ def _error(outcome: dict, name: str, kind: str, *needles: str) -> str:
 def test_mismatch_and_damage_errors_on_every_rank(runs):
     outcomes = _cases(runs)
     for outcome in outcomes:
-        _error(outcome, "other_model", "CheckpointMismatchError",
-               "parameter 'model.tiny' has shape (1, 5) in the checkpoint but (1, 6) in the model")
-        _error(outcome, "no_shard", "CheckpointMismatchError",
-               "'model.tiny' is split into rows [(0, 1), (1, 1)] across ranks in the checkpoint but [(0, 1)] in this run")
+        _error(
+            outcome,
+            "other_model",
+            "CheckpointMismatchError",
+            "parameter 'model.tiny' has shape (1, 5) in the checkpoint but (1, 6) in the model",
+        )
+        _error(
+            outcome,
+            "no_shard",
+            "CheckpointMismatchError",
+            "'model.tiny' is split into rows [(0, 1), (1, 1)] across ranks in the checkpoint but [(0, 1)] in this run",
+        )
         _error(outcome, "missing", "CheckpointLoadError", "'rank-1.pt' is missing")
         _error(outcome, "extra_strict", "CheckpointMismatchError", "missing keys ['extra']")
         _error(outcome, "weights_only_fit", "KeyError", "contains only the model")
@@ -175,5 +186,6 @@ def test_non_strict_weights_only_and_exact_restore(runs):
 def test_another_world_size_is_refused(runs):
     runs.train("lo_6")
     (outcome,) = runs.cases("lo_world1", [{"name": "world1", "ckpt": runs.path("lo_3.ckpt")}], devices=1)
-    _error(outcome, "world1", "CheckpointMismatchError", "was written by 2 ranks, this run has 1",
-           "lightning-fsdp convert")
+    _error(
+        outcome, "world1", "CheckpointMismatchError", "was written by 2 ranks, this run has 1", "lightning-fsdp convert"
+    )

@@ -100,8 +100,13 @@ def test_directory_layout_each_rank_writes_its_rows(runs):
     meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
     assert "state_dict" not in meta and "optimizer_states" not in meta
     assert meta["global_step"] == 3 and meta["epoch"] == 0 and "loops" in meta and "callbacks" in meta
-    assert meta["lightning_fsdp"] == {"format": "sharded", "version": 1, "world_size": 2, "num_optimizers": 1,
-                                      "optimizer_keys": "fqn"}
+    assert meta["lightning_fsdp"] == {
+        "format": "sharded",
+        "version": 1,
+        "world_size": 2,
+        "num_optimizers": 1,
+        "optimizer_keys": "fqn",
+    }
     # Read back in one process: the full state at step 3.
     ckpt = load_as_full(path)
     assert_tensors_equal(ckpt["state_dict"], full["saved"]["params"], "read-back params")
@@ -256,18 +261,28 @@ def test_load_errors_name_the_file_and_the_problem_on_every_rank(runs):
     outcomes = _cases(runs)
     bad = _bad_copies(runs)
     _error_on_every_rank(outcomes, "missing", "CheckpointLoadError", bad["missing"], "'__1_0.distcp' is missing")
-    _error_on_every_rank(outcomes, "truncated", "CheckpointLoadError", "'__0_0.distcp' is truncated",
-                         "needs at least")
-    _error_on_every_rank(outcomes, "bad_meta", "CheckpointLoadError", os.path.join(bad["bad_meta"], "meta.pt"),
-                         "truncated or corrupt")
-    _error_on_every_rank(outcomes, "not_ckpt", "CheckpointIsDirectoryError", bad["not_ckpt"],
-                         "is a directory but not a checkpoint", "'notes.txt'")
-    _error_on_every_rank(outcomes, "fifo", "CheckpointLoadError", bad["fifo"],
-                         "neither a checkpoint file nor a checkpoint directory")
-    _error_on_every_rank(outcomes, "other_model", "CheckpointMismatchError",
-                         "parameter 'model.tiny' has shape (1, 5) in the checkpoint but (1, 6) in the model")
-    _error_on_every_rank(outcomes, "extra_strict", "CheckpointMismatchError", "missing keys ['extra']",
-                         "strict=False")
+    _error_on_every_rank(outcomes, "truncated", "CheckpointLoadError", "'__0_0.distcp' is truncated", "needs at least")
+    _error_on_every_rank(
+        outcomes, "bad_meta", "CheckpointLoadError", os.path.join(bad["bad_meta"], "meta.pt"), "truncated or corrupt"
+    )
+    _error_on_every_rank(
+        outcomes,
+        "not_ckpt",
+        "CheckpointIsDirectoryError",
+        bad["not_ckpt"],
+        "is a directory but not a checkpoint",
+        "'notes.txt'",
+    )
+    _error_on_every_rank(
+        outcomes, "fifo", "CheckpointLoadError", bad["fifo"], "neither a checkpoint file nor a checkpoint directory"
+    )
+    _error_on_every_rank(
+        outcomes,
+        "other_model",
+        "CheckpointMismatchError",
+        "parameter 'model.tiny' has shape (1, 5) in the checkpoint but (1, 6) in the model",
+    )
+    _error_on_every_rank(outcomes, "extra_strict", "CheckpointMismatchError", "missing keys ['extra']", "strict=False")
     # A weights-only checkpoint cannot resume training (Lightning's own message), but validate loads it.
     _error_on_every_rank(outcomes, "weights_only_fit", "KeyError", "contains only the model")
 
@@ -275,8 +290,11 @@ def test_load_errors_name_the_file_and_the_problem_on_every_rank(runs):
 def test_non_strict_and_weights_only_loading(runs):
     full = runs.train("sh_6")
     rank0, rank1 = _cases(runs)
-    for name, expected in (("extra_non_strict", full["saved"]["params"]), ("full_non_strict", full["saved"]["params"]),
-                           ("weights_only_validate", full["end"]["params"])):
+    for name, expected in (
+        ("extra_non_strict", full["saved"]["params"]),
+        ("full_non_strict", full["saved"]["params"]),
+        ("weights_only_validate", full["end"]["params"]),
+    ):
         assert rank0[name].get("ok") and rank1[name].get("ok"), (rank0[name], rank1[name])
         params = dict(rank0[name]["params"])
         if name != "weights_only_validate":
@@ -331,8 +349,9 @@ def test_stale_temp_directories_and_removal(tmp_path):
 
     path = str(tmp_path / "ckpt")
     os.makedirs(path)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead_pid = int(dead.stdout)
     stale = tmp_path / f".ckpt.tmp-{dead_pid}"
     stale.mkdir()
@@ -353,8 +372,17 @@ def test_zero_dim_parameter_ignored_module_and_buffer_reshard_2_1_2(tmp_path):
     from tests.scripts.checkpoint_runs import ROOT, launch
 
     out = str(tmp_path / "out.pt")
-    proc = launch([sys.executable, os.path.join(ROOT, "tests", "scripts", "checkpoint_engine_run.py"),
-                   "--out", out, "--dir", str(tmp_path)], timeout=180)
+    proc = launch(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tests", "scripts", "checkpoint_engine_run.py"),
+            "--out",
+            out,
+            "--dir",
+            str(tmp_path),
+        ],
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = torch.load(out, weights_only=False)
     reference = results["a"]

@@ -34,8 +34,16 @@ BY_NAME = str(EXAMPLES / "strategy_by_name.yaml")
 BY_CLASS = str(EXAMPLES / "strategy_by_class.yaml")
 ACTIVATION_CHECKPOINTING = str(EXAMPLES / "strategy_activation_checkpointing.yaml")
 # A short run: three optimizer steps, then one validation over the 64 validation samples, every step logged.
-SHORT = ["--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--trainer.log_every_n_steps", "1",
-         "--trainer.enable_progress_bar", "false"]
+SHORT = [
+    "--trainer.max_steps",
+    "3",
+    "--trainer.val_check_interval",
+    "3",
+    "--trainer.log_every_n_steps",
+    "1",
+    "--trainer.enable_progress_bar",
+    "false",
+]
 
 
 def _tiny_gpt() -> GPTLightningModule:
@@ -76,11 +84,13 @@ ROUND_TRIPS = [
 ]
 
 
-@pytest.mark.parametrize("runner,subcommand,model,strategy", ROUND_TRIPS,
-                         ids=[f"{r}-{s}-{Path(st).stem}" for r, s, _, st in ROUND_TRIPS])
+@pytest.mark.parametrize(
+    "runner,subcommand,model,strategy", ROUND_TRIPS, ids=[f"{r}-{s}-{Path(st).stem}" for r, s, _, st in ROUND_TRIPS]
+)
 def test_print_config_feeds_back_unchanged(capsys, monkeypatch, tmp_path, runner, subcommand, model, strategy):
-    first = _print_config(capsys, monkeypatch, runner, subcommand, "--config", TRAINER, "--config", model,
-                          "--config", strategy)
+    first = _print_config(
+        capsys, monkeypatch, runner, subcommand, "--config", TRAINER, "--config", model, "--config", strategy
+    )
     saved = tmp_path / "config.yaml"
     saved.write_text(first)
     second = _print_config(capsys, monkeypatch, runner, subcommand, "--config", str(saved))
@@ -119,8 +129,18 @@ def test_command_offers_convert_only_when_the_converter_exists(capsys, monkeypat
 
 
 def test_activation_checkpointing_policy_from_yaml(capsys, monkeypatch, tmp_path):
-    first = _print_config(capsys, monkeypatch, "script", "fit", "--config", TRAINER, "--config", GPT_SCRIPT,
-                          "--config", ACTIVATION_CHECKPOINTING)
+    first = _print_config(
+        capsys,
+        monkeypatch,
+        "script",
+        "fit",
+        "--config",
+        TRAINER,
+        "--config",
+        GPT_SCRIPT,
+        "--config",
+        ACTIVATION_CHECKPOINTING,
+    )
     saved = tmp_path / "config.yaml"
     saved.write_text(first)
     assert _print_config(capsys, monkeypatch, "script", "fit", "--config", str(saved)) == first
@@ -130,9 +150,21 @@ def test_activation_checkpointing_policy_from_yaml(capsys, monkeypatch, tmp_path
     from lightning_fsdp.demo.data import CharDataModule
 
     monkeypatch.setattr(sys, "argv", [str(TRAIN)])  # the arguments come from args= alone
-    built = LightningCLI(GPTLightningModule, CharDataModule, run=False,
-                         args=["--config", TRAINER, "--config", GPT_SCRIPT, "--config", ACTIVATION_CHECKPOINTING,
-                               "--trainer.logger", "false"])
+    built = LightningCLI(
+        GPTLightningModule,
+        CharDataModule,
+        run=False,
+        args=[
+            "--config",
+            TRAINER,
+            "--config",
+            GPT_SCRIPT,
+            "--config",
+            ACTIVATION_CHECKPOINTING,
+            "--trainer.logger",
+            "false",
+        ],
+    )
     policy = built.trainer.strategy.activation_checkpointing_policy
     with torch.device("meta"):
         config = GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -143,7 +175,9 @@ def test_activation_checkpointing_policy_from_yaml(capsys, monkeypatch, tmp_path
 # ---------------------------------------------------------------------------------------------- training runs
 def _run(args: list[str], cwd: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240, check=False)
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240, check=False
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
@@ -160,8 +194,9 @@ def _check_full_checkpoint(path: Path) -> None:
     """One file in Lightning's layout with the unwrapped model's names and full shapes."""
     checkpoint = torch.load(path, weights_only=True)
     reference = GPTLightningModule(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32).state_dict()
-    assert {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items()} == \
-        {k: tuple(v.shape) for k, v in reference.items()}
+    assert {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items()} == {
+        k: tuple(v.shape) for k, v in reference.items()
+    }
     assert checkpoint["global_step"] == 3
     assert checkpoint["hyper_parameters"]["n_embd"] == 32
 
@@ -192,8 +227,9 @@ def test_command_fit_by_class_then_test_from_the_checkpoint(tmp_path):
     # they are gathered in bfloat16 (half the bytes) while gradients are reduced in float32.
     bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for rank in (0, 1):
-        expected = estimate_memory(_tiny_gpt(), 2, "FULL_SHARD", auto_wrap_policy={Block}, mixed_precision=bf16,
-                                   rank=rank)
+        expected = estimate_memory(
+            _tiny_gpt(), 2, "FULL_SHARD", auto_wrap_policy={Block}, mixed_precision=bf16, rank=rank
+        )
         fp32 = estimate_memory(_tiny_gpt(), 2, "FULL_SHARD", auto_wrap_policy={Block}, rank=rank)
         assert expected.num_units == 3 and expected.gathered_params * 2 == fp32.gathered_params
         assert _column(rows, f"fsdp/rank{rank}/gathered_peak_bytes") == [expected.gathered_params] * 3
@@ -208,7 +244,23 @@ def test_command_fit_by_class_then_test_from_the_checkpoint(tmp_path):
     # The checkpoint restored under the strategy reproduces the validation loss on the same 64 samples: validation
     # saw 4 batches of 8 per rank, the test runs in one process (it starts faster) over 8 batches of 8. Equal batch
     # sizes make both the mean over all 64.
-    _run([*command, "test", "--config", TRAINER, "--config", GPT_COMMAND, "--config", BY_CLASS, *SHORT,
-          "--trainer.devices", "1", "--ckpt_path", str(checkpoint)], tmp_path)
+    _run(
+        [
+            *command,
+            "test",
+            "--config",
+            TRAINER,
+            "--config",
+            GPT_COMMAND,
+            "--config",
+            BY_CLASS,
+            *SHORT,
+            "--trainer.devices",
+            "1",
+            "--ckpt_path",
+            str(checkpoint),
+        ],
+        tmp_path,
+    )
     test_rows = _metrics(tmp_path / "logs" / "lightning_logs" / "version_1")
     assert _column(test_rows, "test_loss") == pytest.approx(val_loss, rel=1e-4)

@@ -51,8 +51,9 @@ def volumes(rank, world_size):
             optimizer.step()
             optimizer.zero_grad()
             stats = engine.shard_comm.stats
-            per_step.append((stats.all_gather_bytes, stats.reduce_scatter_bytes, stats.all_reduce_bytes,
-                             stats.peak_gathered_units))
+            per_step.append(
+                (stats.all_gather_bytes, stats.reduce_scatter_bytes, stats.all_reduce_bytes, stats.peak_gathered_units)
+            )
         results[strategy] = (per_step, shard_shapes, grad_shapes)
     return results
 
@@ -97,8 +98,9 @@ def expected_bytes(n: int) -> dict[str, dict[str, int]]:
         trainable = [p for _, p in params if p.requires_grad]
         out[unit] = {
             "gather": FLOAT_BYTES * sum(chunk_numel(tuple(p.shape), n) for _, p in params),
-            "reduce_scatter": FLOAT_BYTES * n * (sum(chunk_numel(tuple(p.shape), n) for p in trainable)
-                                                 + len(trainable)),
+            "reduce_scatter": FLOAT_BYTES
+            * n
+            * (sum(chunk_numel(tuple(p.shape), n) for p in trainable) + len(trainable)),
             "all_reduce": FLOAT_BYTES * (sum(p.numel() for p in trainable) + len(trainable)),
         }
     return out
@@ -116,10 +118,16 @@ def test_expected_values_by_hand():
     assert {u: v["gather"] for u, v in two.items()} == {"<root>": 4 * 232, "block1": 4 * 107, "block2": 4 * 66}
     # Reduce-scatter input: 2 chunks of (trainable padded elements + 4 flags).
     assert {u: v["reduce_scatter"] for u, v in two.items()} == {
-        "<root>": 4 * 2 * (96 + 4), "block1": 4 * 2 * (107 + 4), "block2": 4 * 2 * (66 + 4)}
+        "<root>": 4 * 2 * (96 + 4),
+        "block1": 4 * 2 * (107 + 4),
+        "block2": 4 * 2 * (66 + 4),
+    }
     # NO_SHARD: whole trainable gradients (root 112+16+16+16, block1 96+6+96+16, block2 48+3+48+16) plus 4 flags each.
     assert {u: v["all_reduce"] for u, v in two.items()} == {
-        "<root>": 4 * (160 + 4), "block1": 4 * (214 + 4), "block2": 4 * (115 + 4)}
+        "<root>": 4 * (160 + 4),
+        "block1": 4 * (214 + 4),
+        "block2": 4 * (115 + 4),
+    }
 
 
 def _total(expected: dict, key: str, units=("<root>", "block1", "block2")) -> int:
@@ -128,8 +136,11 @@ def _total(expected: dict, key: str, units=("<root>", "block1", "block2")) -> in
 
 def _model_bytes():
     params = list(ToyLM(dim=16).parameters())
-    return (sum(p.numel() * 4 for p in params), sum(p.numel() * 4 for p in params if p.requires_grad),
-            sum(p[0].numel() * 4 for p in params))
+    return (
+        sum(p.numel() * 4 for p in params),
+        sum(p.numel() * 4 for p in params if p.requires_grad),
+        sum(p[0].numel() * 4 for p in params),
+    )
 
 
 def test_full_shard_gathers_twice_and_reduces_once(measured):

@@ -44,8 +44,10 @@ def train_engine(rank: int, world_size: int, device: str, offload: bool) -> dict
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     compute_devices = set()
     # Where the units compute: the device of the (full) weight each Block's first Linear sees in forward.
-    hooks = [block.fc1.register_forward_pre_hook(lambda m, _: compute_devices.add(str(m.weight.device)))
-             for block in (model.block1, model.block2)]
+    hooks = [
+        block.fc1.register_forward_pre_hook(lambda m, _: compute_devices.add(str(m.weight.device)))
+        for block in (model.block1, model.block2)
+    ]
     losses = []
     for step in range(STEPS):
         x, y = batch(step, size=4)
@@ -87,8 +89,7 @@ FROZEN = {"frozen.weight", "frozen.bias"}
 def check_same_training(with_offload: dict, without: dict, atol: float = 0.0) -> int:
     """Same losses and final parameters; exactly on the CPU, within ``atol`` where kernels may be nondeterministic
     (CUDA's embedding backward). Returns how many state_dict entries were compared."""
-    torch.testing.assert_close(torch.tensor(with_offload["losses"]), torch.tensor(without["losses"]), rtol=0,
-                               atol=atol)
+    torch.testing.assert_close(torch.tensor(with_offload["losses"]), torch.tensor(without["losses"]), rtol=0, atol=atol)
     assert sorted(with_offload["params"]) == sorted(without["params"])
     for name, value in without["params"].items():
         torch.testing.assert_close(with_offload["params"][name], value, rtol=0, atol=atol, msg=name)
@@ -121,7 +122,9 @@ def test_engine_trains_the_same_with_and_without_offload(cpu_runs):
     offloaded, plain = cpu_runs
     compared = sum(check_same_training(a, b) for a, b in zip(offloaded, plain))
     assert compared == 2 * NUM_STATE_KEYS
-    assert _trained(plain[0]["params"]["emb.weight"])  # the comparison is between trained models, not two copies of the initial one
+    assert _trained(
+        plain[0]["params"]["emb.weight"]
+    )  # the comparison is between trained models, not two copies of the initial one
 
 
 # ---------------------------------------------------------------------------------------- engine, on a GPU
@@ -144,9 +147,25 @@ def test_engine_offloads_to_the_host_while_computing_on_cuda():
 def run_strategy(out: Path, devices: int, offload: bool, accelerator: str = "cpu") -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--devices", str(devices), "--offload",
-                           str(int(offload)), "--accelerator", accelerator], env=env, cwd=out, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--out",
+            str(out),
+            "--devices",
+            str(devices),
+            "--offload",
+            str(int(offload)),
+            "--accelerator",
+            accelerator,
+        ],
+        env=env,
+        cwd=out,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 

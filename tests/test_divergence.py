@@ -45,8 +45,9 @@ class Net(nn.Module):
         self.blocks = nn.ModuleList(GatedBlock() for _ in range(3))
         self.out = nn.Linear(DIM, 1)
 
-    def forward(self, x: torch.Tensor, gates: list[bool], skip: int | None = None, poison: bool = False
-                ) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, gates: list[bool], skip: int | None = None, poison: bool = False
+    ) -> torch.Tensor:
         h = self.inp(x)
         for i, (block, gate) in enumerate(zip(self.blocks, gates)):
             if i != skip:

@@ -22,7 +22,7 @@ def _text(page: Path) -> str:
 def _nav_pages(nav) -> list[str]:
     pages = []
     for entry in nav:
-        for value in (entry.values() if isinstance(entry, dict) else [entry]):
+        for value in entry.values() if isinstance(entry, dict) else [entry]:
             pages += _nav_pages(value) if isinstance(value, list) else [value]
     return pages
 
@@ -30,9 +30,22 @@ def _nav_pages(nav) -> list[str]:
 def test_docs_build_strict(tmp_path):
     site = tmp_path / "site"
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-         "--site-dir", str(site)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(site),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "WARNING" not in proc.stderr

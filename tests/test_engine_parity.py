@@ -36,7 +36,7 @@ def train(model, rank, world_size, optimizer_name, accumulate, clip, engine=None
         for micro in range(accumulate):
             mx, my = x[micro::accumulate], y[micro::accumulate]  # the micro-batch, then this rank's part of it
             b = mx.shape[0] // world_size
-            mx, my = mx[rank * b:(rank + 1) * b], my[rank * b:(rank + 1) * b]
+            mx, my = mx[rank * b : (rank + 1) * b], my[rank * b : (rank + 1) * b]
             loss = loss_fn(model(mx), my) / accumulate
             loss.backward()
             step_loss += loss.detach()
@@ -85,12 +85,15 @@ def references():
     return {(opt, acc, clip): reference(opt, acc, clip) for opt, acc, clip in SCHEDULES}
 
 
-@pytest.mark.parametrize("world_size,direct_gather_min_numel", [
-    (2, None),  # the default: ToyLM's parameters are all small, one staged all-gather per unit
-    (3, None),
-    (2, 1),  # every parameter gathered on its own, straight into place
-    (3, 30),  # some in place (the 7x5 embedding, Block weights), the rest staged together
-])
+@pytest.mark.parametrize(
+    "world_size,direct_gather_min_numel",
+    [
+        (2, None),  # the default: ToyLM's parameters are all small, one staged all-gather per unit
+        (3, None),
+        (2, 1),  # every parameter gathered on its own, straight into place
+        (3, 30),  # some in place (the 7x5 embedding, Block weights), the rest staged together
+    ],
+)
 def test_losses_and_parameters_match_unsharded_training(world_size, direct_gather_min_numel, references):
     per_rank = run_distributed(sharded_cases, world_size, direct_gather_min_numel)
     unwrapped_names = [n for n, _ in ToyLM().named_parameters()]

@@ -31,6 +31,7 @@ def _train(model: torch.nn.Module, rank: int, world: int) -> list[float]:
         x, y = batch(step)
         x, y = x[rank::world], y[rank::world]
         if step == FAIL_AT:
+
             def raise_in_backward(_grad):
                 raise _Boom("raised inside backward")
 
@@ -64,8 +65,12 @@ def _backward_raises(rank: int, world: int) -> dict:
         t = torch.tensor([value])
         dist.all_reduce(t)
         mean_losses.append(t.item() / world)
-    return {"ref": reference.state_dict(), "ref_losses": ref_losses, "losses": mean_losses,
-            "state": full_model_state_dict(engine, rank0_only=False)}
+    return {
+        "ref": reference.state_dict(),
+        "ref_losses": ref_losses,
+        "losses": mean_losses,
+        "state": full_model_state_dict(engine, rank0_only=False),
+    }
 
 
 def test_a_backward_that_raised_leaves_the_next_step_exact():
@@ -117,8 +122,13 @@ def _restore(rank: int, world: int) -> dict:
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     with torch.no_grad():
         out = model(x) if rank == 0 else None  # rank 0 alone: no collective may run
-    return {"expected": expected, "state": {k: v.clone() for k, v in model.state_dict().items()},
-            "hooks": hooks, "out": out, "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()}}
+    return {
+        "expected": expected,
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "hooks": hooks,
+        "out": out,
+        "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
+    }
 
 
 def test_restore_unsharded_gives_an_ordinary_module():

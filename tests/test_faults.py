@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.processes import ROOT, clean_env, free_port, group_members, kill_group  # noqa: E402
+
 SCRIPT = ROOT / "tests" / "scripts" / "fault_run.py"
 TIMEOUT_S = 10  # FSDPStrategy(timeout=...) of every run
 # What may come on top of the fault (or of the timeout, for hangs): Lightning's child-process observer polls every
@@ -53,8 +54,14 @@ class Job:
     def start(self, args: list[str], env: dict) -> subprocess.Popen:
         log = self.folder / f"proc{len(self.procs)}.log"
         with open(log, "wb") as f:  # a file, not a pipe: a process left behind would keep a pipe open
-            proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], env=env, cwd=self.folder, stdout=f,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, str(SCRIPT), *args],
+                env=env,
+                cwd=self.folder,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs.append(proc)
         self.logs.append(log)
         return proc
@@ -80,7 +87,9 @@ class Job:
         return time.time()
 
     def report(self) -> str:
-        return "\n".join(f"--- process {i} (rc={p.poll()}):\n{self.output(i)[-5000:]}" for i, p in enumerate(self.procs))
+        return "\n".join(
+            f"--- process {i} (rc={p.poll()}):\n{self.output(i)[-5000:]}" for i, p in enumerate(self.procs)
+        )
 
     def close(self) -> None:
         for proc in self.procs:
@@ -97,8 +106,18 @@ def job(tmp_path):
 
 
 def _fault_args(fault: str, rank: int, where: str, sharding: str = "FULL_SHARD") -> list[str]:
-    return ["--fault", fault, "--fault-rank", str(rank), "--where", where, "--timeout", str(TIMEOUT_S),
-            "--sharding", sharding]
+    return [
+        "--fault",
+        fault,
+        "--fault-rank",
+        str(rank),
+        "--where",
+        where,
+        "--timeout",
+        str(TIMEOUT_S),
+        "--sharding",
+        sharding,
+    ]
 
 
 def _check_names_failure(output: str, fault: str, rank: int) -> None:
@@ -108,8 +127,9 @@ def _check_names_failure(output: str, fault: str, rank: int) -> None:
         # gloo's error on the rank that waited: the configured timeout, in milliseconds.
         assert re.search(rf"Timed out waiting {TIMEOUT_S * 1000}ms", output), output[-4000:]
     else:  # exit / kill: the survivor's collective failed on the closed connection, or Lightning's observer saw it
-        assert re.search(r"Connection closed by peer|Connection reset by peer|terminated with code", output), \
-            output[-4000:]
+        assert re.search(r"Connection closed by peer|Connection reset by peer|terminated with code", output), output[
+            -4000:
+        ]
 
 
 def _check_elapsed(fault: str, elapsed: float) -> None:
@@ -142,8 +162,10 @@ def test_default_launcher_job_ends(job, fault, rank, where, sharding):
     fault_at = job.fault_time()
     assert fault_at is not None, f"the fault was never injected:\n{job.report()}"
     elapsed = ended - fault_at
-    print(f"\n[faults] launcher {fault}@rank{rank}/{where}/{sharding}: job ended {elapsed:.1f}s after the fault, "
-          f"rc={proc.returncode} (timeout {TIMEOUT_S}s)")
+    print(
+        f"\n[faults] launcher {fault}@rank{rank}/{where}/{sharding}: job ended {elapsed:.1f}s after the fault, "
+        f"rc={proc.returncode} (timeout {TIMEOUT_S}s)"
+    )
     output = job.output()
     assert proc.returncode != 0, job.report()
     assert "event=train-end" not in output, job.report()
@@ -175,8 +197,10 @@ def test_independent_processes_survivor_fails_by_itself(job, fault, where):
     fault_at = job.fault_time()
     assert fault_at is not None, f"the fault was never injected:\n{job.report()}"
     elapsed = ended - fault_at
-    print(f"\n[faults] independent {fault}@rank1/{where}: rank 0 ended {elapsed:.1f}s after the fault, "
-          f"rc={survivor.returncode} (timeout {TIMEOUT_S}s)")
+    print(
+        f"\n[faults] independent {fault}@rank1/{where}: rank 0 ended {elapsed:.1f}s after the fault, "
+        f"rc={survivor.returncode} (timeout {TIMEOUT_S}s)"
+    )
     assert survivor.returncode != 0, job.report()
     assert "event=train-end" not in job.output(0), job.report()
     _check_names_failure(job.output(), fault, 1)
@@ -192,13 +216,15 @@ def test_nan_gradient_under_detect_anomaly_is_named(job):
 
     Rank 0's own gradient is finite, so its message naming rank 1 shows the ranks shared their findings; torch's
     own NaN check (which FSDPStrategy turns off during backward) would have raised on rank 1 only."""
-    proc = job.start(["--fault", "nan", "--fault-rank", "1", "--timeout", str(TIMEOUT_S), "--detect-anomaly"],
-                     clean_env())
+    proc = job.start(
+        ["--fault", "nan", "--fault-rank", "1", "--timeout", str(TIMEOUT_S), "--detect-anomaly"], clean_env()
+    )
     ended = job.wait_for_exit(proc, MARGIN_S)
     assert ended is not None, f"the job did not end in time:\n{job.report()}"
     output = job.output()
     assert proc.returncode != 0, job.report()
-    assert re.search(r"FloatingPointError: Non-finite gradient \(NaN or Inf\) in parameter\(s\) 'model.tiny' \(rank 1\)",
-                     output), job.report()
+    assert re.search(
+        r"FloatingPointError: Non-finite gradient \(NaN or Inf\) in parameter\(s\) 'model.tiny' \(rank 1\)", output
+    ), job.report()
     assert "returned nan values" not in output, job.report()  # not torch's one-rank check
     assert "Timed out" not in output, job.report()

@@ -17,10 +17,21 @@ SCRIPT = ROOT / "tests" / "scripts" / "lightning_parity.py"
 
 
 def run_hpu(out: Path, lazy_mode: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PT_HPU_LAZY_MODE": lazy_mode, "FAKE_HPU_DEVICES": "2",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "fakes")])}
-    return subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--accelerator", "hpu", *args], env=env,
-                          cwd=out.parent, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PT_HPU_LAZY_MODE": lazy_mode,
+        "FAKE_HPU_DEVICES": "2",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "fakes")]),
+    }
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), "--accelerator", "hpu", *args],
+        env=env,
+        cwd=out.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_hpu_strategy_trains_like_one_cpu_process(tmp_path, tmp_path_factory):

@@ -22,8 +22,9 @@ def hybrid(rank, world_size):
     for strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
         torch.manual_seed(0)
         model = ToyLM()
-        engine = fully_shard(model, sharding_strategy=strategy, auto_wrap_policy={Block}, process_group=shard,
-                             replicate_group=replicate)
+        engine = fully_shard(
+            model, sharding_strategy=strategy, auto_wrap_policy={Block}, process_group=shard, replicate_group=replicate
+        )
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         losses = []
         for step in range(STEPS):
@@ -37,8 +38,13 @@ def hybrid(rank, world_size):
             dist.all_reduce(total)
             losses.append(float(total) / world_size)
         state = full_model_state_dict(engine)
-        results[strategy] = (losses, state, engine.local_param_bytes(), engine.shard_comm.world_size,
-                             engine.replicate_comm.world_size)
+        results[strategy] = (
+            losses,
+            state,
+            engine.local_param_bytes(),
+            engine.shard_comm.world_size,
+            engine.replicate_comm.world_size,
+        )
     return results
 
 

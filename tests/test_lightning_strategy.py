@@ -20,8 +20,14 @@ SCRIPT = ROOT / "tests" / "scripts" / "lightning_parity.py"
 
 def run_script(out: Path, *args: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args], env=env, cwd=out.parent,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), *args],
+        env=env,
+        cwd=out.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=False)
 
@@ -47,7 +53,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("devices,strategy,training", CASES, ids=lambda v: "-".join(v) if isinstance(v, tuple) else str(v))
+@pytest.mark.parametrize(
+    "devices,strategy,training", CASES, ids=lambda v: "-".join(v) if isinstance(v, tuple) else str(v)
+)
 def test_fit_validate_test_predict_match_single_device(tmp_path, tmp_path_factory, devices, strategy, training):
     ref = reference(tmp_path_factory, *training)
     got = run_script(tmp_path / "fsdp.pt", "--devices", str(devices), *strategy, *training)

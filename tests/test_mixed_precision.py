@@ -51,8 +51,9 @@ def reference(dtype, split: int):
 def sharded(rank, world_size, dtype, reduce_dtype):
     torch.manual_seed(0)
     model = ToyLM()
-    engine = fully_shard(model, auto_wrap_policy={Block},
-                         mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=reduce_dtype))
+    engine = fully_shard(
+        model, auto_wrap_policy={Block}, mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=reduce_dtype)
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for step in range(STEPS):
@@ -62,7 +63,9 @@ def sharded(rank, world_size, dtype, reduce_dtype):
         loss.backward()
         stats = engine.shard_comm.stats
         ag, rs = stats.all_gather_bytes, stats.reduce_scatter_bytes
-        dtypes = {p.dtype for p in model.parameters()} | {p.grad.dtype for p in model.parameters() if p.grad is not None}
+        dtypes = {p.dtype for p in model.parameters()} | {
+            p.grad.dtype for p in model.parameters() if p.grad is not None
+        }
         optimizer.step()
         optimizer.zero_grad()
         total = loss.detach().float()

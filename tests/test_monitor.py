@@ -53,8 +53,15 @@ def logged(tmp_path_factory) -> dict[str, list[dict[str, str]]]:
     """metrics.csv rows per strategy, from one 2-process launch."""
     out = tmp_path_factory.mktemp("monitor")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--devices", "2", "--strategies",
-                           *STRATEGIES], cwd=out, env=env, capture_output=True, text=True, timeout=240, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), "--devices", "2", "--strategies", *STRATEGIES],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = {}
     for strategy in STRATEGIES:
@@ -68,8 +75,7 @@ def test_estimate_is_within_ten_percent_of_what_the_monitor_measures(logged, str
     rows = logged[strategy]
     assert [int(r["step"]) for r in rows] == list(range(STEPS))  # every step, under Lightning's own step numbers
     for rank in (0, 1):
-        estimate = estimate_memory(_gpt_on_meta(), 2, strategy, optimizer="adamw", auto_wrap_policy={Block},
-                                   rank=rank)
+        estimate = estimate_memory(_gpt_on_meta(), 2, strategy, optimizer="adamw", auto_wrap_policy={Block}, rank=rank)
         for row in rows:
             for component, metric in COMPONENTS.items():
                 measured = int(row[f"fsdp/rank{rank}/{metric}"])
@@ -116,8 +122,7 @@ def test_estimate_components_for_a_simple_model():
     assert estimate.gathered_params == 120 * 4
     assert estimate.unsharded_params == 101 * 4
     assert estimate.num_units == 3  # the root (owning nothing) and two Linears
-    rank1 = estimate_memory(model, 2, "SHARD_GRAD_OP", optimizer="sgd_momentum", auto_wrap_policy={nn.Linear},
-                            rank=1)
+    rank1 = estimate_memory(model, 2, "SHARD_GRAD_OP", optimizer="sgd_momentum", auto_wrap_policy={nn.Linear}, rank=1)
     assert estimate.params + rank1.params == estimate.unsharded_params
     assert estimate.peak == estimate.model_state + estimate.gathered_params
     assert "SHARD_GRAD_OP, rank 0 of 2, 3 units" in str(estimate)
@@ -142,30 +147,41 @@ def test_full_shard_peak_is_the_root_and_the_largest_unit():
 def test_mixed_precision_halves_what_is_gathered_but_not_the_master_weights():
     model = _gpt_on_meta()
     fp32 = estimate_memory(model, 2, "FULL_SHARD", auto_wrap_policy={Block})
-    for mixed in ("bf16-mixed", "16-true", MixedPrecision(param_dtype=torch.bfloat16),
-                  {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}):
+    for mixed in (
+        "bf16-mixed",
+        "16-true",
+        MixedPrecision(param_dtype=torch.bfloat16),
+        {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"},
+    ):
         low = estimate_memory(model, 2, "FULL_SHARD", mixed_precision=mixed, auto_wrap_policy={Block})
         assert (low.params, low.grads, low.optimizer_state) == (fp32.params, fp32.grads, fp32.optimizer_state)
         assert low.gathered_params * 2 == fp32.gathered_params, mixed
         assert low.all_gather_bytes * 2 == fp32.all_gather_bytes, mixed
         assert low.reduce_scatter_bytes * 2 == fp32.reduce_scatter_bytes, mixed
-    reduce_fp32 = estimate_memory(model, 2, "FULL_SHARD", auto_wrap_policy={Block},
-                                  mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
-                                                                 reduce_dtype=torch.float32))
+    reduce_fp32 = estimate_memory(
+        model,
+        2,
+        "FULL_SHARD",
+        auto_wrap_policy={Block},
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
     assert reduce_fp32.reduce_scatter_bytes == fp32.reduce_scatter_bytes
     # NO_SHARD computing in bf16 keeps a bf16 copy of each unit while it runs.
     no_shard = estimate_memory(model, 2, "NO_SHARD", mixed_precision="bf16-mixed", auto_wrap_policy={Block})
     assert no_shard.gathered_params * 2 == no_shard.unsharded_params
 
 
-@pytest.mark.parametrize("kwargs,error,words", [
-    ({"world_size": 0}, ValueError, ["world_size=0", "positive int"]),
-    ({"rank": 2}, ValueError, ["rank=2", "[0, 1]"]),
-    ({"sharding_strategy": "ZERO3"}, ValueError, ["'ZERO3'", "'FULL_SHARD'"]),
-    ({"optimizer": "lion"}, ValueError, ["'lion'", "adamw", "sgd_momentum"]),
-    ({"mixed_precision": "8-true"}, ValueError, ["'8-true'", "'bf16-mixed'"]),
-    ({"mixed_precision": 3.5}, ValueError, ["3.5", "MixedPrecision"]),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,words",
+    [
+        ({"world_size": 0}, ValueError, ["world_size=0", "positive int"]),
+        ({"rank": 2}, ValueError, ["rank=2", "[0, 1]"]),
+        ({"sharding_strategy": "ZERO3"}, ValueError, ["'ZERO3'", "'FULL_SHARD'"]),
+        ({"optimizer": "lion"}, ValueError, ["'lion'", "adamw", "sgd_momentum"]),
+        ({"mixed_precision": "8-true"}, ValueError, ["'8-true'", "'bf16-mixed'"]),
+        ({"mixed_precision": 3.5}, ValueError, ["3.5", "MixedPrecision"]),
+    ],
+)
 def test_estimate_rejects_bad_input_naming_value_and_choices(kwargs, error, words):
     args = {"model": nn.Linear(2, 2), "world_size": 2, **kwargs}
     with pytest.raises(error) as info:
@@ -182,11 +198,14 @@ def test_estimate_result_is_a_frozen_dataclass():
 
 
 # ------------------------------------------------------------------------------------------- monitor, in-process
-@pytest.mark.parametrize("kwargs,words", [
-    ({"log_every_n_steps": 0}, ["log_every_n_steps=0", "positive int"]),
-    ({"log_every_n_steps": True}, ["log_every_n_steps=True"]),
-    ({"prefix": ""}, ["prefix=''"]),
-])
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        ({"log_every_n_steps": 0}, ["log_every_n_steps=0", "positive int"]),
+        ({"log_every_n_steps": True}, ["log_every_n_steps=True"]),
+        ({"prefix": ""}, ["prefix=''"]),
+    ],
+)
 def test_monitor_rejects_bad_options(kwargs, words):
     with pytest.raises(ValueError) as info:
         ShardingMonitor(**kwargs)
@@ -208,9 +227,17 @@ def test_monitor_warns_and_logs_nothing_without_the_fsdp_strategy(tmp_path):
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)), batch_size=2)
     monitor = ShardingMonitor(log_every_n_steps=1)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, callbacks=[monitor], default_root_dir=tmp_path,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        callbacks=[monitor],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.warns(UserWarning, match="ShardingMonitor needs the fsdp_custom strategy"):
         trainer.fit(Tiny(), data)
     assert monitor.last == {}
@@ -240,18 +267,30 @@ TINY_SCRIPT = ROOT / "tests" / "scripts" / "monitor_tiny_run.py"
 #   = 36 floats = 144 B; NO_SHARD all-reduces the gradients plus the flags: 23 + 4 floats = 108 B.
 TINY_EXPECTED = {
     "FULL_SHARD": {
-        "param_bytes": (56, 36), "grad_bytes": (56, 36), "optimizer_state_bytes": (56, 36),
-        "gathered_peak_bytes": (80, 80), "all_gather_bytes": (112, 112), "reduce_scatter_bytes": (144, 144),
+        "param_bytes": (56, 36),
+        "grad_bytes": (56, 36),
+        "optimizer_state_bytes": (56, 36),
+        "gathered_peak_bytes": (80, 80),
+        "all_gather_bytes": (112, 112),
+        "reduce_scatter_bytes": (144, 144),
         "all_reduce_bytes": (0, 0),
     },
     "SHARD_GRAD_OP": {
-        "param_bytes": (56, 36), "grad_bytes": (56, 36), "optimizer_state_bytes": (56, 36),
-        "gathered_peak_bytes": (112, 112), "all_gather_bytes": (56, 56), "reduce_scatter_bytes": (144, 144),
+        "param_bytes": (56, 36),
+        "grad_bytes": (56, 36),
+        "optimizer_state_bytes": (56, 36),
+        "gathered_peak_bytes": (112, 112),
+        "all_gather_bytes": (56, 56),
+        "reduce_scatter_bytes": (144, 144),
         "all_reduce_bytes": (0, 0),
     },
     "NO_SHARD": {
-        "param_bytes": (92, 92), "grad_bytes": (92, 92), "optimizer_state_bytes": (92, 92),
-        "gathered_peak_bytes": (0, 0), "all_gather_bytes": (0, 0), "reduce_scatter_bytes": (0, 0),
+        "param_bytes": (92, 92),
+        "grad_bytes": (92, 92),
+        "optimizer_state_bytes": (92, 92),
+        "gathered_peak_bytes": (0, 0),
+        "all_gather_bytes": (0, 0),
+        "reduce_scatter_bytes": (0, 0),
         "all_reduce_bytes": (108, 108),
     },
 }
@@ -261,8 +300,15 @@ TINY_EXPECTED = {
 def tiny_logged(tmp_path_factory) -> dict[str, list[dict[str, str]]]:
     out = tmp_path_factory.mktemp("monitor_tiny")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(TINY_SCRIPT), "--out", str(out), "--strategies", *TINY_EXPECTED],
-                          cwd=out, env=env, capture_output=True, text=True, timeout=240, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(TINY_SCRIPT), "--out", str(out), "--strategies", *TINY_EXPECTED],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = {}
     for strategy in TINY_EXPECTED:

@@ -38,14 +38,25 @@ WORLD = NODES * PER_NODE
 TIMEOUT_S = 240
 
 
-_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                       "MASTER_ADDR", "MASTER_PORT")
+_LAUNCHER_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def _env() -> dict:
     """This environment without any launcher's variables (pytest itself may run under SLURM or torchrun)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))
+    }
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
@@ -64,7 +75,7 @@ def _descendants(pid: int) -> list[int]:
                 stat = (entry / "stat").read_text()
             except OSError:
                 continue
-            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
             children.setdefault(ppid, []).append(int(entry.name))
     found, todo = [], [pid]
     while todo:
@@ -114,8 +125,11 @@ def _run_together(folder: Path, commands: list[tuple[list[str], dict]], what: st
             log = folder / f"proc{i}.log"
             logs.append(log)
             with open(log, "wb") as f:
-                procs.append(subprocess.Popen(cmd, env=env, cwd=folder, stdout=f, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        cmd, env=env, cwd=folder, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                )
         deadline = time.monotonic() + TIMEOUT_S
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
@@ -123,14 +137,26 @@ def _run_together(folder: Path, commands: list[tuple[list[str], dict]], what: st
             time.sleep(0.5)
     finally:
         _stop(procs)
-    report = "\n".join(f"--- process {i} (rc={p.returncode}):\n{_tail(log)}"
-                       for i, (p, log) in enumerate(zip(procs, logs)))
+    report = "\n".join(
+        f"--- process {i} (rc={p.returncode}):\n{_tail(log)}" for i, (p, log) in enumerate(zip(procs, logs))
+    )
     assert all(p.returncode == 0 for p in procs), f"{what} failed:\n{report}"
 
 
 def _script_args(out: Path, sharding: str, layout: str = "default") -> list[str]:
-    return [str(SCRIPT), "--out", str(out), "--sharding", sharding, "--nodes", str(NODES), "--devices", str(PER_NODE),
-            "--layout", layout]
+    return [
+        str(SCRIPT),
+        "--out",
+        str(out),
+        "--sharding",
+        sharding,
+        "--nodes",
+        str(NODES),
+        "--devices",
+        str(PER_NODE),
+        "--layout",
+        layout,
+    ]
 
 
 def launch_two_nodes(folder: Path, sharding: str) -> dict:
@@ -141,10 +167,25 @@ def launch_two_nodes(folder: Path, sharding: str) -> dict:
     commands = []
     for node_rank in range(NODES):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE), "--node-rank", str(node_rank),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-            "--local-addr", "127.0.0.1", "--max-restarts", "0",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(NODES),
+            "--nproc-per-node",
+            str(PER_NODE),
+            "--node-rank",
+            str(node_rank),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            run_id,
+            "--local-addr",
+            "127.0.0.1",
+            "--max-restarts",
+            "0",
             *_script_args(out, sharding),
         ]
         commands.append((cmd, _env()))
@@ -156,14 +197,24 @@ def launch_as_slurm_tasks(folder: Path, sharding: str, layout: str = "default") 
     """The 4 tasks ``srun`` would start for ``--nodes=2 --ntasks-per-node=2``, with the variables srun sets."""
     out = folder / "result.pt"
     common = {
-        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": str(WORLD),
-        "SLURM_NTASKS_PER_NODE": str(PER_NODE), "SLURM_NNODES": str(NODES), "SLURM_NODELIST": "127.0.0.1",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_NTASKS": str(WORLD),
+        "SLURM_NTASKS_PER_NODE": str(PER_NODE),
+        "SLURM_NNODES": str(NODES),
+        "SLURM_NODELIST": "127.0.0.1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
     }
     commands = []
     for rank in range(WORLD):
-        env = {**_env(), **common, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % PER_NODE),
-               "SLURM_NODEID": str(rank // PER_NODE)}
+        env = {
+            **_env(),
+            **common,
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank % PER_NODE),
+            "SLURM_NODEID": str(rank // PER_NODE),
+        }
         commands.append(([sys.executable, *_script_args(out, sharding, layout)], env))
     _run_together(folder, commands, f"SLURM tasks: {sharding} on {NODES} nodes x {PER_NODE}")
     return torch.load(out, weights_only=False)
@@ -176,7 +227,7 @@ def reference() -> dict:
     Bit for bit what the script's ``--reference`` run (Lightning, one device, ``strategy="auto"``) gives, without
     starting a Lightning process.
     """
-    from tests.scripts.multinode_run import SAMPLES, GLOBAL_BATCH, STEPS
+    from tests.scripts.multinode_run import GLOBAL_BATCH, SAMPLES, STEPS
 
     torch.manual_seed(0)
     model = ToyLM()
@@ -236,7 +287,7 @@ def check_bytes(result: dict, shard_size: int) -> None:
         assert held == expected_bytes(shard_size, shard_rank), (rank, per_rank)
         assert held <= full / shard_size + one_row_each, (rank, held, full)
     for first in range(0, WORLD, shard_size):  # every shard group holds exactly one copy of the model
-        assert sum(per_rank[first:first + shard_size]) == full, per_rank
+        assert sum(per_rank[first : first + shard_size]) == full, per_rank
 
 
 def test_hybrid_shard_two_nodes(tmp_path, reference):

@@ -128,8 +128,16 @@ def test_forked_ranks_send_the_full_trained_weights_back(monkeypatch):
     model = _Linear()
     before = model.net.weight.detach().clone()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 5)), batch_size=2)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="fsdp_custom_fork", max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="fsdp_custom_fork",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, data)
     assert isinstance(trainer.strategy.launcher, FSDPMultiProcessingLauncher)
     assert model.net.weight.shape == (3, 5)
@@ -145,8 +153,9 @@ def test_notebook_trains_checkpoints_and_plots_in_a_real_kernel(tmp_path, monkey
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(notebook, timeout=240, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        notebook, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
     client.execute()
 
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
@@ -165,8 +174,12 @@ def test_notebook_trains_checkpoints_and_plots_in_a_real_kernel(tmp_path, monkey
     checkpoint = tmp_path / "checkpoints" / "regressor.ckpt"
     state = torch.load(checkpoint, weights_only=True)["state_dict"]
     assert {k: tuple(v.shape) for k, v in state.items()} == {
-        "net.0.weight": (64, 16), "net.0.bias": (64,), "net.2.weight": (64, 64), "net.2.bias": (64,),
-        "net.4.weight": (1, 64), "net.4.bias": (1,),
+        "net.0.weight": (64, 16),
+        "net.0.bias": (64,),
+        "net.2.weight": (64, 64),
+        "net.2.bias": (64,),
+        "net.4.weight": (1, 64),
+        "net.4.bias": (1,),
     }
     assert "checkpoint equals the notebook's model: True" in text
     # The plot was saved and shown inline.

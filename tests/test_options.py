@@ -21,7 +21,7 @@ def train(model, rank, world_size, accumulate=2, engine=None):
         for micro in range(accumulate):
             mx, my = x[micro::accumulate], y[micro::accumulate]
             b = mx.shape[0] // world_size
-            (loss_fn(model(mx[rank * b:(rank + 1) * b]), my[rank * b:(rank + 1) * b]) / accumulate).backward()
+            (loss_fn(model(mx[rank * b : (rank + 1) * b]), my[rank * b : (rank + 1) * b]) / accumulate).backward()
         optimizer.step()
         optimizer.zero_grad()
 
@@ -55,7 +55,7 @@ def test_ignored_parameters_stay_whole_and_train_like_unsharded(kind):
     results = run_distributed(ignored_case, 2, kind)
     reference = reference_params()
     full_shapes = {n: tuple(p.shape) for n, p in ToyLM().named_parameters()}
-    for whole, shapes, params, ignored_now in results:
+    for whole, shapes, params, _ignored_now in results:
         for name, shape in shapes.items():
             if name in whole:
                 assert shape == full_shapes[name]  # not sharded

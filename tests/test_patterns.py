@@ -44,8 +44,9 @@ def _launch(devices: int, names: list[str], out: Path, timeout: float) -> tuple[
     log_path = out.with_suffix(".log")
     argv = [sys.executable, str(SCRIPT), "--devices", str(devices), "--out", str(out), "--patterns", ",".join(names)]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, env=clean_env(), cwd=out.parent, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, env=clean_env(), cwd=out.parent, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -86,8 +87,10 @@ def run_side(devices: int, folder: Path) -> dict:
             results[EXIT] = {"rc": rc, "log": log[-3000:]}
             break
         what = "timed out" if rc is None else f"ended with exit code {rc}"
-        results[rest[0]] = {"crash": f"the {devices}-process launch {what} in this pattern (a hang stopped by the "
-                                     f"watchdog prints every thread's stack); log tail:\n{log[-6000:]}"}
+        results[rest[0]] = {
+            "crash": f"the {devices}-process launch {what} in this pattern (a hang stopped by the "
+            f"watchdog prints every thread's stack); log tail:\n{log[-6000:]}"
+        }
         names = rest[1:]
     return results
 
@@ -114,8 +117,10 @@ def compare_states(got: dict, ref: dict, what: str) -> tuple[int, list[str]]:
     """(tensors compared, problems)."""
     problems = []
     if got.keys() != ref.keys():
-        problems.append(f"{what}: entries differ: only 2-rank {sorted(got.keys() - ref.keys())}, only one-device "
-                        f"{sorted(ref.keys() - got.keys())}")
+        problems.append(
+            f"{what}: entries differ: only 2-rank {sorted(got.keys() - ref.keys())}, only one-device "
+            f"{sorted(ref.keys() - got.keys())}"
+        )
     compared = 0
     worst = (0.0, None)
     for key in sorted(ref.keys() & got.keys()):
@@ -129,8 +134,10 @@ def compare_states(got: dict, ref: dict, what: str) -> tuple[int, list[str]]:
         if not torch.allclose(g.double(), r.double(), rtol=RTOL, atol=ATOL):
             rel = _max_rel(g, r)
             worst = max(worst, (rel, key), key=lambda t: t[0])
-            problems.append(f"{what}[{key}]: max relative difference {rel:.3g}, max abs "
-                            f"{float((g.double() - r.double()).abs().max()):.3g}")
+            problems.append(
+                f"{what}[{key}]: max relative difference {rel:.3g}, max abs "
+                f"{float((g.double() - r.double()).abs().max()):.3g}"
+            )
     if worst[1] is not None:
         problems.insert(0, f"{what}: worst max relative difference {worst[0]:.3g} ({worst[1]})")
     tensors = sum(isinstance(v, torch.Tensor) for v in ref.values())
@@ -144,21 +151,29 @@ def compare_series(got, ref, what: str) -> list[str]:
         return [f"{what}: {tuple(got_t.shape)} values on 2 ranks, {tuple(ref_t.shape)} on one device"]
     if not torch.allclose(got_t, ref_t, rtol=RTOL, atol=ATOL):
         bad = (~torch.isclose(got_t, ref_t, rtol=RTOL, atol=ATOL)).nonzero()
-        return [f"{what}: max relative difference {_max_rel(got_t, ref_t):.3g}, first mismatch at index "
-                f"{bad[0].tolist()} ({len(bad)} of {got_t.numel()} values differ)"]
+        return [
+            f"{what}: max relative difference {_max_rel(got_t, ref_t):.3g}, first mismatch at index "
+            f"{bad[0].tolist()} ({len(bad)} of {got_t.numel()} values differ)"
+        ]
     return []
 
 
 def _error_text(rank: int, error: dict) -> str:
-    return (f"rank {rank} raised {error['type']} after {error['steps']} optimizer step(s): {error['message']}\n"
-            f"{error['traceback']}")
+    return (
+        f"rank {rank} raised {error['type']} after {error['steps']} optimizer step(s): {error['message']}\n"
+        f"{error['traceback']}"
+    )
 
 
 def _refused_up_front(name: str, ranks: dict, devices: int) -> bool:
     words = REFUSAL_WORDS.get(name.partition("@")[0], ())
     errors = [r.get("error") for r in ranks.values()]
-    return (len(errors) == devices and all(e is not None for e in errors) and all(e["steps"] == 0 for e in errors)
-            and all(any(w.lower() in e["message"].lower() for w in words) for e in errors))
+    return (
+        len(errors) == devices
+        and all(e is not None for e in errors)
+        and all(e["steps"] == 0 for e in errors)
+        and all(any(w.lower() in e["message"].lower() for w in words) for e in errors)
+    )
 
 
 @pytest.mark.parametrize("name", PATTERNS)
@@ -176,8 +191,10 @@ def test_pattern_matches_one_device(sides, name):
     if errors:
         if _refused_up_front(name, ranks, 2):
             return
-        pytest.fail(f"{name} failed on 2 ranks (not a refusal before the first step naming the pattern):\n"
-                    + "\n".join(_error_text(r, e) for r, e in errors.items()))
+        pytest.fail(
+            f"{name} failed on 2 ranks (not a refusal before the first step naming the pattern):\n"
+            + "\n".join(_error_text(r, e) for r, e in errors.items())
+        )
     assert set(ranks) == {0, 1}, f"{name}: results from ranks {sorted(ranks)} only"
     got = ranks[0]
     problems = []
@@ -237,8 +254,13 @@ def test_reference_exercises_the_patterns(sides):
     second = ref["second_trainer"]
     assert _changed(second["snapshots"]["after_first_fit"], second["state"], "net.")
     assert ref["rank0_inference"]["values"]["inference"].shape[0] == 24
-    assert set(OPTIONS) >= {"default", "forward_prefetch", "backward_post", "no_backward_prefetch",
-                            "no_limit_all_gathers"}
+    assert set(OPTIONS) >= {
+        "default",
+        "forward_prefetch",
+        "backward_post",
+        "no_backward_prefetch",
+        "no_limit_all_gathers",
+    }
 
 
 def test_launches_end_cleanly(sides):
@@ -250,9 +272,12 @@ def test_launches_end_cleanly(sides):
 
 def test_refusal_rule():
     """A refusal counts only on every rank, before the first optimizer step, with a message naming the pattern."""
+
     def ranks(*errors):
-        return {r: {"error": {"type": "ValueError", "message": m, "steps": s, "traceback": ""}} if m else {"ok": True}
-                for r, (m, s) in enumerate(errors)}
+        return {
+            r: {"error": {"type": "ValueError", "message": m, "steps": s, "traceback": ""}} if m else {"ok": True}
+            for r, (m, s) in enumerate(errors)
+        }
 
     named = "BackboneFinetuning changes requires_grad after sharding: not supported"
     assert _refused_up_front("backbone_finetuning", ranks((named, 0), (named, 0)), 2)

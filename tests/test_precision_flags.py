@@ -17,8 +17,13 @@ from tests.test_lightning_strategy import reference, run_script
 
 @pytest.mark.parametrize(
     "flag,dtype,autocast",
-    [("32-true", None, False), ("bf16-mixed", torch.bfloat16, True), ("16-mixed", torch.float16, True),
-     ("bf16-true", torch.bfloat16, False), ("16-true", torch.float16, False)],
+    [
+        ("32-true", None, False),
+        ("bf16-mixed", torch.bfloat16, True),
+        ("16-mixed", torch.float16, True),
+        ("bf16-true", torch.bfloat16, False),
+        ("16-true", torch.float16, False),
+    ],
 )
 def test_flag_maps_to_mixed_precision(flag, dtype, autocast):
     plugin = FSDPPrecision(flag)
@@ -49,8 +54,17 @@ def test_unknown_flag_lists_choices():
 def test_bf16_mixed_trains_within_the_precision_error(tmp_path, tmp_path_factory):
     fp32 = reference(tmp_path_factory, "--optimizer", "sgd")
     single_bf16 = reference(tmp_path_factory, "--optimizer", "sgd", "--precision", "bf16-mixed")
-    got = run_script(tmp_path / "bf16.pt", "--devices", "2", "--strategy", "fsdp_custom_blocks", "--optimizer", "sgd",
-                     "--precision", "bf16-mixed")
+    got = run_script(
+        tmp_path / "bf16.pt",
+        "--devices",
+        "2",
+        "--strategy",
+        "fsdp_custom_blocks",
+        "--optimizer",
+        "sgd",
+        "--precision",
+        "bf16-mixed",
+    )
     full = run_script(tmp_path / "fp32.pt", "--devices", "2", "--strategy", "fsdp_custom_blocks", "--optimizer", "sgd")
     # Tolerance measured from Lightning's own single-device bf16-mixed run against fp32.
     precision_error = (torch.tensor(single_bf16["losses"]) - torch.tensor(fp32["losses"])).abs().max().item()

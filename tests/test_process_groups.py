@@ -1,4 +1,5 @@
-"""The engine's process groups (lightning_fsdp/process_groups.py) and the one options parser (lightning_fsdp/options.py).
+"""The engine's process groups (lightning_fsdp/process_groups.py) and the one options parser
+(lightning_fsdp/options.py).
 
 The default hybrid layout must be the one ``init_device_mesh(..., mesh_dim_names=("replicate", "shard"))`` describes,
 and, unlike the mesh's groups, keep the strategy's timeout (see [Note: the groups keep the strategy's timeout]).
@@ -37,8 +38,10 @@ def layout_case(rank, world_size):
     plain = dist.new_group(list(range(world_size)))  # no timeout given: torch's default
     return {
         "ours": (dist.get_process_group_ranks(shard), dist.get_process_group_ranks(replicate)),
-        "mesh": (dist.get_process_group_ranks(mesh.get_group("shard")),
-                 dist.get_process_group_ranks(mesh.get_group("replicate"))),
+        "mesh": (
+            dist.get_process_group_ranks(mesh.get_group("shard")),
+            dist.get_process_group_ranks(mesh.get_group("replicate")),
+        ),
         "timeouts": (_timeout(shard), _timeout(replicate)),
         "plain_timeout": _timeout(plain),
     }

@@ -43,6 +43,7 @@ import pytest
 import torch
 
 from tests.processes import ROOT, clean_env, group_members  # noqa: E402
+
 SCRIPT = ROOT / "tests" / "scripts" / "soak_run.py"
 
 STEPS = int(os.environ.get("LIGHTNING_FSDP_SOAK_STEPS", "64"))
@@ -64,12 +65,24 @@ def run_soak(folder: Path, name: str, *args: str, expect_kill: bool = False) -> 
     rank's records and the output."""
     out = folder / f"{name}.pt"
     log = folder / f"{name}.log"
-    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--steps", str(STEPS), "--record-every",
-           str(RECORD_EVERY), "--ckpt-every", str(CKPT_EVERY), *args]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--record-every",
+        str(RECORD_EVERY),
+        "--ckpt-every",
+        str(CKPT_EVERY),
+        *args,
+    ]
     started = time.monotonic()
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, env=clean_env(), cwd=folder, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=clean_env(), cwd=folder, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         proc.wait(timeout=RUN_TIMEOUT_S)
         deadline = time.monotonic() + 10
@@ -109,8 +122,10 @@ def check_flat(name: str, rank_results: list[dict], warm_step: int) -> None:
         # The soak keeps one more record per measurement: not the library's.
         objects = [r["objects"] - i for i, (_, r) in enumerate(records)]
         first["objects"], last["objects"] = objects[warm], objects[-1]
-        print(f"[soak] {name} rank {rank}: step {steps[warm]} -> {steps[-1]}: "
-              + ", ".join(f"{k} {first[k]} -> {last[k]}" for k in first))
+        print(
+            f"[soak] {name} rank {rank}: step {steps[warm]} -> {steps[-1]}: "
+            + ", ".join(f"{k} {first[k]} -> {last[k]}" for k in first)
+        )
         for key in ("alloc_bytes", "tensor_bytes", "tensors"):
             values = [(s, r[key]) for s, r in records[warm:]]
             assert all(v == first[key] for _, v in values), f"rank {rank}: {key} not flat after warm-up: {values}"
@@ -122,8 +137,9 @@ def check_flat(name: str, rank_results: list[dict], warm_step: int) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     folder = tmp_path_factory.mktemp("soak_reference")
-    result, ranks, _ = run_soak(folder, "reference", "--ckpt-dir", str(folder / "ckpt"), "--state-dict-type",
-                                REFERENCE_MODE)
+    result, ranks, _ = run_soak(
+        folder, "reference", "--ckpt-dir", str(folder / "ckpt"), "--state-dict-type", REFERENCE_MODE
+    )
     assert result["global_step"] == STEPS and sorted(result["losses"]) == list(range(STEPS))
     return result, ranks
 
@@ -146,16 +162,26 @@ def _step_of(path: Path) -> int:
 def test_killed_and_resumed_run_matches_uninterrupted(tmp_path, reference, mode):
     ref, ref_ranks = reference
     ckpt = tmp_path / "ckpt"
-    run_soak(tmp_path, "killed", "--ckpt-dir", str(ckpt), "--state-dict-type", mode, "--kill-at", str(KILL_AT),
-             expect_kill=True)
+    run_soak(
+        tmp_path,
+        "killed",
+        "--ckpt-dir",
+        str(ckpt),
+        "--state-dict-type",
+        mode,
+        "--kill-at",
+        str(KILL_AT),
+        expect_kill=True,
+    )
     saved = sorted((p for p in ckpt.iterdir() if re.fullmatch(r"step=\d+\.ckpt", p.name)), key=_step_of)
     assert [_step_of(p) for p in saved] == list(range(CKPT_EVERY, KILL_AT, CKPT_EVERY)), saved
     latest = saved[-1]
     assert _step_of(latest) == RESUME_FROM
     assert latest.is_dir() == (mode != "full")
 
-    result, ranks, output = run_soak(tmp_path, "resumed", "--ckpt-dir", str(ckpt), "--state-dict-type", mode,
-                                     "--resume", str(latest))
+    result, ranks, output = run_soak(
+        tmp_path, "resumed", "--ckpt-dir", str(ckpt), "--state-dict-type", mode, "--resume", str(latest)
+    )
     assert "not resumable" not in output  # Lightning saw a loader it can resume mid-epoch
     assert result["global_step"] == STEPS
     # It ran exactly the steps after the checkpoint, on the same batches: every loss as in the reference, bitwise.

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.trainer.states import RunningStage
 
 from lightning_fsdp.even_batches import EvenBatches, UnevenBatchesError
-from lightning.pytorch.trainer.states import RunningStage
 from tests.processes import ROOT, clean_env, group_members, kill_group
 
 SCRIPT = ROOT / "tests" / "scripts" / "uneven_run.py"
@@ -43,9 +43,14 @@ class Job:
         folder.mkdir(parents=True, exist_ok=True)
         self.case, self.out, self.log = case, folder / "result", folder / "output.log"
         with open(self.log, "wb") as f:
-            self.proc = subprocess.Popen([sys.executable, str(SCRIPT), "--case", case, "--out", str(self.out)],
-                                         env=clean_env(), cwd=folder, stdout=f, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, str(SCRIPT), "--case", case, "--out", str(self.out)],
+                env=clean_env(),
+                cwd=folder,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.started = time.time()
         self.ended: float | None = None
 
@@ -58,8 +63,9 @@ class Job:
             m = re.match(rf"UNEVEN-RUN rank=(\d) event={event} pid=\d+ t=([\d.]+)(.*)", line)
             if m:
                 fields = dict(re.findall(r' (\w+)=("(?:[^"\\]|\\.)*"|\S+)', m.group(3)))
-                found.append({"rank": int(m.group(1)), "t": float(m.group(2)),
-                              **{k: json.loads(v) for k, v in fields.items()}})
+                found.append(
+                    {"rank": int(m.group(1)), "t": float(m.group(2)), **{k: json.loads(v) for k, v in fields.items()}}
+                )
         return found
 
     def wait(self) -> None:
@@ -99,8 +105,9 @@ def _check_job_ended_on_both_ranks(job: Job) -> str:
     starts = job.events("start")
     assert starts, job.report()
     elapsed = job.ended - min(s["t"] for s in starts)
-    print(f"\n[uneven] {job.case}: the job ended {elapsed:.1f} s after its first loop started, "
-          f"rc={job.proc.returncode}")
+    print(
+        f"\n[uneven] {job.case}: the job ended {elapsed:.1f} s after its first loop started, rc={job.proc.returncode}"
+    )
     assert job.proc.returncode != 0, job.report()
     errors = job.events("error")
     assert sorted(e["rank"] for e in errors) == [0, 1], job.report()  # both ranks raised it
@@ -121,47 +128,72 @@ def _check_job_ended_on_both_ranks(job: Job) -> str:
 def test_map_style_training_loaders_of_3_and_2_batches(jobs):
     message = _check_job_ended_on_both_ranks(jobs["train-map"])
     # Raised when training starts, from the counts, before any step.
-    assert message.startswith("Uneven inputs: the ranks have different numbers of training batches "
-                              "(rank 0: 3, rank 1: 2). Rank 1 would run out of batches after 2"), message
+    assert message.startswith(
+        "Uneven inputs: the ranks have different numbers of training batches "
+        "(rank 0: 3, rank 1: 2). Rank 1 would run out of batches after 2"
+    ), message
     assert "limit_train_batches=N" in message
 
 
 def test_iterable_training_data_of_3_and_2_batches(jobs):
     message = _check_job_ended_on_both_ranks(jobs["train-iterable"])
     # No length: found one batch ahead, at the last batch both ranks have.
-    assert message.startswith("Uneven inputs: rank 1 ran out of training batches after 2 batches in epoch 0, while "
-                              "rank 0 still has more (at least 3)"), message
-    assert "The loader has no length (an IterableDataset), so its count shows only as its batches are fetched" \
-        in message
+    assert message.startswith(
+        "Uneven inputs: rank 1 ran out of training batches after 2 batches in epoch 0, while "
+        "rank 0 still has more (at least 3)"
+    ), message
+    assert (
+        "The loader has no length (an IterableDataset), so its count shows only as its batches are fetched" in message
+    )
 
 
 def test_uneven_validation_batches(jobs):
     message = _check_job_ended_on_both_ranks(jobs["val-map"])
-    assert message.startswith("Uneven inputs: the ranks have different numbers of validation batches "
-                              "(rank 0: 3, rank 1: 2). Rank 1 would run out"), message
+    assert message.startswith(
+        "Uneven inputs: the ranks have different numbers of validation batches "
+        "(rank 0: 3, rank 1: 2). Rank 1 would run out"
+    ), message
     assert "limit_val_batches=N" in message
 
 
 # (case, expected training steps) that must run without an error
-OK = [("0:even-map", 6), ("1:even-iterable", 6), ("2:even-validate-test-predict", None),
-      ("3:even-manual-iterable", 6), ("4:even-dataloader-iter", 3), ("5:even-reloaded", 5), ("6:max-steps-map", 2),
-      ("7:max-steps-iterable", 2), ("8:max-steps-manual-map", 4), ("9:predict-map-no-shard", None),
-      ("18:even-map", 6)]
+OK = [
+    ("0:even-map", 6),
+    ("1:even-iterable", 6),
+    ("2:even-validate-test-predict", None),
+    ("3:even-manual-iterable", 6),
+    ("4:even-dataloader-iter", 3),
+    ("5:even-reloaded", 5),
+    ("6:max-steps-map", 2),
+    ("7:max-steps-iterable", 2),
+    ("8:max-steps-manual-map", 4),
+    ("9:predict-map-no-shard", None),
+    ("18:even-map", 6),
+]
 # (case, start of the message) for the uneven cases each rank caught
 CAUGHT = [
-    ("10:max-steps-late-map", "Uneven inputs: rank 1 ran out of training batches after 2 batches in epoch 0, while "
-                              "rank 0 still has more (at least 3), and would wait for it in the next collective until "
-                              "the process-group timeout. Batches per rank: rank 0: 3, rank 1: 2; checked batch by "
-                              "batch, as max_steps might have ended training first, which it did not."),
+    (
+        "10:max-steps-late-map",
+        "Uneven inputs: rank 1 ran out of training batches after 2 batches in epoch 0, while "
+        "rank 0 still has more (at least 3), and would wait for it in the next collective until "
+        "the process-group timeout. Batches per rank: rank 0: 3, rank 1: 2; checked batch by "
+        "batch, as max_steps might have ended training first, which it did not.",
+    ),
     ("11:max-steps-late-iterable", "Uneven inputs: rank 1 ran out of training batches after 2 batches in epoch 0"),
     ("12:manual-iterable", "Uneven inputs: rank 1 ran out of training batches after 2 batches in epoch 0"),
-    ("13:reloaded-uneven", "Uneven inputs: the ranks have different numbers of training batches in epoch 1 "
-                           "(rank 0: 3, rank 1: 2). Rank 1 would run out"),
+    (
+        "13:reloaded-uneven",
+        "Uneven inputs: the ranks have different numbers of training batches in epoch 1 "
+        "(rank 0: 3, rank 1: 2). Rank 1 would run out",
+    ),
     ("14:val-iterable", "Uneven inputs: rank 1 ran out of validation batches after 2 batches, while rank 0 still"),
     ("15:test-iterable", "Uneven inputs: rank 0 ran out of test batches after 2 batches, while rank 1 still has more"),
     ("16:predict-map", "Uneven inputs: the ranks have different numbers of predict batches (rank 0: 3, rank 1: 2)."),
-    ("17:predict-iterable-empty", "Uneven inputs: rank 1 ran out of predict batches before its first batch, while "
-                                  "rank 0 still has more (at least 1)"),
+    (
+        "17:predict-iterable-empty",
+        "Uneven inputs: rank 1 ran out of predict batches before its first batch, while "
+        "rank 0 still has more (at least 1)",
+    ),
 ]
 
 
@@ -172,15 +204,17 @@ def test_even_inputs_train_and_caught_errors_keep_the_ranks_in_step(jobs):
     assert job.proc.returncode == 0, job.report()
     per_rank = [job.results(0), job.results(1)]
     assert sorted(per_rank[0], key=lambda c: int(c.split(":")[0])) == sorted(
-        [c for c, _ in OK + CAUGHT], key=lambda c: int(c.split(":")[0])), per_rank[0]
+        [c for c, _ in OK + CAUGHT], key=lambda c: int(c.split(":")[0])
+    ), per_rank[0]
     for results in per_rank:
         for case, steps in OK:
             assert results[case].get("ok"), (case, results[case])
             if steps is not None:
                 assert results[case]["steps"] == steps, (case, results[case])
         evaluated = results["2:even-validate-test-predict"]
-        assert [evaluated[w]["batches"][k] for w, k in (("validate", "val"), ("test", "test"),
-                                                        ("predict", "predict"))] == [2, 2, 2]
+        assert [
+            evaluated[w]["batches"][k] for w, k in (("validate", "val"), ("test", "test"), ("predict", "predict"))
+        ] == [2, 2, 2]
         assert results["7:max-steps-iterable"]["batches"]["train"] == 2
         assert results["8:max-steps-manual-map"]["batches"]["train"] == 2  # two optimizer steps per batch
     # NO_SHARD predict is not checked: each rank predicted its own number of batches.
@@ -202,15 +236,20 @@ def _verdict(rows: list[list[int]], stage=RunningStage.VALIDATING, epoch: str = 
 def test_verdicts_name_every_rank_that_ran_out():
     # rows: [loop, position, more follow, next dataloader, next index] per rank; 3 ranks, two of them done.
     message = _verdict([[3, 4, 0, -1, -1], [3, 4, 1, 0, 5], [3, 4, 0, -1, -1]])
-    assert message.startswith("Uneven inputs: rank 0 and rank 2 ran out of validation batches after 5 batches, "
-                              "while rank 1 still has more (at least 6), and would wait for them"), message
+    assert message.startswith(
+        "Uneven inputs: rank 0 and rank 2 ran out of validation batches after 5 batches, "
+        "while rank 1 still has more (at least 6), and would wait for them"
+    ), message
     # All ranks have a next batch, but one has moved on to the next dataloader.
     message = _verdict([[3, 1, 1, 0, 2], [3, 1, 1, 1, 0]])
-    assert message.startswith("Uneven inputs: the ranks' next validation batches differ (rank 0: batch 2 of "
-                              "dataloader 0, rank 1: batch 0 of dataloader 1): rank 1 ran out of batches of "
-                              "dataloader 0 first."), message
+    assert message.startswith(
+        "Uneven inputs: the ranks' next validation batches differ (rank 0: batch 2 of "
+        "dataloader 0, rank 1: batch 0 of dataloader 1): rank 1 ran out of batches of "
+        "dataloader 0 first."
+    ), message
     # Ranks at different positions (an earlier loop diverged).
     message = _verdict([[1, 3, 1, 0, 4], [3, 0, 1, 0, 1]], RunningStage.TRAINING)
-    assert message.startswith("Uneven inputs: the ranks are at different batches (rank 0: training batch 4, "
-                              "rank 1: validation batch 1)"), message
+    assert message.startswith(
+        "Uneven inputs: the ranks are at different batches (rank 0: training batch 4, rank 1: validation batch 1)"
+    ), message
     EvenBatches(lambda: None)._check_rows([[1, 2, 1, 0, 3]] * 2, RunningStage.TRAINING)  # agreement: no error

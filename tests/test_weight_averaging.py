@@ -27,8 +27,15 @@ def _launch(folder, devices: int) -> dict:
     out = folder / "out.pt"
     cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--dir", str(folder), "--devices", str(devices)]
     # Its own session, so that the rank Lightning's launcher starts is killed with it on a timeout.
-    proc = subprocess.Popen(cmd, env=clean_env(), cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=clean_env(),
+        cwd=folder,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
@@ -92,8 +99,11 @@ def test_full_checkpoint_holds_the_complete_average(runs):
     swa, ref_swa = files["swa"], ref_files["swa"]
     key = "StochasticWeightAveraging"
     assert swa["callbacks"][key]["n_averaged"] == ref_swa["callbacks"][key]["n_averaged"] == 2
-    count += _compare(swa["callbacks"][key]["average_model_state"], ref_swa["callbacks"][key]["average_model_state"],
-                      "SWA checkpoint average")
+    count += _compare(
+        swa["callbacks"][key]["average_model_state"],
+        ref_swa["callbacks"][key]["average_model_state"],
+        "SWA checkpoint average",
+    )
     count += _compare(swa["state_dict"], ref_swa["state_dict"], "SWA checkpoint model")
     ema, ref_ema = files["ema"], ref_files["ema"]
     # WeightAveraging keeps the average in state_dict and the trained weights in current_model_state.
@@ -106,8 +116,9 @@ def test_full_checkpoint_holds_the_complete_average(runs):
     # The averages really differ from the weights they were saved beside (the comparison is not vacuous).
     average = ref_swa["callbacks"][key]["average_model_state"]
     assert not torch.allclose(average["model.emb.weight"], ref_swa["state_dict"]["model.emb.weight"])
-    assert not torch.allclose(ref_ema["state_dict"]["model.emb.weight"],
-                              ref_ema["current_model_state"]["model.emb.weight"])
+    assert not torch.allclose(
+        ref_ema["state_dict"]["model.emb.weight"], ref_ema["current_model_state"]["model.emb.weight"]
+    )
 
 
 def test_resuming_from_a_full_checkpoint_matches_single_device(runs):
@@ -125,8 +136,11 @@ def test_local_and_sharded_checkpoints_keep_the_average(runs):
     # Local format, SWA: the callback state (in meta.pt) holds the full average; resuming matches one device.
     meta = got["files"]["swa_local_meta"]
     key = "StochasticWeightAveraging"
-    count = _compare(meta["callbacks"][key]["average_model_state"],
-                     ref["files"]["swa"]["callbacks"][key]["average_model_state"], "local meta.pt average")
+    count = _compare(
+        meta["callbacks"][key]["average_model_state"],
+        ref["files"]["swa"]["callbacks"][key]["average_model_state"],
+        "local meta.pt average",
+    )
     count += _check_run(got["swa_local"], ref["swa"], "swa_local")
     count += _check_run(got["swa_local_resume"], ref["swa_resume"], "swa_local_resume")
     # Sharded format, EMA: the average is the DCP model state, the current weights go whole into meta.pt.

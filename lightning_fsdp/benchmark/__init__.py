@@ -81,8 +81,14 @@ class BenchmarkConfig:
     def gpt_config(self) -> Any:
         from lightning_fsdp.demo.gpt import GPTConfig
 
-        return GPTConfig(vocab_size=self.vocab, block_size=self.seq, n_layer=self.layers, n_head=self.heads,
-                         n_embd=self.width, dropout=0.0)
+        return GPTConfig(
+            vocab_size=self.vocab,
+            block_size=self.seq,
+            n_layer=self.layers,
+            n_head=self.heads,
+            n_embd=self.width,
+            dropout=0.0,
+        )
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -145,8 +151,11 @@ def _global_losses(losses: list[float], group: dist.ProcessGroup | None = None) 
 
 
 def _failure(error: BaseException) -> dict[str, Any]:
-    return {"status": "failed", "error": f"{type(error).__name__}: {error}".strip(),
-            "traceback": traceback.format_exc()}
+    return {
+        "status": "failed",
+        "error": f"{type(error).__name__}: {error}".strip(),
+        "traceback": traceback.format_exc(),
+    }
 
 
 class _Interleaved:
@@ -160,8 +169,9 @@ class _Interleaved:
 
     def _agree(self) -> None:
         """Drop, on every rank, the variants that failed on any rank (so later steps issue matching collectives)."""
-        failed = torch.tensor([1.0 if k in self.results and self.results[k]["status"] == "failed" else 0.0
-                               for k in self.keys])
+        failed = torch.tensor(
+            [1.0 if k in self.results and self.results[k]["status"] == "failed" else 0.0 for k in self.keys]
+        )
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.control)
         for key, flag in zip(self.keys, failed.tolist()):
             if flag and key in self.runs:
@@ -178,8 +188,13 @@ class _Interleaved:
             group = _new_group(cfg)
             try:
                 prepared, optimizer = _build(key, cfg, group)
-                self.runs[key] = {"prepared": prepared, "optimizer": optimizer, "group": group, "times": [],
-                                  "losses": []}
+                self.runs[key] = {
+                    "prepared": prepared,
+                    "optimizer": optimizer,
+                    "group": group,
+                    "times": [],
+                    "losses": [],
+                }
             except Exception as error:  # noqa: BLE001 - reported as a failed variant; the others go on
                 self.results[key] = _failure(error)
                 _say(self.rank, f"{VARIANTS[key].name} ws={self.world} FAILED in setup: {self.results[key]['error']}")
@@ -195,21 +210,25 @@ class _Interleaved:
                     seconds, loss = _step(run["prepared"].model, run["optimizer"], x, y)
                 except Exception as error:  # noqa: BLE001
                     self.results[key] = _failure(error)
-                    _say(self.rank, f"{VARIANTS[key].name} ws={self.world} FAILED at step {step + 1}: "
-                                    f"{self.results[key]['error']}")
+                    _say(
+                        self.rank,
+                        f"{VARIANTS[key].name} ws={self.world} FAILED at step {step + 1}: {self.results[key]['error']}",
+                    )
                     continue
                 run["times"].append(seconds)
                 run["losses"].append(loss)
             self._agree()
             done = ", ".join(f"{k} {self.runs[k]['times'][-1] * 1e3:.0f} ms" for k in self.keys if k in self.runs)
-            _say(self.rank, f"ws={self.world} timing step {step + 1}/{total}"
-                            f"{' (warmup)' if step < cfg.warmup else ''}: {done}")
+            _say(
+                self.rank,
+                f"ws={self.world} timing step {step + 1}/{total}{' (warmup)' if step < cfg.warmup else ''}: {done}",
+            )
         for key in list(self.runs):
             run = self.runs.pop(key)
             prepared, optimizer = run["prepared"], run["optimizer"]
             self.results[key] = {
                 "status": "ok",
-                "step_s": run["times"][cfg.warmup:],
+                "step_s": run["times"][cfg.warmup :],
                 "warmup_s": run["times"][: cfg.warmup],
                 "losses": _global_losses(run["losses"], self.control),
                 "model_state": model_state_bytes(prepared.model, optimizer),
@@ -238,8 +257,11 @@ def _memory_run(rank: int, world: int, key: str, cfg: BenchmarkConfig, tokens: t
                     x, y = _batch(tokens, cfg, step, rank, world)
                     seconds, loss = _step(prepared.model, optimizer, x, y)
                     losses.append(loss)
-                    _say(rank, f"{variant.name} ws={world} memory step {step + 1}/{cfg.mem_steps}: "
-                               f"{seconds * 1e3:.0f} ms (profiled), loss {loss:.5f}")
+                    _say(
+                        rank,
+                        f"{variant.name} ws={world} memory step {step + 1}/{cfg.mem_steps}: "
+                        f"{seconds * 1e3:.0f} ms (profiled), loss {loss:.5f}",
+                    )
                 counter.counting = False
             result["model_state"] = model_state_bytes(prepared.model, optimizer)
             n = cfg.mem_steps
@@ -247,12 +269,16 @@ def _memory_run(rank: int, world: int, key: str, cfg: BenchmarkConfig, tokens: t
                 # The engine's own counters: exact, and they see what the wrapper cannot (its collectives are bound
                 # at import time).
                 stats = engine.shard_comm.stats
-                result["comm_per_step"] = {"all_gather": stats.all_gather_bytes / n,
-                                           "reduce_scatter": stats.reduce_scatter_bytes / n,
-                                           "all_reduce": stats.all_reduce_bytes / n}
-                result["comm_calls_per_step"] = {"all_gather": stats.all_gather_calls / n,
-                                                 "reduce_scatter": stats.reduce_scatter_calls / n,
-                                                 "all_reduce": stats.all_reduce_calls / n}
+                result["comm_per_step"] = {
+                    "all_gather": stats.all_gather_bytes / n,
+                    "reduce_scatter": stats.reduce_scatter_bytes / n,
+                    "all_reduce": stats.all_reduce_bytes / n,
+                }
+                result["comm_calls_per_step"] = {
+                    "all_gather": stats.all_gather_calls / n,
+                    "reduce_scatter": stats.reduce_scatter_calls / n,
+                    "all_reduce": stats.all_reduce_calls / n,
+                }
                 result["peak_gathered_units"] = stats.peak_gathered_units
             else:
                 result["comm_per_step"] = {k: v / n for k, v in counter.bytes.items()}
@@ -297,8 +323,13 @@ def _worker(rank: int, world: int, folder: str, keys: list[str], cfg_dict: dict[
     except RuntimeError:
         pass
     tokens = _token_stream(cfg.vocab)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=cfg.collective_timeout))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{folder}/rendezvous",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=cfg.collective_timeout),
+    )
     try:
         if timing:
             _mark(folder, rank, "timing", cfg.variant_timeout * len(keys))
@@ -325,22 +356,36 @@ def _run_group(world: int, keys: list[str], cfg: BenchmarkConfig, *, timing: boo
     results: dict[str, dict[str, list]] = {k: {} for k in keys}
     remaining = list(keys)
     need_timing = timing
-    env = {"OMP_NUM_THREADS": str(cfg.threads), "MKL_NUM_THREADS": str(cfg.threads), "KINETO_LOG_LEVEL": "5",
-           "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    env = {
+        "OMP_NUM_THREADS": str(cfg.threads),
+        "MKL_NUM_THREADS": str(cfg.threads),
+        "KINETO_LOG_LEVEL": "5",
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
+    }
     saved_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # spawned children inherit it at start
     try:
         while remaining:
             with tempfile.TemporaryDirectory(prefix="lfsdp-bench-") as folder:
-                context = mp.start_processes(_worker, args=(world, folder, remaining, asdict(cfg), need_timing),
-                                             nprocs=world, start_method="spawn", join=False)
-                expected = [f"{kind}-{k}-rank{r}.json" for k in remaining for r in range(world)
-                            for kind in (("timing", "memory") if need_timing else ("memory",))]
+                context = mp.start_processes(
+                    _worker,
+                    args=(world, folder, remaining, asdict(cfg), need_timing),
+                    nprocs=world,
+                    start_method="spawn",
+                    join=False,
+                )
+                expected = [
+                    f"{kind}-{k}-rank{r}.json"
+                    for k in remaining
+                    for r in range(world)
+                    for kind in (("timing", "memory") if need_timing else ("memory",))
+                ]
                 problem = _wait(context, folder, expected) or "processes exited before reporting"
                 if need_timing:
                     for key in remaining:
                         results[key]["timing"] = _read(folder, "timing", key, world) or [
-                            {"status": "failed", "error": f"interleaved timing run: {problem}"}]
+                            {"status": "failed", "error": f"interleaved timing run: {problem}"}
+                        ]
                     need_timing = False
                 for key in list(remaining):
                     payloads = _read(folder, "memory", key, world)
@@ -403,13 +448,22 @@ def _kill(context: Any) -> None:
 def _summarise(key: str, parts: dict[str, list[dict]], world: int, param_bytes: int) -> dict[str, Any]:
     """One report row from the per-rank payloads of a variant's timing run (if any) and memory run."""
     variant = VARIANTS[key]
-    row: dict[str, Any] = {"key": key, "name": variant.name, "world_size": world, "comm_source": variant.comm_source,
-                           "theory_per_step": {k: v * param_bytes for k, v in variant.theory.items()}}
+    row: dict[str, Any] = {
+        "key": key,
+        "name": variant.name,
+        "world_size": world,
+        "comm_source": variant.comm_source,
+        "theory_per_step": {k: v * param_bytes for k, v in variant.theory.items()},
+    }
     for part in ("timing", "memory"):
         failed = [p for p in parts.get(part, []) if p.get("status") != "ok"]
         if failed:
-            row.update(status="failed", error=failed[0].get("error", "unknown error"),
-                       traceback=failed[0].get("traceback"), failed_in=part)
+            row.update(
+                status="failed",
+                error=failed[0].get("error", "unknown error"),
+                traceback=failed[0].get("traceback"),
+                failed_in=part,
+            )
             return row
     row["status"] = "ok"
     memory = parts["memory"]
@@ -444,8 +498,12 @@ def _summarise(key: str, parts: dict[str, list[dict]], world: int, param_bytes: 
     return row
 
 
-def run_benchmark(cfg: BenchmarkConfig, out: str | Path | None = None,
-                  progress: Callable[[str], None] | None = None, command: str | None = None) -> dict[str, Any]:
+def run_benchmark(
+    cfg: BenchmarkConfig,
+    out: str | Path | None = None,
+    progress: Callable[[str], None] | None = None,
+    command: str | None = None,
+) -> dict[str, Any]:
     """Run the comparison and the scaling run; write results.json/.md and plot.png into ``out`` if given."""
     say = progress or (lambda text: print(f"[benchmark] {text}", file=sys.stderr, flush=True))
     from lightning_fsdp.demo.gpt import GPT
@@ -454,16 +512,20 @@ def run_benchmark(cfg: BenchmarkConfig, out: str | Path | None = None,
         num_parameters = GPT(cfg.gpt_config()).num_parameters()
     param_bytes = num_parameters * 4  # float32
     started = time.time()
-    say(f"GPT {cfg.layers} x {cfg.width}, {num_parameters:,} parameters ({param_bytes / 2**20:.1f} MiB); "
-        f"variants {', '.join(cfg.variants)} at ws={COMPARISON_WORLD_SIZE}; scaling at ws={cfg.world_sizes}")
+    say(
+        f"GPT {cfg.layers} x {cfg.width}, {num_parameters:,} parameters ({param_bytes / 2**20:.1f} MiB); "
+        f"variants {', '.join(cfg.variants)} at ws={COMPARISON_WORLD_SIZE}; scaling at ws={cfg.world_sizes}"
+    )
 
     rows = []
     payloads = _run_group(COMPARISON_WORLD_SIZE, cfg.variants, cfg, timing=True)
     for key in cfg.variants:
         row = _summarise(key, payloads[key], COMPARISON_WORLD_SIZE, param_bytes)
         rows.append(row)
-        say(f"done {row['name']}: {row['status']}"
-            + (f", median {row['median_step_ms']:.1f} ms" if row.get("median_step_ms") else ""))
+        say(
+            f"done {row['name']}: {row['status']}"
+            + (f", median {row['median_step_ms']:.1f} ms" if row.get("median_step_ms") else "")
+        )
     _compare(rows, cfg.loss_rtol)
 
     scaling = []
@@ -472,8 +534,9 @@ def run_benchmark(cfg: BenchmarkConfig, out: str | Path | None = None,
             row = _summarise(REFERENCE, payloads[REFERENCE], world, param_bytes)
         else:
             say(f"scaling run: {VARIANTS[REFERENCE].name} at ws={world}")
-            row = _summarise(REFERENCE, _run_group(world, [REFERENCE], cfg, timing=False)[REFERENCE], world,
-                             param_bytes)
+            row = _summarise(
+                REFERENCE, _run_group(world, [REFERENCE], cfg, timing=False)[REFERENCE], world, param_bytes
+            )
         scaling.append(row)
 
     results = {

@@ -61,12 +61,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default = getattr(d, name)
         # A list default is written the way the option takes it ("1,2,4"), not as Python prints it.
         shown = ",".join(map(str, default)) if isinstance(default, list) else "%(default)s"
-        parser.add_argument(f"--{name.replace('_', '-')}", type=parse, default=default,
-                            help=f"{text} (default {shown})")
-    parser.add_argument("--variants", default="all",
-                        help=f"'all' or a comma-separated subset of: {', '.join(VARIANTS)}")
-    parser.add_argument("--out", default="benchmark-results",
-                        help="folder for results.md, results.json, plot.png (default %(default)s)")
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=parse, default=default, help=f"{text} (default {shown})"
+        )
+    parser.add_argument(
+        "--variants", default="all", help=f"'all' or a comma-separated subset of: {', '.join(VARIANTS)}"
+    )
+    parser.add_argument(
+        "--out", default="benchmark-results", help="folder for results.md, results.json, plot.png (default %(default)s)"
+    )
     args = parser.parse_args(argv)
     try:
         args.variant_keys = parse_variants(args.variants)
@@ -87,13 +90,17 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     cfg = BenchmarkConfig(**{name: getattr(args, name) for name, _, _ in _CONFIG_OPTIONS}, variants=args.variant_keys)
-    command = "python -m lightning_fsdp.benchmark " + " ".join(shlex.quote(a) for a in
-                                                               (sys.argv[1:] if argv is None else argv))
+    command = "python -m lightning_fsdp.benchmark " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    )
     results = run_benchmark(cfg, out=args.out, command=command.strip())
     failed = [r["name"] for r in results["variants"] + results["scaling"] if r["status"] != "ok"]
     disagree = [r["name"] for r in results["variants"] if r.get("loss_agrees") is False]
-    print(f"results in {args.out}/results.md" + (f"; failed: {', '.join(failed)}" if failed else "")
-          + (f"; final losses disagree: {', '.join(disagree)}" if disagree else ""))
+    print(
+        f"results in {args.out}/results.md"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+        + (f"; final losses disagree: {', '.join(disagree)}" if disagree else "")
+    )
     return 0
 
 

@@ -112,7 +112,9 @@ def _c10_report_flag() -> Any:
     names = {"darwin": ["libc10.dylib"], "win32": ["c10.dll"]}.get(sys.platform, ["libc10.so"])
     for name in names:
         try:
-            return ctypes.c_bool.in_dll(ctypes.CDLL(os.path.join(lib_dir, name)), "FLAGS_caffe2_report_cpu_memory_usage")
+            return ctypes.c_bool.in_dll(
+                ctypes.CDLL(os.path.join(lib_dir, name)), "FLAGS_caffe2_report_cpu_memory_usage"
+            )
         except (OSError, ValueError):
             continue
     return None
@@ -249,8 +251,11 @@ class CollectiveCounter:
         def counted(*args: Any, **kwargs: Any) -> Any:
             if self.counting and self._depth == 0:
                 # all_gather(output(s), input); reduce_scatter(output, input); all_reduce(tensor)
-                tensor = args[0] if kind == "all_reduce" else (args[1] if len(args) > 1 else
-                                                               kwargs.get("input_tensor", kwargs.get("input")))
+                tensor = (
+                    args[0]
+                    if kind == "all_reduce"
+                    else (args[1] if len(args) > 1 else kwargs.get("input_tensor", kwargs.get("input")))
+                )
                 if isinstance(tensor, torch.Tensor):
                     self.bytes[kind] += tensor.numel() * tensor.element_size()
                     self.calls[kind] += 1

@@ -22,12 +22,43 @@ from lightning_fsdp.shutdown import destroy_process_group
 # training thread spends issuing and waiting for them.
 _GROUPS = (
     ("collective", ("c10d::", "gloo", "all_gather", "reduce_scatter", "allreduce", "all_reduce", "wait")),
-    ("engine copy", ("split_with_sizes_copy", "_chunk_cat", "aten::copy_", "aten::cat", "aten::div_",
-                     "resize_", "aten::zeros", "aten::empty")),
+    (
+        "engine copy",
+        (
+            "split_with_sizes_copy",
+            "_chunk_cat",
+            "aten::copy_",
+            "aten::cat",
+            "aten::div_",
+            "resize_",
+            "aten::zeros",
+            "aten::empty",
+        ),
+    ),
     ("optimizer", ("_foreach_", "Optimizer.step", "adamw")),
-    ("compute", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "softmax", "gelu",
-                 "layer_norm", "scaled_dot_product", "aten::mul", "aten::add", "embedding", "cross_entropy",
-                 "nll_loss", "log_softmax", "aten::tanh", "aten::sum", "aten::mean")),
+    (
+        "compute",
+        (
+            "aten::mm",
+            "aten::addmm",
+            "aten::bmm",
+            "aten::matmul",
+            "aten::linear",
+            "softmax",
+            "gelu",
+            "layer_norm",
+            "scaled_dot_product",
+            "aten::mul",
+            "aten::add",
+            "embedding",
+            "cross_entropy",
+            "nll_loss",
+            "log_softmax",
+            "aten::tanh",
+            "aten::sum",
+            "aten::mean",
+        ),
+    ),
 )
 
 
@@ -46,8 +77,7 @@ def _worker(rank: int, world: int, folder: str, args: argparse.Namespace) -> Non
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=65, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-                       n_embd=args.width)
+    config = GPTConfig(vocab_size=65, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width)
     model = GPT(config)
     fully_shard(model, sharding_strategy=args.strategy, auto_wrap_policy={Block})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -36,8 +36,11 @@ def _comm_cells(row: dict[str, Any], param_bytes: int) -> list[str]:
     """All-gathered, reduce-scattered and all-reduced bytes per step, each with its multiple of P."""
     comm = row.get("comm_per_step")
     cells = []
-    for measured_key, theory_key in (("all_gathered", "all_gather"), ("reduce_scatter", "reduce_scatter"),
-                                     ("all_reduce", "all_reduce")):
+    for measured_key, theory_key in (
+        ("all_gathered", "all_gather"),
+        ("reduce_scatter", "reduce_scatter"),
+        ("all_reduce", "all_reduce"),
+    ):
         theory = row["theory_per_step"][theory_key]
         if comm is None:
             cells.append("n/a" if not theory else f"n/a (theory {theory / param_bytes:g} P)")
@@ -99,8 +102,7 @@ def markdown(results: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---|---|---|---|---:|",
     ]
     ddp = next((r for r in results["variants"] if r["key"] == "ddp" and r["status"] == "ok"), None)
-    reference = next((r for r in results["variants"] if r["key"] == results["reference"] and r["status"] == "ok"),
-                     None)
+    reference = next((r for r in results["variants"] if r["key"] == results["reference"] and r["status"] == "ok"), None)
     ddp_state = _max([m["total"] for m in ddp["model_state"]]) if ddp else None
     disagreements = []
     for row in results["variants"]:
@@ -117,9 +119,9 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(
             f"| {row['name']} | {_ms(row.get('median_step_ms'))} | {_ratio(row.get('ratio_to_reference'))} "
             f"({_ratio(paired_ratio(row, reference))}) "
-            f"| {fmt_bytes(_max(row['peak_live_bytes']))}{'' if row.get('live_bytes_all_threads') else ' (upper bound)'} "
-            f"| {state_cell} | "
-            + " | ".join(_comm_cells(row, P)) + f" | {loss} |"
+            f"| {fmt_bytes(_max(row['peak_live_bytes']))}"
+            f"{'' if row.get('live_bytes_all_threads') else ' (upper bound)'} "
+            f"| {state_cell} | " + " | ".join(_comm_cells(row, P)) + f" | {loss} |"
         )
     rtol = cfg["loss_rtol"]
     ok_rows = [r for r in results["variants"] if r["status"] == "ok"]
@@ -127,8 +129,11 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", f"**Final losses disagree** (relative tolerance {rtol:g}) for: {', '.join(disagreements)}."]
     elif ok_rows:
         worst = max(r.get("loss_rel_diff", 0.0) for r in ok_rows)
-        lines += ["", f"All final losses agree with {ref_name}'s within relative tolerance {rtol:g} "
-                      f"(largest relative difference {worst:.1e})."]
+        lines += [
+            "",
+            f"All final losses agree with {ref_name}'s within relative tolerance {rtol:g} "
+            f"(largest relative difference {worst:.1e}).",
+        ]
 
     lines += [
         "",
@@ -149,8 +154,10 @@ def markdown(results: dict[str, Any]) -> str:
         state = _max([m["total"] for m in row["model_state"]])
         scaled = f"{state * row['world_size'] / base_state:.3f}" if base_state else "n/a"
         comm = _comm_cells(row, P)
-        lines.append(f"| {row['world_size']} | {fmt_bytes(state)} | {scaled} | {fmt_bytes(_max(row['peak_live_bytes']))} "
-                     f"| {fmt_bytes(_max(row['live_at_start_bytes']))} | {comm[0]} | {comm[1]} | {comm[3]} |")
+        lines.append(
+            f"| {row['world_size']} | {fmt_bytes(state)} | {scaled} | {fmt_bytes(_max(row['peak_live_bytes']))} "
+            f"| {fmt_bytes(_max(row['live_at_start_bytes']))} | {comm[0]} | {comm[1]} | {comm[3]} |"
+        )
 
     lines += [
         "",
@@ -174,8 +181,8 @@ def markdown(results: dict[str, Any]) -> str:
         "`torch.distributed`'s collectives counted by a wrapper; torch DDP: its reducer all-reduces from C++ "
         "where Python cannot see it, so theory only (1 P). P is the model's full parameter bytes; theory: "
         "FULL_SHARD gathers 2 P (forward and again for backward) and reduce-scatters 1 P (3 P in total), "
-        "SHARD_GRAD_OP gathers 1 P (2 P in total), replicated variants all-reduce 1 P. A root unit that stays gathered from forward "
-        "into backward is gathered once, so measured FULL_SHARD figures sit slightly under 2 P.",
+        "SHARD_GRAD_OP gathers 1 P (2 P in total), replicated variants all-reduce 1 P. A root unit that stays "
+        "gathered from forward into backward is gathered once, so measured FULL_SHARD figures sit slightly under 2 P.",
         f"- **Final loss**: mean over ranks (= the global batch's loss) of the last timed step; compared with "
         f"{ref_name}'s at relative tolerance {rtol:g}.",
         "",
@@ -215,10 +222,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
     colors = ["tab:blue" if r["key"].startswith("custom") else "tab:gray" for r in rows]
     bars = ax.bar(range(len(rows)), times, color=colors)
     for bar, row in zip(bars, rows):
-        label = "failed" if row["status"] != "ok" else (
-            f"{row.get('median_step_ms', 0):.0f}\n{_ratio(row.get('ratio_to_reference'))}")
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                    fontsize=8)
+        label = (
+            "failed"
+            if row["status"] != "ok"
+            else (f"{row.get('median_step_ms', 0):.0f}\n{_ratio(row.get('ratio_to_reference'))}")
+        )
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(rows)), names, fontsize=7)
     ax.set_ylabel("median step time (ms)")
     ax.margins(y=0.15)
@@ -257,8 +266,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=8)
 
     cfg = results["config"]
-    fig.suptitle(f"GPT {cfg['layers']}x{cfg['width']} ({results['num_parameters']:,} parameters), "
-                 f"batch {cfg['batch']}x{cfg['seq']} per rank, gloo on CPU, torch {results['environment']['torch']}")
+    fig.suptitle(
+        f"GPT {cfg['layers']}x{cfg['width']} ({results['num_parameters']:,} parameters), "
+        f"batch {cfg['batch']}x{cfg['seq']} per rank, gloo on CPU, torch {results['environment']['torch']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

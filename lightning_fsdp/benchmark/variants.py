@@ -136,8 +136,9 @@ VARIANTS: dict[str, Variant] = {
     v.key: v
     for v in (
         Variant("custom_full_shard", "fsdp_custom FULL_SHARD", setup_custom_full_shard, _SHARDED, "engine"),
-        Variant("custom_shard_grad_op", "fsdp_custom SHARD_GRAD_OP", setup_custom_shard_grad_op, _GATHER_ONCE,
-                "engine"),
+        Variant(
+            "custom_shard_grad_op", "fsdp_custom SHARD_GRAD_OP", setup_custom_shard_grad_op, _GATHER_ONCE, "engine"
+        ),
         Variant("custom_no_shard", "fsdp_custom NO_SHARD", setup_custom_no_shard, _REPLICATED, "engine"),
         Variant("ddp", "torch DDP", setup_ddp, _REPLICATED, "theory"),
         Variant("fsdp1", "torch FSDP1 FULL_SHARD", setup_fsdp1, _SHARDED, "counted"),

@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import pickle
 import zipfile
-from typing import IO, Any, Callable, Optional
+from collections.abc import Callable
+from typing import IO, Any
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
@@ -43,7 +44,7 @@ class CheckpointIsDirectoryError(CheckpointLoadError, IsADirectoryError):
     """The checkpoint path is a directory, not a full-checkpoint file (also an ``IsADirectoryError``)."""
 
 
-def temp_path_for(path: _PATH, pid: Optional[int] = None) -> str:
+def temp_path_for(path: _PATH, pid: int | None = None) -> str:
     """The temporary file a save to ``path`` writes first: ``.{basename}.tmp-{pid}`` in the same directory."""
     path = os.fspath(path)
     folder, name = os.path.split(path)
@@ -85,8 +86,10 @@ def _describe_damage(path: str) -> str:
             with zipfile.ZipFile(path) as archive:
                 archive.infolist()
         except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            return (f"the file ({size} bytes) is truncated or corrupt: it is not a complete PyTorch zip archive "
-                    f"({exc}); it was probably written by a save that did not finish")
+            return (
+                f"the file ({size} bytes) is truncated or corrupt: it is not a complete PyTorch zip archive "
+                f"({exc}); it was probably written by a save that did not finish"
+            )
         return f"the file ({size} bytes) is a PyTorch zip archive, but its contents could not be read"
     if head[:2] in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05"):
         return f"the file ({size} bytes) is a legacy pickle checkpoint that could not be read (truncated or corrupt?)"
@@ -117,7 +120,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(
                 "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
@@ -154,8 +157,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self,
         path: _PATH,
-        map_location: Optional[Callable] = lambda storage, loc: storage,
-        weights_only: Optional[bool] = None,
+        map_location: Callable | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
     ) -> dict[str, Any]:
         if not _is_local(path):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
@@ -175,10 +178,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             with open(path, "rb") as f:
                 checkpoint = torch.load(f, map_location=map_location, weights_only=weights_only)
         except Exception as exc:  # noqa: BLE001 - re-raised with the file named; the original is kept as __cause__
-            if (isinstance(exc, pickle.UnpicklingError) and "weights_only" in str(exc).lower().replace(" ", "_")
-                    and _container_intact(path)):
-                problem = ("torch.load(weights_only=True) refused an object in it; load it with weights_only=False "
-                           "if you trust the file")
+            if (
+                isinstance(exc, pickle.UnpicklingError)
+                and "weights_only" in str(exc).lower().replace(" ", "_")
+                and _container_intact(path)
+            ):
+                problem = (
+                    "torch.load(weights_only=True) refused an object in it; load it with weights_only=False "
+                    "if you trust the file"
+                )
             else:
                 problem = _describe_damage(path)
             raise CheckpointLoadError(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,13 @@ from lightning_fsdp.checkpoint.atomic_io import (
     CheckpointNotFoundError,
     _is_local,
 )
-from lightning_fsdp.checkpoint.paths import META_FILE, commit_directory, prepare_temp_dir, remove_path, remove_stale_temps
+from lightning_fsdp.checkpoint.paths import (
+    META_FILE,
+    commit_directory,
+    prepare_temp_dir,
+    remove_path,
+    remove_stale_temps,
+)
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.unit import ParamSlot
@@ -97,7 +103,7 @@ class Collective:
         if self.distributed and self.world_size > 1:
             dist.barrier()
 
-    def agree(self, problem: Optional[BaseException]) -> None:
+    def agree(self, problem: BaseException | None) -> None:
         """Every rank passes its own problem (or None); if any rank has one, every rank raises. A rank raises its
         own exception; the others raise an equivalent one (same class where it is one of ours) naming the rank."""
         verdicts = self.all_gather(None if problem is None else _describe(problem))
@@ -118,7 +124,7 @@ class Collective:
         self.agree(problem)
         return result  # type: ignore[return-value]
 
-    def agree_from_rank0(self, problem: Optional[BaseException]) -> None:
+    def agree_from_rank0(self, problem: BaseException | None) -> None:
         """Rank 0 decided alone (e.g. it renamed the directory); every rank raises if it failed."""
         verdict = self.broadcast(None if problem is None else _describe(problem))
         if self.is_rank0 and problem is not None:
@@ -127,15 +133,17 @@ class Collective:
             raise _rebuild(verdict, 0)
 
 
-_REBUILDABLE = {cls.__name__: cls for cls in (CheckpointMismatchError, CheckpointLoadError, CheckpointNotFoundError,
-                                              CheckpointIsDirectoryError)}
+_REBUILDABLE = {
+    cls.__name__: cls
+    for cls in (CheckpointMismatchError, CheckpointLoadError, CheckpointNotFoundError, CheckpointIsDirectoryError)
+}
 
 
-def _describe(exc: BaseException) -> tuple[str, str, Optional[str]]:
+def _describe(exc: BaseException) -> tuple[str, str, str | None]:
     return type(exc).__name__, str(exc), getattr(exc, "path", None)
 
 
-def _rebuild(verdict: tuple[str, str, Optional[str]], rank: int) -> BaseException:
+def _rebuild(verdict: tuple[str, str, str | None], rank: int) -> BaseException:
     name, message, path = verdict
     message = f"{message} [raised on rank {rank}]"
     cls = _REBUILDABLE.get(name)
@@ -181,8 +189,12 @@ def is_sharded(layout: ShardLayout) -> bool:
 def is_local_rows(value: Any, layout: ShardLayout) -> bool:
     """Whether ``value`` is a per-row tensor holding this rank's rows of a sharded parameter (its shard, or optimizer
     state shaped like it). A 0-dim parameter is stored as one row (shape ``(1,)`` or ``(0,)``) at any world size."""
-    return ((is_sharded(layout) or len(layout.shape) == 0) and isinstance(value, torch.Tensor) and value.dim() > 0
-            and tuple(value.shape) == tuple(layout.local_shape))
+    return (
+        (is_sharded(layout) or len(layout.shape) == 0)
+        and isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and tuple(value.shape) == tuple(layout.local_shape)
+    )
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -198,8 +210,14 @@ def shape_str(shape: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def check_keys(model_keys: list[str], state: Mapping[str, Any], unexpected: tuple[str, ...], strict: bool,
-               module: nn.Module, source: str) -> None:
+def check_keys(
+    model_keys: list[str],
+    state: Mapping[str, Any],
+    unexpected: tuple[str, ...],
+    strict: bool,
+    module: nn.Module,
+    source: str,
+) -> None:
     missing = [k for k in model_keys if k not in state]
     extra = list(unexpected) + [k for k in state if k not in set(model_keys) and k not in unexpected]
     if strict and (missing or extra):
@@ -240,8 +258,11 @@ def to_index_keyed(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """An optimizer state dict whose ``param_groups`` list parameter *names* (as Lightning's consolidation of a sharded
     checkpoint gives it) re-keyed by position, i.e. plain ``torch.optim`` layout. Index-keyed input passes through."""
     groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
-    if not isinstance(groups, list) or not all(isinstance(g, Mapping) and "params" in g for g in groups) or \
-            not isinstance(state_dict.get("state"), Mapping):
+    if (
+        not isinstance(groups, list)
+        or not all(isinstance(g, Mapping) and "params" in g for g in groups)
+        or not isinstance(state_dict.get("state"), Mapping)
+    ):
         found = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else type(state_dict).__name__
         raise CheckpointMismatchError(
             "The checkpoint's optimizer state is not a torch.optim state dict ('state' and 'param_groups' with their "
@@ -291,23 +312,39 @@ class CheckpointFormat:
         """What the checkpoint's ``optimizer_states`` holds for ``optimizer`` (call on every rank)."""
         raise NotImplementedError
 
-    def save(self, checkpoint: dict[str, Any], path: Any, *, engine: Optional[ShardingEngine],
-             optimizers: Sequence[Optimizer], checkpoint_io: CheckpointIO, storage_options: Optional[Any] = None) -> None:
+    def save(
+        self,
+        checkpoint: dict[str, Any],
+        path: Any,
+        *,
+        engine: ShardingEngine | None,
+        optimizers: Sequence[Optimizer],
+        checkpoint_io: CheckpointIO,
+        storage_options: Any | None = None,
+    ) -> None:
         """Write a checkpoint built from ``model_state_dict`` / ``optimizer_state`` to ``path`` (call on every rank)."""
         raise NotImplementedError
 
-    def load(self, path: Any, *, engine: Optional[ShardingEngine], optimizers: Optional[Sequence[Optimizer]],
-             checkpoint_io: CheckpointIO, weights_only: Optional[bool] = None,
-             coll: Optional[Collective] = None) -> dict[str, Any]:
+    def load(
+        self,
+        path: Any,
+        *,
+        engine: ShardingEngine | None,
+        optimizers: Sequence[Optimizer] | None,
+        checkpoint_io: CheckpointIO,
+        weights_only: bool | None = None,
+        coll: Collective | None = None,
+    ) -> dict[str, Any]:
         """Read ``path`` on every rank into a Lightning checkpoint dict (optimizer state only if ``optimizers``)."""
         raise NotImplementedError
 
-    def read_as_full(self, path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def read_as_full(self, path: str, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint at ``path`` as one full checkpoint dict in Lightning's layout, in this process alone."""
         raise NotImplementedError
 
     def write_full(self, checkpoint: Mapping[str, Any], path: str) -> None:
-        """Write a full checkpoint dict (``read_as_full``'s result) to ``path`` in this format, in this process alone."""
+        """Write a full checkpoint dict (``read_as_full``'s result) to ``path`` in this format, in this process
+        alone."""
         raise ValueError(f"A {self.kind} checkpoint cannot be written from a full one outside a run.")
 
 
@@ -315,27 +352,50 @@ class DirectoryFormat(CheckpointFormat):
     """A format whose checkpoint is a directory every rank writes its part of (see :func:`write_directory`) and
     reads its rows from, on the local (or a network-mounted) file system, not through the ``CheckpointIO``."""
 
-    def write(self, checkpoint: dict[str, Any], path: Any, engine: ShardingEngine,
-              optimizers: Sequence[Optimizer]) -> None:
+    def write(
+        self, checkpoint: dict[str, Any], path: Any, engine: ShardingEngine, optimizers: Sequence[Optimizer]
+    ) -> None:
         raise NotImplementedError
 
-    def read(self, path: str, engine: ShardingEngine, optimizers: Optional[Sequence[Optimizer]], *,
-             coll: Optional[Collective], weights_only: Optional[bool]) -> dict[str, Any]:
+    def read(
+        self,
+        path: str,
+        engine: ShardingEngine,
+        optimizers: Sequence[Optimizer] | None,
+        *,
+        coll: Collective | None,
+        weights_only: bool | None,
+    ) -> dict[str, Any]:
         raise NotImplementedError
 
-    def save(self, checkpoint: dict[str, Any], path: Any, *, engine: Optional[ShardingEngine],
-             optimizers: Sequence[Optimizer], checkpoint_io: CheckpointIO, storage_options: Optional[Any] = None) -> None:
+    def save(
+        self,
+        checkpoint: dict[str, Any],
+        path: Any,
+        *,
+        engine: ShardingEngine | None,
+        optimizers: Sequence[Optimizer],
+        checkpoint_io: CheckpointIO,
+        storage_options: Any | None = None,
+    ) -> None:
         self._check_save_path(path, storage_options)
         assert engine is not None
         self.write(checkpoint, path, engine, optimizers)
 
-    def load(self, path: Any, *, engine: Optional[ShardingEngine], optimizers: Optional[Sequence[Optimizer]],
-             checkpoint_io: CheckpointIO, weights_only: Optional[bool] = None,
-             coll: Optional[Collective] = None) -> dict[str, Any]:
+    def load(
+        self,
+        path: Any,
+        *,
+        engine: ShardingEngine | None,
+        optimizers: Sequence[Optimizer] | None,
+        checkpoint_io: CheckpointIO,
+        weights_only: bool | None = None,
+        coll: Collective | None = None,
+    ) -> dict[str, Any]:
         assert engine is not None
         return self.read(os.fspath(path), engine, optimizers, coll=coll, weights_only=weights_only)
 
-    def _check_save_path(self, path: Any, storage_options: Optional[Any]) -> None:
+    def _check_save_path(self, path: Any, storage_options: Any | None) -> None:
         """Refuse what only a ``CheckpointIO`` could do: storage options and remote paths (every rank writes here)."""
         if storage_options is not None:
             raise TypeError(
@@ -350,8 +410,9 @@ class DirectoryFormat(CheckpointFormat):
             )
 
 
-def write_directory(path: Any, write_part: Callable[[str], None], meta: Callable[[], Mapping[str, Any]],
-                    coll: Collective) -> None:
+def write_directory(
+    path: Any, write_part: Callable[[str], None], meta: Callable[[], Mapping[str, Any]], coll: Collective
+) -> None:
     """Write a directory checkpoint atomically; call on every rank.
 
     Rank 0 creates an empty temporary directory next to ``path``; every rank writes its part into it

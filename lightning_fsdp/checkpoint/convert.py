@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Optional
+from typing import Any
 
 from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError
 from lightning_fsdp.checkpoint.formats import FORMATS, format_on_disk
@@ -27,12 +27,12 @@ __all__ = ["convert", "load_as_full", "main"]
 _TARGETS = [kind for kind, fmt in FORMATS.items() if fmt.writes_offline]
 
 
-def load_as_full(src: str, weights_only: Optional[bool] = False) -> dict[str, Any]:
+def load_as_full(src: str, weights_only: bool | None = False) -> dict[str, Any]:
     """Any checkpoint (full file, sharded or local directory) as a full checkpoint dict in Lightning's layout."""
     return format_on_disk(src).read_as_full(src, weights_only=weights_only)
 
 
-def convert(src: str, dst: str, to: Optional[str] = None, *, overwrite: bool = False) -> str:
+def convert(src: str, dst: str, to: str | None = None, *, overwrite: bool = False) -> str:
     """Convert ``src`` into ``dst``; ``to`` defaults to ``"full"`` for a directory and ``"sharded"`` for a file.
     Returns the format written. The output is written atomically (temporary name, then rename)."""
     src, dst = os.fspath(src), os.fspath(dst)
@@ -54,17 +54,18 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-fsdp convert",
         description="Convert a checkpoint between formats: a sharded or local checkpoint directory into one full "
-                    "file (loadable by plain Lightning), or a full file into a sharded directory (--to sharded).",
+        "file (loadable by plain Lightning), or a full file into a sharded directory (--to sharded).",
     )
     parser.add_argument("src", metavar="SRC", help="checkpoint file or directory to read")
     parser.add_argument("dst", metavar="DST", help="file or directory to write")
-    parser.add_argument("--to", choices=_TARGETS, default=None,
-                        help="output format (default: full for a directory, sharded for a file)")
+    parser.add_argument(
+        "--to", choices=_TARGETS, default=None, help="output format (default: full for a directory, sharded for a file)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     return parser
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         written = convert(args.src, args.dst, args.to, overwrite=args.overwrite)

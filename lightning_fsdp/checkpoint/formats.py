@@ -7,8 +7,6 @@ The three formats are :class:`~lightning_fsdp.checkpoint.full.FullFormat`,
 
 from __future__ import annotations
 
-from typing import Union
-
 from lightning_fsdp.checkpoint.common import CheckpointFormat
 from lightning_fsdp.checkpoint.full import FullFormat
 from lightning_fsdp.checkpoint.local import LocalFormat
@@ -22,7 +20,7 @@ FULL_FORMAT = FullFormat()
 FORMATS: dict[str, CheckpointFormat] = {f.kind: f for f in (FULL_FORMAT, ShardedFormat(), LocalFormat())}
 
 
-def format_for_saving(state_dict_type: Union[StateDictType, str]) -> CheckpointFormat:
+def format_for_saving(state_dict_type: StateDictType | str) -> CheckpointFormat:
     """The format a run with this ``state_dict_type`` writes (the value is parsed and checked by the strategy)."""
     return FORMATS[StateDictType(state_dict_type).value]
 

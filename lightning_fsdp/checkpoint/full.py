@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -49,8 +49,11 @@ def full_model_state_dict(engine: ShardingEngine, *, rank0_only: bool = True) ->
     state = module.state_dict()  # shards for managed parameters; buffers and unmanaged parameters as they are
     if engine.closed:
         # The stage has ended and the module holds its full parameters again (ShardingEngine.restore_unsharded).
-        return {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()} \
-            if keep else {}
+        return (
+            {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+            if keep
+            else {}
+        )
     keys = _param_keys(module)
     for unit in engine.units:
         fulls = unit.full_tensors()  # one unit at a time, in the master dtype
@@ -84,8 +87,8 @@ def load_full_model_state_dict(engine: ShardingEngine, state: Mapping[str, Any],
         value = state[key]
         if not isinstance(value, torch.Tensor):
             raise CheckpointMismatchError(
-                f"Checkpoint entry {key!r} is a {type(value).__name__}, not a tensor; the model's parameter is a tensor "
-                f"of shape {tuple(slot.layout.shape)}. The checkpoint is damaged or belongs to another model."
+                f"Checkpoint entry {key!r} is a {type(value).__name__}, not a tensor; the model's parameter is a "
+                f"tensor of shape {tuple(slot.layout.shape)}. The checkpoint is damaged or belongs to another model."
             )
         if tuple(value.shape) != tuple(slot.layout.shape):
             raise CheckpointMismatchError(
@@ -208,22 +211,37 @@ class FullFormat(CheckpointFormat):
     def optimizer_state(self, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
         return full_optimizer_state_dict(engine, optimizer)
 
-    def save(self, checkpoint: dict[str, Any], path: Any, *, engine: Optional[ShardingEngine],
-             optimizers: Sequence[Optimizer], checkpoint_io: CheckpointIO, storage_options: Optional[Any] = None) -> None:
+    def save(
+        self,
+        checkpoint: dict[str, Any],
+        path: Any,
+        *,
+        engine: ShardingEngine | None,
+        optimizers: Sequence[Optimizer],
+        checkpoint_io: CheckpointIO,
+        storage_options: Any | None = None,
+    ) -> None:
         # The rank the full state was gathered to writes it (the others' state dicts are empty), as Lightning's
         # Strategy.save_checkpoint does with is_global_zero.
         if _global_rank() == 0:
             checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
-    def load(self, path: Any, *, engine: Optional[ShardingEngine], optimizers: Optional[Sequence[Optimizer]],
-             checkpoint_io: CheckpointIO, weights_only: Optional[bool] = None,
-             coll: Optional[Collective] = None) -> dict[str, Any]:
+    def load(
+        self,
+        path: Any,
+        *,
+        engine: ShardingEngine | None,
+        optimizers: Sequence[Optimizer] | None,
+        checkpoint_io: CheckpointIO,
+        weights_only: bool | None = None,
+        coll: Collective | None = None,
+    ) -> dict[str, Any]:
         # Every rank reads the whole file (the CheckpointIO also reports remote and missing paths), as Lightning's
         # Strategy.load_checkpoint does, cached GPU memory released first.
         torch.cuda.empty_cache()
         return checkpoint_io.load_checkpoint(path, weights_only=weights_only)
 
-    def read_as_full(self, path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def read_as_full(self, path: str, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = AtomicCheckpointIO().load_checkpoint(path, weights_only=weights_only)
         if not isinstance(checkpoint.get("state_dict"), Mapping):
             raise CheckpointLoadError(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
@@ -59,7 +59,7 @@ def local_optimizer_state_dict(optimizer: Optimizer) -> dict[str, Any]:
     return optimizer.state_dict()
 
 
-def layout_info(engine: ShardingEngine, optimizers: Optional[Sequence[Optimizer]], world_size: int) -> dict[str, Any]:
+def layout_info(engine: ShardingEngine, optimizers: Sequence[Optimizer] | None, world_size: int) -> dict[str, Any]:
     """What a local checkpoint must match to be loaded: the ``"lightning_fsdp"`` entry of its ``meta.pt``."""
     managed = managed_keys(engine)
     entries: dict[str, Any] = {}
@@ -67,8 +67,11 @@ def layout_info(engine: ShardingEngine, optimizers: Optional[Sequence[Optimizer]
         slot = managed.get(key)
         if slot is not None:
             layout = slot.layout
-            entries[key] = {"shape": tuple(int(s) for s in layout.shape), "dtype": str(slot.param.dtype),
-                            "rows": [layout.rows_of(r) for r in range(layout.world_size)]}
+            entries[key] = {
+                "shape": tuple(int(s) for s in layout.shape),
+                "dtype": str(slot.param.dtype),
+                "rows": [layout.rows_of(r) for r in range(layout.world_size)],
+            }
         elif isinstance(value, torch.Tensor):
             entries[key] = {"shape": tuple(int(s) for s in value.shape), "dtype": str(value.dtype), "rows": None}
         else:
@@ -76,11 +79,17 @@ def layout_info(engine: ShardingEngine, optimizers: Optional[Sequence[Optimizer]
     names = engine_param_names(engine)
     optimizer_names = None
     if optimizers is not None:
-        optimizer_names = [[[names.get(id(p), "?") for p in group["params"]] for group in opt.param_groups]
-                           for opt in optimizers]
-    return {"format": "local", "version": FORMAT_VERSION, "world_size": world_size,
-            "shard_world_size": engine.shard_comm.world_size,
-            "entries": entries, "optimizers": optimizer_names}
+        optimizer_names = [
+            [[names.get(id(p), "?") for p in group["params"]] for group in opt.param_groups] for opt in optimizers
+        ]
+    return {
+        "format": "local",
+        "version": FORMAT_VERSION,
+        "world_size": world_size,
+        "shard_world_size": engine.shard_comm.world_size,
+        "entries": entries,
+        "optimizers": optimizer_names,
+    }
 
 
 def _write_file(obj: Any, file: str) -> None:
@@ -91,8 +100,13 @@ def _write_file(obj: Any, file: str) -> None:
         os.fsync(f.fileno())
 
 
-def save_local_checkpoint(checkpoint: Mapping[str, Any], path: str, engine: ShardingEngine,
-                          optimizers: Optional[Sequence[Optimizer]], coll: Optional[Collective] = None) -> None:
+def save_local_checkpoint(
+    checkpoint: Mapping[str, Any],
+    path: str,
+    engine: ShardingEngine,
+    optimizers: Sequence[Optimizer] | None,
+    coll: Collective | None = None,
+) -> None:
     """Write a checkpoint built from :func:`local_model_state_dict` / :func:`local_optimizer_state_dict` to the
     directory ``path``, atomically: every rank writes its file into a temporary directory, which rank 0 renames into
     place once all have succeeded. Call on every rank."""
@@ -102,8 +116,15 @@ def save_local_checkpoint(checkpoint: Mapping[str, Any], path: str, engine: Shar
     optimizer_states = rest.pop("optimizer_states", None)
 
     def write_part(tmp: str) -> None:
-        part = {"format": "local", "version": FORMAT_VERSION, "rank": coll.rank, "world_size": coll.world_size,
-                "shard_rank": engine.shard_comm.rank, "state_dict": state, "optimizer_states": optimizer_states}
+        part = {
+            "format": "local",
+            "version": FORMAT_VERSION,
+            "rank": coll.rank,
+            "world_size": coll.world_size,
+            "shard_rank": engine.shard_comm.rank,
+            "state_dict": state,
+            "optimizer_states": optimizer_states,
+        }
         coll.run_agreed(lambda: _write_file(part, os.path.join(tmp, local_rank_file(coll.rank))))
 
     def meta() -> dict[str, Any]:
@@ -114,7 +135,7 @@ def save_local_checkpoint(checkpoint: Mapping[str, Any], path: str, engine: Shar
 
 
 # ===================================================================================================== loading
-def read_local_meta(path: str, weights_only: Optional[bool] = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_local_meta(path: str, weights_only: bool | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(Lightning part, ``"lightning_fsdp"`` entry) of a local checkpoint's ``meta.pt``."""
     meta_file = os.path.join(path, META_FILE)
     meta = AtomicCheckpointIO().load_checkpoint(meta_file, weights_only=weights_only)
@@ -133,7 +154,7 @@ def read_local_meta(path: str, weights_only: Optional[bool] = None) -> tuple[dic
     return meta, dict(info)
 
 
-def _read_rank_file(path: str, rank: int, world_size: int, weights_only: Optional[bool]) -> dict[str, Any]:
+def _read_rank_file(path: str, rank: int, world_size: int, weights_only: bool | None) -> dict[str, Any]:
     file = os.path.join(path, local_rank_file(rank))
     problem = file_problem(file)
     if problem is not None:
@@ -166,8 +187,11 @@ def _check_layout(path: str, info: Mapping[str, Any], engine: ShardingEngine, co
             continue
         what = "parameter" if key in params else "entry"
         slot = managed.get(key)
-        here = tuple(slot.layout.shape) if slot is not None else (
-            tuple(value.shape) if isinstance(value, torch.Tensor) else None)
+        here = (
+            tuple(slot.layout.shape)
+            if slot is not None
+            else (tuple(value.shape) if isinstance(value, torch.Tensor) else None)
+        )
         stored = tuple(entry["shape"]) if entry["shape"] is not None else None
         if here != stored:
             raise CheckpointMismatchError(
@@ -186,8 +210,9 @@ def _check_layout(path: str, info: Mapping[str, Any], engine: ShardingEngine, co
     return tuple(k for k in entries if k not in own)
 
 
-def _check_optimizers(path: str, info: Mapping[str, Any], engine: ShardingEngine,
-                      optimizers: Sequence[Optimizer]) -> None:
+def _check_optimizers(
+    path: str, info: Mapping[str, Any], engine: ShardingEngine, optimizers: Sequence[Optimizer]
+) -> None:
     stored = info.get("optimizers") or []
     if len(stored) != len(optimizers):
         raise CheckpointMismatchError(
@@ -213,10 +238,10 @@ def _check_optimizers(path: str, info: Mapping[str, Any], engine: ShardingEngine
 def load_local_checkpoint(
     path: str,
     engine: ShardingEngine,
-    optimizers: Optional[Sequence[Optimizer]] = None,
+    optimizers: Sequence[Optimizer] | None = None,
     *,
-    coll: Optional[Collective] = None,
-    weights_only: Optional[bool] = None,
+    coll: Collective | None = None,
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Read this rank's file of a local checkpoint (on every rank): the Lightning checkpoint dict with ``state_dict``
     a :class:`ShardedStateDict` and ``optimizer_states`` (when ``optimizers`` is given and the checkpoint has them)
@@ -232,8 +257,9 @@ def load_local_checkpoint(
         data = _read_rank_file(path, coll.rank, coll.world_size, weights_only)
         own = engine.root.state_dict()
         checkpoint = dict(meta)
-        checkpoint["state_dict"] = ShardedStateDict({k: v for k, v in data["state_dict"].items() if k in own},
-                                                    unexpected_keys=unexpected, source=path)
+        checkpoint["state_dict"] = ShardedStateDict(
+            {k: v for k, v in data["state_dict"].items() if k in own}, unexpected_keys=unexpected, source=path
+        )
         if load_optimizers:
             checkpoint["optimizer_states"] = [ShardedOptimizerState(s) for s in data["optimizer_states"]]
         return checkpoint
@@ -247,7 +273,7 @@ def _concat_rows(pieces: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Te
     return torch.cat([p.reshape(-1, row_numel) for p in pieces], dim=0).reshape(shape)
 
 
-def read_local_checkpoint_full(path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
+def read_local_checkpoint_full(path: str, weights_only: bool | None = None) -> dict[str, Any]:
     """A local checkpoint directory as one full checkpoint in Lightning's layout, assembled from every rank's file in
     this process alone (no process group)."""
     meta, info = read_local_meta(path, weights_only)
@@ -263,8 +289,9 @@ def read_local_checkpoint_full(path: str, weights_only: Optional[bool] = None) -
         if entry["rows"] is None:
             state[key] = files[0]["state_dict"][key]
         else:
-            state[key] = _concat_rows([files[holders[r]]["state_dict"][key] for r in range(len(entry["rows"]))],
-                                      tuple(entry["shape"]))
+            state[key] = _concat_rows(
+                [files[holders[r]]["state_dict"][key] for r in range(len(entry["rows"]))], tuple(entry["shape"])
+            )
     checkpoint = dict(meta)
     checkpoint["state_dict"] = state
     optimizer_names = info.get("optimizers")
@@ -282,8 +309,10 @@ def read_local_checkpoint_full(path: str, weights_only: Optional[bool] = None) -
                 for key, value in first["state"][position].items():
                     rows = entry["rows"] if entry is not None else None
                     if rows is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
-                        pieces = [files[holders[r]]["optimizer_states"][index]["state"][position][key]
-                                  for r in range(len(rows))]
+                        pieces = [
+                            files[holders[r]]["optimizer_states"][index]["state"][position][key]
+                            for r in range(len(rows))
+                        ]
                         local_rows = [end - start for start, end in rows]
                         if [p.shape[0] for p in pieces] == local_rows:
                             value = _concat_rows(pieces, tuple(entry["shape"]))
@@ -306,14 +335,22 @@ class LocalFormat(DirectoryFormat):
     def optimizer_state(self, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
         return local_optimizer_state_dict(optimizer)
 
-    def write(self, checkpoint: dict[str, Any], path: Any, engine: ShardingEngine,
-              optimizers: Sequence[Optimizer]) -> None:
+    def write(
+        self, checkpoint: dict[str, Any], path: Any, engine: ShardingEngine, optimizers: Sequence[Optimizer]
+    ) -> None:
         # meta.pt names each optimizer's parameters only when the checkpoint holds their state (not weights-only).
         save_local_checkpoint(checkpoint, path, engine, optimizers if "optimizer_states" in checkpoint else None)
 
-    def read(self, path: str, engine: ShardingEngine, optimizers: Optional[Sequence[Optimizer]], *,
-             coll: Optional[Collective], weights_only: Optional[bool]) -> dict[str, Any]:
+    def read(
+        self,
+        path: str,
+        engine: ShardingEngine,
+        optimizers: Sequence[Optimizer] | None,
+        *,
+        coll: Collective | None,
+        weights_only: bool | None,
+    ) -> dict[str, Any]:
         return load_local_checkpoint(path, engine, optimizers, coll=coll, weights_only=weights_only)
 
-    def read_as_full(self, path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def read_as_full(self, path: str, weights_only: bool | None = None) -> dict[str, Any]:
         return read_local_checkpoint_full(path, weights_only=weights_only)

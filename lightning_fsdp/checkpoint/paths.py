@@ -13,7 +13,6 @@ import errno
 import os
 import shutil
 import sys
-from typing import Optional
 
 from lightning_fsdp.checkpoint.atomic_io import (
     CheckpointIsDirectoryError,
@@ -140,7 +139,7 @@ def remove_stale_temps(path: str) -> None:
     for entry in entries:
         if not entry.startswith(prefix):
             continue
-        pid = entry[len(prefix):]
+        pid = entry[len(prefix) :]
         if pid.isdigit() and not _alive(int(pid)):
             remove_path(os.path.join(parent, entry))
 
@@ -183,14 +182,16 @@ def _fsync_tree(folder: str) -> None:
         _fsync_dir(root)
 
 
-def file_problem(path: str, expected_min_size: Optional[int] = None) -> Optional[str]:
+def file_problem(path: str, expected_min_size: int | None = None) -> str | None:
     """Why the shard file ``path`` cannot be read (missing, or shorter than the metadata says), or None."""
     if not os.path.exists(path):
         return f"the file {os.path.basename(path)!r} is missing"
     size = os.path.getsize(path)
     if expected_min_size is not None and size < expected_min_size:
-        return (f"the file {os.path.basename(path)!r} is truncated: it has {size} bytes, but the checkpoint's metadata "
-                f"needs at least {expected_min_size}")
+        return (
+            f"the file {os.path.basename(path)!r} is truncated: it has {size} bytes, but the checkpoint's metadata "
+            f"needs at least {expected_min_size}"
+        )
     if size == 0:
         return f"the file {os.path.basename(path)!r} is empty (0 bytes)"
     return None

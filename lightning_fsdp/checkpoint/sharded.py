@@ -24,7 +24,7 @@ import pickle
 import re
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,9 +49,9 @@ from lightning_fsdp.checkpoint.common import (
     ShardedOptimizerState,
     ShardedStateDict,
     contiguous_stride,
+    engine_param_names,
     is_local_rows,
     is_sharded,
-    engine_param_names,
     managed_keys,
     optimizer_params,
     shape_str,
@@ -91,8 +91,9 @@ def _dtensor(local: torch.Tensor, layout: ShardLayout, mesh: Any) -> torch.Tenso
     from torch.distributed.tensor import DTensor, Shard
 
     shape = tuple(layout.shape)
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
-                              stride=contiguous_stride(shape))
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=contiguous_stride(shape)
+    )
 
 
 def _to_global(local: torch.Tensor, layout: ShardLayout, engine: ShardingEngine) -> torch.Tensor:
@@ -163,10 +164,16 @@ def _split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], di
     return tensors, rest, scalar_rows
 
 
-def _format_info(world_size: int, num_optimizers: Optional[int], optimizer_keys: str,
-                 scalar_rows: Optional[list] = None) -> dict[str, Any]:
-    info = {"format": "sharded", "version": FORMAT_VERSION, "world_size": world_size,
-            "num_optimizers": num_optimizers, "optimizer_keys": optimizer_keys}
+def _format_info(
+    world_size: int, num_optimizers: int | None, optimizer_keys: str, scalar_rows: list | None = None
+) -> dict[str, Any]:
+    info = {
+        "format": "sharded",
+        "version": FORMAT_VERSION,
+        "world_size": world_size,
+        "num_optimizers": num_optimizers,
+        "optimizer_keys": optimizer_keys,
+    }
     if scalar_rows and any(scalar_rows):
         info["scalar_param_rows"] = scalar_rows
     return info
@@ -183,7 +190,7 @@ def _write(tensors: dict[str, Any], meta: dict[str, Any], path: str, coll: Colle
     write_directory(path, write_part, lambda: meta, coll)
 
 
-def save_sharded_checkpoint(checkpoint: Mapping[str, Any], path: str, coll: Optional[Collective] = None) -> None:
+def save_sharded_checkpoint(checkpoint: Mapping[str, Any], path: str, coll: Collective | None = None) -> None:
     """Write a checkpoint built from :func:`sharded_model_state_dict` / :func:`sharded_optimizer_state_dict` to the
     directory ``path``, atomically. Call on every rank."""
     coll = coll or Collective()
@@ -205,10 +212,12 @@ def save_sharded_from_full(checkpoint: Mapping[str, Any], path: str) -> None:
         converted = []
         for state in optimizer_states:
             state = to_index_keyed(state)
-            converted.append({
-                "state": {str(k): v for k, v in state["state"].items()},
-                "param_groups": [{**g, "params": [str(p) for p in g["params"]]} for g in state["param_groups"]],
-            })
+            converted.append(
+                {
+                    "state": {str(k): v for k, v in state["state"].items()},
+                    "param_groups": [{**g, "params": [str(p) for p in g["params"]]} for g in state["param_groups"]],
+                }
+            )
         checkpoint["optimizer_states"] = converted
     tensors, meta, _ = _split_checkpoint(checkpoint)
     meta.pop(FORMAT_KEY, None)
@@ -246,7 +255,7 @@ def check_shard_files(path: str, metadata: Metadata) -> None:
             )
 
 
-def read_meta(path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
+def read_meta(path: str, weights_only: bool | None = None) -> dict[str, Any]:
     return AtomicCheckpointIO().load_checkpoint(os.path.join(path, META_FILE), weights_only=weights_only)
 
 
@@ -323,8 +332,14 @@ def _read_failure(exc: BaseException) -> str:
 class _ShardedLoad:
     """Plans and performs the load of a sharded directory into a sharded module and its optimizers."""
 
-    def __init__(self, path: str, engine: ShardingEngine, optimizers: Optional[Sequence[Optimizer]],
-                 coll: Collective, weights_only: Optional[bool]) -> None:
+    def __init__(
+        self,
+        path: str,
+        engine: ShardingEngine,
+        optimizers: Sequence[Optimizer] | None,
+        coll: Collective,
+        weights_only: bool | None,
+    ) -> None:
         self.path = path
         self.engine = engine
         self.coll = coll
@@ -349,7 +364,7 @@ class _ShardedLoad:
     def _cpu_mesh(self) -> Any:
         return _mesh(self.engine, "cpu")
 
-    def _target(self, full_shape: tuple[int, ...], dtype: torch.dtype, layout: Optional[ShardLayout]) -> Any:
+    def _target(self, full_shape: tuple[int, ...], dtype: torch.dtype, layout: ShardLayout | None) -> Any:
         if layout is not None and is_sharded(layout) and len(full_shape) > 0:
             return _dtensor(torch.zeros(tuple(layout.local_shape), dtype=dtype), layout, self._cpu_mesh())
         return torch.zeros(full_shape, dtype=dtype)
@@ -478,8 +493,11 @@ class _ShardedLoad:
                     bytes_keys[flat] = None
             # Tensor-valued hyper-parameters (a tensor lr) belong to round 1 as well.
             for flat, (p, storage) in self.entries.items():
-                if p[0] in self.optimizer_prefixes and p[1] == "param_groups" and isinstance(
-                        storage, TensorStorageMetadata):
+                if (
+                    p[0] in self.optimizer_prefixes
+                    and p[1] == "param_groups"
+                    and isinstance(storage, TensorStorageMetadata)
+                ):
                     bytes_keys[flat] = torch.zeros(tuple(storage.size), dtype=storage.properties.dtype)
         _load(bytes_keys, self.path, self.coll)
         self.loaded_bytes = bytes_keys
@@ -489,7 +507,8 @@ class _ShardedLoad:
         loaded = {**self.tensor_targets, **self.loaded_bytes}
         state = ShardedStateDict(
             {key: self._local(flat, loaded[flat]) for key, flat in self.model_keys.items()},
-            unexpected_keys=self.unexpected, source=self.path,
+            unexpected_keys=self.unexpected,
+            source=self.path,
         )
         checkpoint = dict(self.meta)
         checkpoint["state_dict"] = state
@@ -514,10 +533,10 @@ class _ShardedLoad:
 def load_sharded_checkpoint(
     path: str,
     engine: ShardingEngine,
-    optimizers: Optional[Sequence[Optimizer]] = None,
+    optimizers: Sequence[Optimizer] | None = None,
     *,
-    coll: Optional[Collective] = None,
-    weights_only: Optional[bool] = None,
+    coll: Collective | None = None,
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Read a sharded directory on every rank: the Lightning checkpoint dict with ``state_dict`` a
     :class:`ShardedStateDict` and (if ``optimizers`` is given and the checkpoint has them) ``optimizer_states`` as
@@ -529,7 +548,7 @@ def load_sharded_checkpoint(
 
 
 # ===================================================================================================== offline
-def read_sharded_checkpoint_full(path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
+def read_sharded_checkpoint_full(path: str, weights_only: bool | None = None) -> dict[str, Any]:
     """A sharded directory as one full checkpoint in Lightning's layout (plain ``torch.optim`` optimizer state), read
     in this process alone, without a process group."""
     # What torch's format_utils.dcp_to_torch_save reads (every entry whole), through the public dcp.load: a target
@@ -539,8 +558,12 @@ def read_sharded_checkpoint_full(path: str, weights_only: Optional[bool] = None)
     meta = read_meta(path, weights_only)
     meta.pop(FORMAT_KEY, None)
     entries = _entries(metadata)
-    targets = {flat: torch.empty(tuple(storage.size), dtype=storage.properties.dtype)
-               if isinstance(storage, TensorStorageMetadata) else None for flat, (_, storage) in entries.items()}
+    targets = {
+        flat: torch.empty(tuple(storage.size), dtype=storage.properties.dtype)
+        if isinstance(storage, TensorStorageMetadata)
+        else None
+        for flat, (_, storage) in entries.items()
+    }
     _load(targets, path, Collective(alone=True))
     saved_order = {flat: i for i, flat in enumerate(_planner_data(metadata))}
     tensors: dict[str, Any] = {}
@@ -567,15 +590,23 @@ class ShardedFormat(DirectoryFormat):
     def optimizer_state(self, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
         return sharded_optimizer_state_dict(engine, optimizer)
 
-    def write(self, checkpoint: dict[str, Any], path: Any, engine: ShardingEngine,
-              optimizers: Sequence[Optimizer]) -> None:
+    def write(
+        self, checkpoint: dict[str, Any], path: Any, engine: ShardingEngine, optimizers: Sequence[Optimizer]
+    ) -> None:
         save_sharded_checkpoint(checkpoint, path)
 
-    def read(self, path: str, engine: ShardingEngine, optimizers: Optional[Sequence[Optimizer]], *,
-             coll: Optional[Collective], weights_only: Optional[bool]) -> dict[str, Any]:
+    def read(
+        self,
+        path: str,
+        engine: ShardingEngine,
+        optimizers: Sequence[Optimizer] | None,
+        *,
+        coll: Collective | None,
+        weights_only: bool | None,
+    ) -> dict[str, Any]:
         return load_sharded_checkpoint(path, engine, optimizers, coll=coll, weights_only=weights_only)
 
-    def read_as_full(self, path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def read_as_full(self, path: str, weights_only: bool | None = None) -> dict[str, Any]:
         return read_sharded_checkpoint_full(path, weights_only=weights_only)
 
     def write_full(self, checkpoint: Mapping[str, Any], path: str) -> None:

@@ -57,8 +57,14 @@ class GPTLightningModule(L.LightningModule):
         # Plain types only: the checkpoint then loads with torch.load(weights_only=True).
         self.save_hyperparameters()
         self.config = GPTConfig(
-            vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-            dropout=dropout, bias=bias, tie_weights=tie_weights,
+            vocab_size=vocab_size,
+            block_size=block_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            dropout=dropout,
+            bias=bias,
+            tie_weights=tie_weights,
         )
         self.model = GPT(self.config)
         # Counted now: once sharded, parameters() yields only this rank's shards.

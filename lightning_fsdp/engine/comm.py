@@ -108,8 +108,7 @@ class Communicator:
             return None
         return reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, *, async_op: bool = False
-                   ) -> Any:
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, *, async_op: bool = False) -> Any:
         self.stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
         self.stats.all_reduce_calls += 1
         if self.world_size > 1:

@@ -66,10 +66,17 @@ def fully_shard(
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard(module={module!r}) is not valid; expected an nn.Module.")
     options = ShardingOptions.parse(
-        sharding_strategy=sharding_strategy, auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision,
-        backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
-        sync_module_states=sync_module_states, cpu_offload=cpu_offload, param_init_fn=param_init_fn,
-        ignored_modules=ignored_modules, ignored_states=ignored_states,
+        sharding_strategy=sharding_strategy,
+        auto_wrap_policy=auto_wrap_policy,
+        mixed_precision=mixed_precision,
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
+        limit_all_gathers=limit_all_gathers,
+        sync_module_states=sync_module_states,
+        cpu_offload=cpu_offload,
+        param_init_fn=param_init_fn,
+        ignored_modules=ignored_modules,
+        ignored_states=ignored_states,
     )
     strategy = options.sharding_strategy
     check_engine_groups(strategy, process_group, replicate_group)
@@ -80,8 +87,10 @@ def fully_shard(
         device = torch.device(device)
     except (RuntimeError, TypeError) as err:
         reason = str(err).splitlines()[0] if isinstance(err, RuntimeError) else f"a {type(device).__name__}"
-        raise ValueError(f"device={device!r} is not valid ({reason}); expected a torch.device or a device string "
-                         "such as 'cpu' or 'cuda:0'.") from None
+        raise ValueError(
+            f"device={device!r} is not valid ({reason}); expected a torch.device or a device string "
+            "such as 'cpu' or 'cuda:0'."
+        ) from None
     ignored, ignored_param_objs = split_ignored(module, options)
     ignored_ids = ignored_module_set(module, ignored)
     ignored_param_ids = frozenset(id(p) for p in ignored_param_objs)
@@ -104,35 +113,45 @@ def fully_shard(
         own_modules = [m for m in unit_module.modules() if unit_of_module.get(id(m)) is unit_module]
         _materialize(own_modules, device, options.param_init_fn)
         if options.sync_module_states:
-            _broadcast_from_first_rank(own_modules, [params_by_id[pid] for pid in owned[id(unit_module)]],
-                                       shard_comm, replicate_comm)
+            _broadcast_from_first_rank(
+                own_modules, [params_by_id[pid] for pid in owned[id(unit_module)]], shard_comm, replicate_comm
+            )
         if mixed_precision.buffer_dtype is not None:
             _cast_buffers(own_modules, mixed_precision.buffer_dtype)
         slots = []
         for pid in owned[id(unit_module)]:
             _owner, uses, name = owners[pid]
             param = params_by_id[pid]
-            slots.append(ParamSlot(fqn=name, param=param, uses=uses,
-                                   layout=ShardLayout(param.shape, world, rank)))
-        units.append(FlatUnit(
-            name=_module_name(module, unit_module),
-            module=unit_module,
-            slots=slots,
-            shard_comm=shard_comm,
-            replicate_comm=replicate_comm,
-            sharded=sharded,
-            reshard_after_forward=strategy.reshard_after_forward,
-            param_dtype=mixed_precision.param_dtype,
-            reduce_dtype=mixed_precision.effective_reduce_dtype,
-            shard_device=torch.device("cpu") if options.cpu_offload else None,
-        ))
+            slots.append(ParamSlot(fqn=name, param=param, uses=uses, layout=ShardLayout(param.shape, world, rank)))
+        units.append(
+            FlatUnit(
+                name=_module_name(module, unit_module),
+                module=unit_module,
+                slots=slots,
+                shard_comm=shard_comm,
+                replicate_comm=replicate_comm,
+                sharded=sharded,
+                reshard_after_forward=strategy.reshard_after_forward,
+                param_dtype=mixed_precision.param_dtype,
+                reduce_dtype=mixed_precision.effective_reduce_dtype,
+                shard_device=torch.device("cpu") if options.cpu_offload else None,
+            )
+        )
     _materialize_leftovers(module, device)
     managed = {id(s.param) for u in units for s in u.slots}
     ignored_params = [p for p in module.parameters() if id(p) not in managed]
-    engine = ShardingEngine(module, units, shard_comm, replicate_comm, strategy, mixed_precision=mixed_precision,
-                            ignored_params=ignored_params, forward_prefetch=options.forward_prefetch,
-                            backward_prefetch=options.backward_prefetch,
-                            limit_all_gathers=options.limit_all_gathers)
+    engine = ShardingEngine(
+        module,
+        units,
+        shard_comm,
+        replicate_comm,
+        strategy,
+        mixed_precision=mixed_precision,
+        ignored_params=ignored_params,
+        forward_prefetch=options.forward_prefetch,
+        backward_prefetch=options.backward_prefetch,
+        limit_all_gathers=options.limit_all_gathers,
+    )
     module.__dict__[_ENGINE_ATTR] = engine
     return engine
 
@@ -227,8 +246,9 @@ def _cast_buffers(modules: list[nn.Module], dtype: torch.dtype) -> None:
 
 
 @torch.no_grad()
-def _broadcast_from_first_rank(modules: list[nn.Module], params: list[nn.Parameter], shard_comm: Communicator,
-                               replicate_comm: Communicator | None) -> None:
+def _broadcast_from_first_rank(
+    modules: list[nn.Module], params: list[nn.Parameter], shard_comm: Communicator, replicate_comm: Communicator | None
+) -> None:
     """The first rank's values everywhere this model lives: over the shard group, then across its replicas.
 
     Only over the groups the engine was given: ranks outside them may be training something else.

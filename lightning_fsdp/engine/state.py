@@ -163,8 +163,9 @@ class ShardingEngine:
             )
         )
         self._handles.append(
-            unit.module.register_forward_hook(lambda module, args, output: self._post_forward(unit, output),
-                                              always_call=True)
+            unit.module.register_forward_hook(
+                lambda module, args, output: self._post_forward(unit, output), always_call=True
+            )
         )
 
     def _register_root_hooks(self) -> None:
@@ -178,8 +179,9 @@ class ShardingEngine:
                 if module is not root.module:
                     users.setdefault(id(module), (module, []))[1].append(slot)
         for module, slots in users.values():
-            self._handles.append(module.register_forward_pre_hook(
-                lambda _m, _a, slots=slots: self._sync_root_slots(slots)))
+            self._handles.append(
+                module.register_forward_pre_hook(lambda _m, _a, slots=slots: self._sync_root_slots(slots))
+            )
             # Backward may start inside the root's forward too, and need the root again after an earlier backward
             # of the same training_step resharded it: these modules' outputs unshard it, as a unit's outputs do.
             self._handles.append(module.register_forward_hook(lambda _m, _a, output: self._mark_root_use(output)))
@@ -199,7 +201,9 @@ class ShardingEngine:
             if param.requires_grad and id(param) not in self._ignored_hooked:
                 self._ignored_hooked.add(id(param))
                 name = self._ignored_names[id(param)]
-                self._handles.append(param.register_hook(lambda grad, name=name: self._average_ignored_grad(grad, name)))
+                self._handles.append(
+                    param.register_hook(lambda grad, name=name: self._average_ignored_grad(grad, name))
+                )
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -235,8 +239,12 @@ class ShardingEngine:
         ):
             args, kwargs = _cast_floating(args, mp.param_dtype), _cast_floating(kwargs, mp.param_dtype)
             changed = True
-        if (first and unit.trainable_slots and torch.is_grad_enabled()
-                and self._training_state is not TrainingState.BACKWARD):
+        if (
+            first
+            and unit.trainable_slots
+            and torch.is_grad_enabled()
+            and self._training_state is not TrainingState.BACKWARD
+        ):
             flat, spec = tree_flatten((args, kwargs))
             wanted = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if not wanted:
@@ -471,13 +479,19 @@ class ShardingEngine:
             )
 
     def _describe_tag(self, tag: int) -> str:
-        fixed = {_TAG_IGNORED_GRAD: "all-reduce of an ignored parameter's gradient",
-                 _TAG_CLIP: "all-reduce of the gradient norm", _TAG_ANOMALY: "the end-of-backward anomaly report"}
+        fixed = {
+            _TAG_IGNORED_GRAD: "all-reduce of an ignored parameter's gradient",
+            _TAG_CLIP: "all-reduce of the gradient norm",
+            _TAG_ANOMALY: "the end-of-backward anomaly report",
+        }
         if tag in fixed:
             return fixed[tag]
         index, kind = divmod(tag, len(CollectiveKind))
-        what = {CollectiveKind.ALL_GATHER: "all-gather of", CollectiveKind.REDUCE: "gradient reduction of",
-                CollectiveKind.REPLICATE: "replica all-reduce of"}[CollectiveKind(kind)]
+        what = {
+            CollectiveKind.ALL_GATHER: "all-gather of",
+            CollectiveKind.REDUCE: "gradient reduction of",
+            CollectiveKind.REPLICATE: "replica all-reduce of",
+        }[CollectiveKind(kind)]
         name = self.units[index].name if 0 <= index < len(self.units) else f"#{index}"
         return f"{what} unit {name or '<root>'!r}"
 
@@ -526,7 +540,9 @@ class ShardingEngine:
         return slot is not None and slot.layout.world_size > 1
 
     @torch.no_grad()
-    def clip_grad_norm_(self, parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
         """Clip gradients by the global norm over all shards: the value an unsharded run computes.
 
         Must be called on every rank of the shard group with the same parameters (it all-reduces one scalar).
@@ -594,8 +610,12 @@ class ShardingEngine:
         return sum(u.full_param_bytes() for u in self.units)
 
     def local_grad_bytes(self) -> int:
-        return sum(s.param.grad.numel() * s.param.grad.element_size()
-                   for u in self.units for s in u.slots if s.param.grad is not None)
+        return sum(
+            s.param.grad.numel() * s.param.grad.element_size()
+            for u in self.units
+            for s in u.slots
+            if s.param.grad is not None
+        )
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:

@@ -221,8 +221,11 @@ class FlatUnit:
         self.full_flat = torch.empty(full_numel, dtype=self.compute_dtype, device=self.device)
         self._split_sizes = [s.layout.padded_numel for s in self.slots]
         direct = self.sharded and len(self.slots) > 1
-        self._direct = [i for i, slot in enumerate(self.slots)
-                        if direct and n * slot.layout.padded_numel >= self.direct_gather_min_numel]
+        self._direct = [
+            i
+            for i, slot in enumerate(self.slots)
+            if direct and n * slot.layout.padded_numel >= self.direct_gather_min_numel
+        ]
         self._staged = [i for i in range(len(self.slots)) if i not in self._direct]
         self._full_regions = []
         with torch.no_grad():
@@ -230,8 +233,9 @@ class FlatUnit:
                 layout = slot.layout
                 shard_view = self.flat_shard[slot.offset : slot.offset + layout.local_numel].view(layout.local_shape)
                 shard_view.copy_(layout.local_slice(slot.param.data))
-                full = nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device),
-                                    requires_grad=slot.param.requires_grad)
+                full = nn.Parameter(
+                    torch.empty(0, dtype=self.compute_dtype, device=self.device), requires_grad=slot.param.requires_grad
+                )
                 slot.synced_requires_grad = slot.param.requires_grad
                 if not self._aliases_shard:
                     region = self.full_flat[n * slot.offset : n * (slot.offset + layout.padded_numel)]
@@ -289,9 +293,14 @@ class FlatUnit:
         # Like unshards, large gradients are reduced on their own when their rows split evenly over the ranks: the
         # full gradient is then already the reduce-scatter's rank-major input and needs no padded copy.
         many = self.sharded and len(self.slots) > 1
-        direct = [j for j, slot in enumerate(slots)
-                  if many and slot.layout.shape and slot.layout.rows % n == 0
-                  and n * slot.layout.padded_numel >= self.direct_gather_min_numel]
+        direct = [
+            j
+            for j, slot in enumerate(slots)
+            if many
+            and slot.layout.shape
+            and slot.layout.rows % n == 0
+            and n * slot.layout.padded_numel >= self.direct_gather_min_numel
+        ]
         staged = [j for j in range(len(slots)) if j not in direct]
         return ReducePlan(slots, offsets, numel, direct, staged)
 
@@ -354,8 +363,9 @@ class FlatUnit:
             # The full buffer is allocated at copy-out, not now (unless a parameter is gathered in place): a
             # prefetched unit in flight then holds one unit-sized buffer (this staging one), not two.
             if self._direct:
-                staged_in = torch.cat([shard[self.slots[i].offset : self.slots[i].offset + self._split_sizes[i]]
-                                       for i in self._staged])
+                staged_in = torch.cat(
+                    [shard[self.slots[i].offset : self.slots[i].offset + self._split_sizes[i]] for i in self._staged]
+                )
             else:
                 staged_in = shard
             gathered = torch.empty(n * staged_in.numel(), dtype=self.compute_dtype, device=self.device)
@@ -376,8 +386,9 @@ class FlatUnit:
             if gathered is not None:
                 self._allocate_full()
                 with torch.no_grad():
-                    torch.split_with_sizes_copy(gathered.view(self.world_size, -1), self._staged_sizes, dim=1,
-                                                out=self._staged_regions)
+                    torch.split_with_sizes_copy(
+                        gathered.view(self.world_size, -1), self._staged_sizes, dim=1, out=self._staged_regions
+                    )
         self._install(full=True)
         self.sharded_state = ShardedState.UNSHARDED
 
@@ -481,8 +492,11 @@ class FlatUnit:
             flat_in = torch._chunk_cat(staged, dim=0, num_chunks=n).view(-1).to(self.reduce_dtype)
             if pre_divide:
                 flat_in.div_(ranks)
-            staged_out = torch.empty(flat_in.numel() // n, dtype=self.reduce_dtype, device=self.device) \
-                if plan.direct else reduced
+            staged_out = (
+                torch.empty(flat_in.numel() // n, dtype=self.reduce_dtype, device=self.device)
+                if plan.direct
+                else reduced
+            )
             works.append(self.shard_comm.reduce_scatter(staged_out, flat_in, async_op=True))
             inputs.append(flat_in)
             if staged_out is reduced:
@@ -505,8 +519,9 @@ class FlatUnit:
         plan, reduced = pending.plan, pending.output
         if pending.staged_out is not None:
             # Parameters reduced through the padded copy, and the flags: into their places in ``reduced``.
-            regions = [reduced[plan.offsets[j] : plan.offsets[j] + plan.slots[j].layout.padded_numel]
-                       for j in plan.staged]
+            regions = [
+                reduced[plan.offsets[j] : plan.offsets[j] + plan.slots[j].layout.padded_numel] for j in plan.staged
+            ]
             sizes = [r.numel() for r in regions] + [len(plan.slots)]
             torch.split_with_sizes_copy(pending.staged_out, sizes, out=regions + [reduced[plan.numel :]])
         if self.replicate_comm is not None and self.replicate_comm.world_size > 1:

@@ -40,12 +40,14 @@ def _wants_descend(policy: WrapPolicy, module: nn.Module, numel: int) -> bool:
 def _named_by_policy(policy: WrapPolicy, module: nn.Module, nonwrapped_numel: int) -> bool:
     """Selected by class or by the policy function (as opposed to by size alone)."""
     return bool(policy.classes and isinstance(module, policy.classes)) or bool(
-        policy.fn is not None and policy.fn(module, False, nonwrapped_numel))
+        policy.fn is not None and policy.fn(module, False, nonwrapped_numel)
+    )
 
 
 def _wants_wrap(policy: WrapPolicy, module: nn.Module, nonwrapped_numel: int) -> bool:
     return _named_by_policy(policy, module, nonwrapped_numel) or (
-        policy.min_num_params is not None and nonwrapped_numel >= policy.min_num_params)
+        policy.min_num_params is not None and nonwrapped_numel >= policy.min_num_params
+    )
 
 
 def _has_forward(module: nn.Module) -> bool:
@@ -103,7 +105,10 @@ def ignored_module_set(root: nn.Module, ignored: Iterable[nn.Module]) -> set[int
 
 
 def assign_owners(
-    root: nn.Module, unit_modules: list[nn.Module], ignored_ids: set[int], ignored_param_ids: frozenset[int] = frozenset()
+    root: nn.Module,
+    unit_modules: list[nn.Module],
+    ignored_ids: set[int],
+    ignored_param_ids: frozenset[int] = frozenset(),
 ) -> dict[int, ParamOwner]:
     """Map each managed parameter (by id) to its owning unit module, its uses and its fully qualified name.
 

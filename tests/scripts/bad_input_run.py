@@ -62,8 +62,9 @@ LOADS = {
 
 
 class Module(L.LightningModule):
-    def __init__(self, dim: int = 5, extra: bool = False, frozen: bool = False, foreign: bool = False,
-                 one_group: bool = False) -> None:
+    def __init__(
+        self, dim: int = 5, extra: bool = False, frozen: bool = False, foreign: bool = False, one_group: bool = False
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = ToyLM(dim=dim)
@@ -99,9 +100,20 @@ class Module(L.LightningModule):
 
 def make_trainer(**kwargs) -> L.Trainer:
     strategy = FSDPStrategy(auto_wrap_policy={Block}, timeout=timedelta(seconds=60), **kwargs)
-    return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     num_sanity_val_steps=0, limit_val_batches=1, limit_test_batches=1, limit_predict_batches=1)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1,
+        limit_test_batches=1,
+        limit_predict_batches=1,
+    )
 
 
 def loader() -> DataLoader:
@@ -152,8 +164,10 @@ def damage(work: str) -> None:
     torch.save(torch.zeros(3), join(work, "tensor.ckpt"))
     good = torch.load(join(work, "good.ckpt"), weights_only=False)
     torch.save({k: v for k, v in good.items() if k != "state_dict"}, join(work, "no_state_dict.ckpt"))
-    torch.save({**good, "state_dict": {**good["state_dict"], "model.tiny": "not a tensor"}},
-               join(work, "state_not_tensor.ckpt"))
+    torch.save(
+        {**good, "state_dict": {**good["state_dict"], "model.tiny": "not a tensor"}},
+        join(work, "state_not_tensor.ckpt"),
+    )
     torch.save({**good, "optimizer_states": good["optimizer_states"] * 2}, join(work, "two_optimizers.ckpt"))
     torch.save({**good, "optimizer_states": [{"momentum_buffer": 1}]}, join(work, "bad_optimizer_state.ckpt"))
 

@@ -65,8 +65,10 @@ def main() -> None:
 
         def on_train_start(self, trainer, module):
             engine = trainer.strategy.engine
-            self.state = {"params": full_model_state_dict(engine),
-                          "optimizer": [full_optimizer_state_dict(engine, o) for o in trainer.optimizers]}
+            self.state = {
+                "params": full_model_state_dict(engine),
+                "optimizer": [full_optimizer_state_dict(engine, o) for o in trainer.optimizers],
+            }
 
     torch.set_num_threads(1)
     results = {}
@@ -75,10 +77,18 @@ def main() -> None:
     for case in json.loads(args.cases):
         callback = Restored()
         trainer = L.Trainer(
-            accelerator="cpu", devices=args.devices,
+            accelerator="cpu",
+            devices=args.devices,
             strategy=FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy=case.get("sharding", "FULL_SHARD")),
-            max_epochs=2, limit_train_batches=1, limit_val_batches=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[callback],
+            max_epochs=2,
+            limit_train_batches=1,
+            limit_val_batches=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            callbacks=[callback],
         )
         loader = DataLoader(TensorDataset(x, y), batch_size=GLOBAL_BATCH // trainer.world_size)
         with trainer.init_module():

@@ -42,8 +42,11 @@ def _gathered_optimizer(engine, optimizer) -> dict:
         entry = {}
         for name, value in sorted(optimizer.state[param].items()):
             if slot is not None and value.dim() > 0 and tuple(value.shape) == tuple(slot.layout.local_shape):
-                value = _gather_rows(value, slot.layout, engine) if slot.layout.world_size > 1 else value.reshape(
-                    slot.layout.shape)
+                value = (
+                    _gather_rows(value, slot.layout, engine)
+                    if slot.layout.world_size > 1
+                    else value.reshape(slot.layout.shape)
+                )
             entry[name] = value.detach().clone()
         out[index] = entry
     return out
@@ -71,9 +74,14 @@ def worker(rank: int, port: int, folder: str, out: str) -> None:
         return model, engine, torch.optim.AdamW(model.parameters(), lr=0.1)
 
     def save(engine, optimizer, path):
-        save_sharded_checkpoint({"state_dict": sharded_model_state_dict(engine),
-                                 "optimizer_states": [sharded_optimizer_state_dict(engine, optimizer)],
-                                 "global_step": 2}, path)
+        save_sharded_checkpoint(
+            {
+                "state_dict": sharded_model_state_dict(engine),
+                "optimizer_states": [sharded_optimizer_state_dict(engine, optimizer)],
+                "global_step": 2,
+            },
+            path,
+        )
 
     def load(engine, optimizer, path):
         checkpoint = load_sharded_checkpoint(path, engine, [optimizer])
@@ -81,8 +89,10 @@ def worker(rank: int, port: int, folder: str, out: str) -> None:
         optimizer.load_state_dict(checkpoint["optimizer_states"][0])
 
     def snapshot(engine, optimizer):
-        return {"params": full_model_state_dict(engine, rank0_only=False),
-                "optimizer": _gathered_optimizer(engine, optimizer)}
+        return {
+            "params": full_model_state_dict(engine, rank0_only=False),
+            "optimizer": _gathered_optimizer(engine, optimizer),
+        }
 
     # A: 2-way, two AdamW steps, saved.
     model, engine, optimizer = build(None)

@@ -60,8 +60,11 @@ def kill_save(path: str, kill_after: int, atomic: bool) -> None:
     from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO
 
     g = torch.Generator().manual_seed(123)
-    checkpoint = {"state_dict": {f"w{i}": torch.randn(512, 1024, generator=g) for i in range(16)},  # 32 MiB
-                  "epoch": 99, "note": "this checkpoint must never appear at the path"}
+    checkpoint = {
+        "state_dict": {f"w{i}": torch.randn(512, 1024, generator=g) for i in range(16)},  # 32 MiB
+        "epoch": 99,
+        "note": "this checkpoint must never appear at the path",
+    }
 
     class KillingIO(AtomicCheckpointIO):
         def _write(self, ckpt, f):
@@ -157,11 +160,23 @@ def train(args) -> None:
         else:
             params = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
             optim = [opt.state_dict() for opt in trainer.optimizers]
-            optim = [{"state": {i: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in e.items()}
-                                for i, e in o["state"].items()}, "param_groups": o["param_groups"]} for o in optim]
-        return {"params": params, "optimizer_states": optim,
-                "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
-                "global_step": trainer.global_step, "epoch": trainer.current_epoch}
+            optim = [
+                {
+                    "state": {
+                        i: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in e.items()}
+                        for i, e in o["state"].items()
+                    },
+                    "param_groups": o["param_groups"],
+                }
+                for o in optim
+            ]
+        return {
+            "params": params,
+            "optimizer_states": optim,
+            "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+            "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+        }
 
     class Snapshot(L.Callback):
         saved = None
@@ -181,8 +196,9 @@ def train(args) -> None:
     if args.strategy == "fsdp":
         from datetime import timedelta
 
-        strategy = FSDPStrategy(auto_wrap_policy={Block}, state_dict_type=args.state_dict_type,
-                                timeout=timedelta(seconds=args.pg_timeout))  # writes atomically by default
+        strategy = FSDPStrategy(
+            auto_wrap_policy={Block}, state_dict_type=args.state_dict_type, timeout=timedelta(seconds=args.pg_timeout)
+        )  # writes atomically by default
     elif args.strategy == "ddp":
         strategy = "ddp"
     else:
@@ -194,16 +210,26 @@ def train(args) -> None:
 
         callbacks.append(ModelCheckpoint(dirpath=args.model_checkpoint, save_top_k=1, save_last=True))
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
-        limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=1, logger=False,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_epochs=args.epochs,
+        limit_train_batches=STEPS_PER_EPOCH,
+        limit_val_batches=1,
+        logger=False,
         enable_checkpointing=bool(args.model_checkpoint),
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        use_distributed_sampler=False, callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
     )
     with trainer.init_module():
         module = Module(args.optimizer)
     # Rank r takes samples r, r+N, ...: every step's global batch is the same 6 samples on any number of devices.
-    sampler = DistributedSampler(samples(SAMPLES), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
+    sampler = DistributedSampler(
+        samples(SAMPLES), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False
+    )
     loader = DataLoader(samples(SAMPLES), batch_size=GLOBAL_BATCH // trainer.world_size, sampler=sampler)
     trainer.fit(module, loader, ckpt_path=args.resume)
     if args.kill_in_second_save is not None:
@@ -223,9 +249,18 @@ def train(args) -> None:
         engine = getattr(trainer.strategy, "engine", None)
         validated = full_model_state_dict(engine) if engine is not None else module.state_dict()
     if trainer.is_global_zero:
-        torch.save({"records": module.records, "start": callback.start, "end": end, "validated": validated,
-                    "saved": callback.saved,
-                    "world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__}, args.out)
+        torch.save(
+            {
+                "records": module.records,
+                "start": callback.start,
+                "end": end,
+                "validated": validated,
+                "saved": callback.saved,
+                "world_size": trainer.world_size,
+                "strategy": type(trainer.strategy).__name__,
+            },
+            args.out,
+        )
 
 
 def main() -> None:
@@ -244,8 +279,13 @@ def main() -> None:
     parser.add_argument("--save-at-start", help="trainer.save_checkpoint(path) at on_train_start (after a resume)")
     parser.add_argument("--save-weights-only", help="trainer.save_checkpoint(path, weights_only=True) after fit")
     parser.add_argument("--model-checkpoint", help="add ModelCheckpoint(dirpath=..., save_top_k=1, save_last=True)")
-    parser.add_argument("--kill-in-second-save", type=int, default=None, metavar="RANK",
-                        help="save to --save-in-fit again after fit; rank RANK SIGKILLs itself in the middle of it")
+    parser.add_argument(
+        "--kill-in-second-save",
+        type=int,
+        default=None,
+        metavar="RANK",
+        help="save to --save-in-fit again after fit; rank RANK SIGKILLs itself in the middle of it",
+    )
     parser.add_argument("--pg-timeout", type=float, default=1800.0, help="process group timeout in seconds")
     parser.add_argument("--kill-after", type=int, default=8 << 20)
     parser.add_argument("--no-atomic", action="store_true")

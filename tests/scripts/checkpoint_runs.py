@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -30,8 +30,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 def launch(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own session; on timeout or failure kill the whole group (Lightning's launcher starts the
     other ranks as children of rank 0, which would otherwise be left behind, blocked in a collective)."""
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -49,23 +50,80 @@ def launch(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
 TRAIN = {
     # --- sharded: 6 steps saving at step 3 (epoch end), a ModelCheckpoint(save_top_k=1, save_last) folder and a
     # weights-only directory after fit.
-    "sh_6": ["--state-dict-type", "sharded", "--save-in-fit", "{dir}/sh_3.ckpt", "--model-checkpoint", "{dir}/sh_mc",
-             "--save-weights-only", "{dir}/sh_wo.ckpt"],
+    "sh_6": [
+        "--state-dict-type",
+        "sharded",
+        "--save-in-fit",
+        "{dir}/sh_3.ckpt",
+        "--model-checkpoint",
+        "{dir}/sh_mc",
+        "--save-weights-only",
+        "{dir}/sh_wo.ckpt",
+    ],
     # 3 steps saving at step 3, then a second save to the same directory during which rank 0 is SIGKILLed.
-    "sh_kill": ["--state-dict-type", "sharded", "--epochs", "1", "--save-in-fit", "{dir}/sh_killed.ckpt",
-                "--kill-in-second-save", "0", "--pg-timeout", "30"],
+    "sh_kill": [
+        "--state-dict-type",
+        "sharded",
+        "--epochs",
+        "1",
+        "--save-in-fit",
+        "{dir}/sh_killed.ckpt",
+        "--kill-in-second-save",
+        "0",
+        "--pg-timeout",
+        "30",
+    ],
     # Resume from the directory that survived the kill; after fit save to it again (replacing it).
-    "sh_resumed": ["--state-dict-type", "sharded", "--resume", "{dir}/sh_killed.ckpt", "--save", "{dir}/sh_killed.ckpt"],
+    "sh_resumed": [
+        "--state-dict-type",
+        "sharded",
+        "--resume",
+        "{dir}/sh_killed.ckpt",
+        "--save",
+        "{dir}/sh_killed.ckpt",
+    ],
     # 2 -> 1 and 2 -> 3 ranks, each re-saving what it restored (read back at 2 ranks by the cases run).
-    "sh_2to1": ["--state-dict-type", "sharded", "--devices", "1", "--resume", "{dir}/sh_3.ckpt",
-                "--save-at-start", "{dir}/sh_w1.ckpt"],
-    "sh_2to3": ["--state-dict-type", "sharded", "--devices", "3", "--resume", "{dir}/sh_3.ckpt",
-                "--save-at-start", "{dir}/sh_w3.ckpt"],
+    "sh_2to1": [
+        "--state-dict-type",
+        "sharded",
+        "--devices",
+        "1",
+        "--resume",
+        "{dir}/sh_3.ckpt",
+        "--save-at-start",
+        "{dir}/sh_w1.ckpt",
+    ],
+    "sh_2to3": [
+        "--state-dict-type",
+        "sharded",
+        "--devices",
+        "3",
+        "--resume",
+        "{dir}/sh_3.ckpt",
+        "--save-at-start",
+        "{dir}/sh_w3.ckpt",
+    ],
     # --- local
-    "lo_6": ["--state-dict-type", "local", "--save-in-fit", "{dir}/lo_3.ckpt", "--save-weights-only",
-             "{dir}/lo_wo.ckpt"],
-    "lo_kill": ["--state-dict-type", "local", "--epochs", "1", "--save-in-fit", "{dir}/lo_killed.ckpt",
-                "--kill-in-second-save", "1", "--pg-timeout", "30"],
+    "lo_6": [
+        "--state-dict-type",
+        "local",
+        "--save-in-fit",
+        "{dir}/lo_3.ckpt",
+        "--save-weights-only",
+        "{dir}/lo_wo.ckpt",
+    ],
+    "lo_kill": [
+        "--state-dict-type",
+        "local",
+        "--epochs",
+        "1",
+        "--save-in-fit",
+        "{dir}/lo_killed.ckpt",
+        "--kill-in-second-save",
+        "1",
+        "--pg-timeout",
+        "30",
+    ],
     "lo_resumed": ["--state-dict-type", "local", "--resume", "{dir}/lo_killed.ckpt", "--save", "{dir}/lo_killed.ckpt"],
     # --- convert: plain Lightning on one device resumes the converted full file; fsdp_custom (full mode) resumes
     # the sharded directory converted back from it.
@@ -77,7 +135,7 @@ EXPECTED_TO_DIE = {"sh_kill", "lo_kill"}
 
 
 class Runs:
-    _shared: Optional["Runs"] = None
+    _shared: Runs | None = None
 
     def __init__(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="ckpt_runs_")
@@ -85,7 +143,7 @@ class Runs:
         self.results: dict[str, Any] = {}
 
     @classmethod
-    def shared(cls) -> "Runs":
+    def shared(cls) -> Runs:
         if cls._shared is None:
             cls._shared = cls()
         return cls._shared
@@ -113,8 +171,9 @@ class Runs:
         """Every rank's outcome of each case (see tests/scripts/checkpoint_cases.py)."""
         if name not in self.results:
             out = self.path(name)
-            proc = launch([sys.executable, CASES, "--out", out, "--devices", str(devices),
-                           "--cases", json.dumps(cases)])
+            proc = launch(
+                [sys.executable, CASES, "--out", out, "--devices", str(devices), "--cases", json.dumps(cases)]
+            )
             assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
             self.results[name] = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(devices)]
         return self.results[name]

@@ -45,8 +45,9 @@ class Module(L.LightningModule):
             name: {
                 "shard": str(p.device),
                 "grad": str(p.grad.device) if p.grad is not None else "none",
-                "state": sorted({str(v.device) for v in optimizer.state.get(p, {}).values()
-                                 if isinstance(v, torch.Tensor)}),
+                "state": sorted(
+                    {str(v.device) for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)}
+                ),
             }
             for name, p in self.named_parameters()
         }
@@ -64,18 +65,32 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     strategy = FSDPStrategy(auto_wrap_policy={Block}, cpu_offload=bool(args.offload))
-    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_epochs=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False)
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=strategy,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
     module = Module()
     # Rank r takes samples r, r+N, ...: every step's global batch is the same whatever the number of ranks.
     data = samples(SAMPLES)
     sampler = DistributedSampler(data, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
     trainer.fit(module, DataLoader(data, batch_size=GLOBAL_BATCH // args.devices, sampler=sampler))
     state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-    torch.save({"losses": module.step_losses, "placement": module.placement, "state": state,
-                "root_device": str(trainer.strategy.root_device)},
-               os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
+    torch.save(
+        {
+            "losses": module.step_losses,
+            "placement": module.placement,
+            "state": state,
+            "root_device": str(trainer.strategy.root_device),
+        },
+        os.path.join(args.out, f"rank{trainer.global_rank}.pt"),
+    )
 
 
 if __name__ == "__main__":

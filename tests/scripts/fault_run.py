@@ -80,6 +80,7 @@ class Module(L.LightningModule):
             # d sqrt(u)/du is inf at u = 0, times du/dtiny = 0: NaN, while the loss stays finite.
             return loss_fn(logits, y) + (self.model.tiny[0, 0] * 0).sqrt()
         if faulty and args.where == "backward":
+
             def hook(grad):
                 inject(args.fault, self.global_rank, self.global_step)
                 return grad
@@ -109,12 +110,22 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    strategy = FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy=args.sharding,
-                            timeout=timedelta(seconds=args.timeout))
+    strategy = FSDPStrategy(
+        auto_wrap_policy={Block}, sharding_strategy=args.sharding, timeout=timedelta(seconds=args.timeout)
+    )
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        use_distributed_sampler=False, callbacks=[Started()], detect_anomaly=args.detect_anomaly,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=[Started()],
+        detect_anomaly=args.detect_anomaly,
     )
     with trainer.init_module():
         module = Module(args)

@@ -17,7 +17,7 @@ from torch.utils.data.distributed import DistributedSampler
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
-from tests.models import ToyLM, loss_fn, Block, samples  # noqa: E402
+from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 6
 SAMPLES = 48
@@ -93,20 +93,36 @@ def main() -> None:
         strategy = FSDPStrategy(auto_wrap_policy={Block})
     elif strategy == "fsdp_custom_checkpointed":
         # Class paths, as a YAML config would give them.
-        strategy = FSDPStrategy(auto_wrap_policy={"tests.models.Block"},
-                                activation_checkpointing_policy={"tests.models.Block"})
+        strategy = FSDPStrategy(
+            auto_wrap_policy={"tests.models.Block"}, activation_checkpointing_policy={"tests.models.Block"}
+        )
     clip = {} if args.clip == "none" else {"gradient_clip_val": 0.05, "gradient_clip_algorithm": args.clip}
     trainer = L.Trainer(
-        accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_epochs=1, limit_train_batches=6,
-        limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2, accumulate_grad_batches=args.accumulate,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, use_distributed_sampler=False, precision=args.precision, **clip,
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=strategy,
+        max_epochs=1,
+        limit_train_batches=6,
+        limit_val_batches=2,
+        limit_test_batches=2,
+        limit_predict_batches=2,
+        accumulate_grad_batches=args.accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        precision=args.precision,
+        **clip,
     )
     with trainer.init_module(empty_init=args.meta):
         module = Module(args.optimizer, meta=args.meta)
     per_rank = GLOBAL_BATCH // args.devices
     # Rank r takes samples r, r+N, ...: every step's global batch is the reference's batch.
-    sampler = DistributedSampler(samples(SAMPLES), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
+    sampler = DistributedSampler(
+        samples(SAMPLES), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False
+    )
     loader = DataLoader(samples(SAMPLES), batch_size=per_rank, sampler=sampler)
     if args.meta:
         torch.manual_seed(0)
@@ -128,12 +144,27 @@ def main() -> None:
         "reduce_mean": float(strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="mean")),
         "all_gather": strategy.all_gather(torch.tensor([rank, 10 * rank])).tolist(),
     }
-    placement = {"backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
-                 "device": str(getattr(strategy, "device", strategy.root_device))}
+    placement = {
+        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+        "device": str(getattr(strategy, "device", strategy.root_device)),
+    }
     if trainer.is_global_zero:
         gathered = engine.shard_comm.stats.all_gather_bytes if engine is not None else 0
-        torch.save({"collectives": collectives, "placement": placement, "all_gather_bytes": gathered, "losses": module.step_losses, "state": full, "val": val, "test": test, "fit_metrics": metrics,
-                    "preds": torch.cat(preds), "names": [n for n, _ in module.named_parameters()]}, args.out)
+        torch.save(
+            {
+                "collectives": collectives,
+                "placement": placement,
+                "all_gather_bytes": gathered,
+                "losses": module.step_losses,
+                "state": full,
+                "val": val,
+                "test": test,
+                "fit_metrics": metrics,
+                "preds": torch.cat(preds),
+                "names": [n for n, _ in module.named_parameters()],
+            },
+            args.out,
+        )
 
 
 if __name__ == "__main__":

@@ -82,9 +82,13 @@ def main() -> None:
     parser.add_argument("--sharding", default="FULL_SHARD")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--layout", choices=("default", "groups", "mesh"), default="default",
-                        help="hybrid groups: the strategy's node layout, process_group=callable returning "
-                             "(shard, replicate) groups, or a device_mesh made before the Trainer (needs torchrun)")
+    parser.add_argument(
+        "--layout",
+        choices=("default", "groups", "mesh"),
+        default="default",
+        help="hybrid groups: the strategy's node layout, process_group=callable returning "
+        "(shard, replicate) groups, or a device_mesh made before the Trainer (needs torchrun)",
+    )
     parser.add_argument("--reference", action="store_true", help="one process, strategy='auto', same batches")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -95,14 +99,23 @@ def main() -> None:
         strategy = FSDPStrategy(sharding_strategy=args.sharding, auto_wrap_policy={Block}, **layout(args))
         hardware = {"accelerator": "cpu", "devices": args.devices, "num_nodes": args.nodes, "strategy": strategy}
     trainer = L.Trainer(
-        **hardware, max_steps=STEPS, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+        **hardware,
+        max_steps=STEPS,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
     )
     module = Module()
     assert GLOBAL_BATCH % trainer.world_size == 0, (GLOBAL_BATCH, trainer.world_size)
     # Rank r takes samples r, r+W, r+2W, ...: step s's samples over all ranks are exactly [s*G, (s+1)*G), the
     # reference's batch for that step.
-    sampler = DistributedSampler(samples(SAMPLES), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
+    sampler = DistributedSampler(
+        samples(SAMPLES), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False
+    )
     loader = DataLoader(samples(SAMPLES), batch_size=GLOBAL_BATCH // trainer.world_size, sampler=sampler)
     trainer.fit(module, loader)
 
@@ -123,17 +136,20 @@ def main() -> None:
     else:
         placements = [placement.tolist()]
     if trainer.is_global_zero:
-        torch.save({
-            "losses": module.step_losses,
-            "state": {k: v.detach().cpu().clone() for k, v in state.items()},
-            "param_bytes": param_bytes,
-            "full_param_bytes": full_bytes,
-            "world_size": trainer.world_size,
-            "num_nodes": trainer.num_nodes,
-            "cluster_environment": type(env).__name__ if env is not None else None,
-            "placements": placements,  # [global_rank, node_rank, local_rank] per rank
-            "sharding_strategy": str(getattr(trainer.strategy, "sharding_strategy", None)),
-        }, args.out)
+        torch.save(
+            {
+                "losses": module.step_losses,
+                "state": {k: v.detach().cpu().clone() for k, v in state.items()},
+                "param_bytes": param_bytes,
+                "full_param_bytes": full_bytes,
+                "world_size": trainer.world_size,
+                "num_nodes": trainer.num_nodes,
+                "cluster_environment": type(env).__name__ if env is not None else None,
+                "placements": placements,  # [global_rank, node_rank, local_rank] per rank
+                "sharding_strategy": str(getattr(trainer.strategy, "sharding_strategy", None)),
+            },
+            args.out,
+        )
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ class Net(nn.Module):
 
     def forward(self, ids: torch.Tensor, reverse: bool = False) -> torch.Tensor:
         h = self.emb(ids)
-        for blk in (reversed(self.blocks) if reverse else self.blocks):
+        for blk in reversed(self.blocks) if reverse else self.blocks:
             h = blk(h)
         return self.head(h)
 
@@ -203,8 +203,9 @@ class GAN(L.LightningModule):
         opt_d.step()
         opt_d.zero_grad()
         self.untoggle_optimizer(opt_d)
-        self.step_losses.append([self.all_gather(g_loss.detach()).mean().item(),
-                                 self.all_gather(d_loss.detach()).mean().item()])
+        self.step_losses.append(
+            [self.all_gather(g_loss.detach()).mean().item(), self.all_gather(d_loss.detach()).mean().item()]
+        )
 
     def configure_optimizers(self):
         opt_g = torch.optim.SGD(self.generator.parameters(), lr=LR, momentum=0.9)
@@ -300,8 +301,10 @@ class ManualSubsetStep(ManualBase):
 
     def configure_optimizers(self):
         rest = list(self.net.emb.parameters()) + list(self.net.head.parameters())
-        return [torch.optim.SGD(self.net.blocks.parameters(), lr=LR, momentum=0.9),
-                torch.optim.SGD(rest, lr=LR, momentum=0.9)]
+        return [
+            torch.optim.SGD(self.net.blocks.parameters(), lr=LR, momentum=0.9),
+            torch.optim.SGD(rest, lr=LR, momentum=0.9),
+        ]
 
 
 class ManualAccumulate(ManualBase):
@@ -382,8 +385,13 @@ class EvalReverse(Base):
         self.val_losses.append(self.global_mean(loss_fn(self.net(x, reverse=True), y)))
 
 
-ORDER_MODULES = {"siamese": Siamese, "nograd_in_step": NoGradInStep, "nograd_batch_end": NoGradBatchEnd,
-                 "nograd_before_step": NoGradBeforeStep, "eval_reverse": EvalReverse}
+ORDER_MODULES = {
+    "siamese": Siamese,
+    "nograd_in_step": NoGradInStep,
+    "nograd_batch_end": NoGradBatchEnd,
+    "nograd_before_step": NoGradBeforeStep,
+    "eval_reverse": EvalReverse,
+}
 
 
 # 7. LoRA ----------------------------------------------------------------------------------------------------
@@ -501,9 +509,18 @@ class Runner:
             strategy = "auto"
         settings = dict(max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0)
         settings.update(kwargs)
-        trainer = L.Trainer(accelerator="cpu", devices=self.devices, strategy=strategy, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            use_distributed_sampler=False, callbacks=list(callbacks), **settings)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=self.devices,
+            strategy=strategy,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            callbacks=list(callbacks),
+            **settings,
+        )
         assert trainer.world_size == self.devices, (trainer.world_size, self.devices)
         self.rank = trainer.global_rank
         self.last_trainer = trainer  # the steps a failed pattern took are read from its latest Trainer
@@ -562,9 +579,13 @@ def run_pattern(name: str, run: Runner) -> dict:
         return result
     if base == "try_except_forward":
         return run.fit(TryExcept(), run.trainer(max_epochs=1))
-    manual = {"manual_two_backward": ManualTwoBackward, "manual_retain_graph": ManualRetainGraph,
-              "manual_subset_step": ManualSubsetStep,
-              "manual_accumulate": ManualAccumulate, "manual_clip": ManualClip}
+    manual = {
+        "manual_two_backward": ManualTwoBackward,
+        "manual_retain_graph": ManualRetainGraph,
+        "manual_subset_step": ManualSubsetStep,
+        "manual_accumulate": ManualAccumulate,
+        "manual_clip": ManualClip,
+    }
     if base in manual:
         module = manual[base]()
         result = run.fit(module, run.trainer(max_epochs=2))
@@ -642,12 +663,21 @@ def main() -> None:
             results[name] = run_pattern(name, run)
         except Exception as exc:  # noqa: BLE001 - recorded for the test; the next pattern runs
             trainer_steps = run.last_trainer.global_step if run.last_trainer is not None else None
-            results[name] = {"error": {"type": type(exc).__name__, "message": str(exc),
-                                       "traceback": traceback.format_exc()[-6000:], "steps": trainer_steps}}
+            results[name] = {
+                "error": {
+                    "type": type(exc).__name__,
+                    "message": str(exc),
+                    "traceback": traceback.format_exc()[-6000:],
+                    "steps": trainer_steps,
+                }
+            }
         faulthandler.cancel_dump_traceback_later()
         results[name]["seconds"] = time.monotonic() - started
-        print(f"[rank {run.rank}] {name}: {'error' if 'error' in results[name] else 'ok'} "
-              f"({results[name]['seconds']:.1f} s)", flush=True)
+        print(
+            f"[rank {run.rank}] {name}: {'error' if 'error' in results[name] else 'ok'} "
+            f"({results[name]['seconds']:.1f} s)",
+            flush=True,
+        )
         save(results, f"{args.out}.rank{run.rank}")
     faulthandler.dump_traceback_later(30, exit=True)
     if dist.is_available() and dist.is_initialized():

@@ -82,7 +82,7 @@ class ResumableLoader:
         order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(10_000 + self.epoch))
         self.served = start
         for b in range(start, STEPS_PER_EPOCH):
-            rows = order[b * GLOBAL_BATCH:(b + 1) * GLOBAL_BATCH][self.rank::self.world_size]
+            rows = order[b * GLOBAL_BATCH : (b + 1) * GLOBAL_BATCH][self.rank :: self.world_size]
             self.served = b + 1
             yield tuple(t[rows] for t in self.data)
 
@@ -135,15 +135,28 @@ def count_hooks(module: torch.nn.Module) -> int:
 
     total = 0
     for m in module.modules():
-        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                     "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-                     "_load_state_dict_post_hooks"):
+        for name in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_backward_hooks",
+            "_backward_pre_hooks",
+            "_state_dict_hooks",
+            "_state_dict_pre_hooks",
+            "_load_state_dict_pre_hooks",
+            "_load_state_dict_post_hooks",
+        ):
             total += len(getattr(m, name, None) or {})
         for p in m.parameters(recurse=False):
             total += len(p._backward_hooks or {}) + len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
-    for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks", "_global_parameter_registration_hooks",
-                 "_global_module_registration_hooks", "_global_buffer_registration_hooks"):
+    for name in (
+        "_global_forward_hooks",
+        "_global_forward_pre_hooks",
+        "_global_backward_hooks",
+        "_global_backward_pre_hooks",
+        "_global_parameter_registration_hooks",
+        "_global_module_registration_hooks",
+        "_global_buffer_registration_hooks",
+    ):
         total += len(getattr(mm, name, None) or {})
     return total
 
@@ -176,8 +189,14 @@ def _measure(module: torch.nn.Module) -> dict:
     del objects
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"alloc_bytes": allocator_live_bytes(), "tensor_bytes": sum(storages.values()), "tensors": tensors,
-            "objects": len(gc.get_objects()), "hooks": count_hooks(module), "rss": rss}
+    return {
+        "alloc_bytes": allocator_live_bytes(),
+        "tensor_bytes": sum(storages.values()),
+        "tensors": tensors,
+        "objects": len(gc.get_objects()),
+        "hooks": count_hooks(module),
+        "rss": rss,
+    }
 
 
 class Soak(L.Callback):
@@ -213,14 +232,29 @@ def main() -> None:
     callback = Soak(args)
     callbacks = [callback]
     if args.ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=args.ckpt_every,
-                                         save_top_k=-1, save_last=False))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=args.ckpt_dir,
+                filename="{step}",
+                every_n_train_steps=args.ckpt_every,
+                save_top_k=-1,
+                save_last=False,
+            )
+        )
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block},
-                                                            state_dict_type=args.state_dict_type),
-        max_steps=args.steps, max_epochs=-1, logger=False, enable_checkpointing=bool(args.ckpt_dir),
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        use_distributed_sampler=False, callbacks=callbacks,
+        accelerator="cpu",
+        devices=2,
+        strategy=FSDPStrategy(auto_wrap_policy={Block}, state_dict_type=args.state_dict_type),
+        max_steps=args.steps,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=bool(args.ckpt_dir),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
     )
     with trainer.init_module():
         module = Module()
@@ -230,11 +264,20 @@ def main() -> None:
     params = full_model_state_dict(engine)  # collective: every rank takes part, rank 0 keeps the result
     optim = full_optimizer_state_dict(engine, trainer.optimizers[0])
     rank = trainer.global_rank
-    torch.save({"records": callback.records, "losses": module.losses, "global_step": trainer.global_step,
-                "epoch": trainer.current_epoch}, f"{args.out}.rank{rank}")
+    torch.save(
+        {
+            "records": callback.records,
+            "losses": module.losses,
+            "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+        },
+        f"{args.out}.rank{rank}",
+    )
     if rank == 0:
-        torch.save({"params": params, "optimizer": optim, "losses": module.losses, "global_step": trainer.global_step},
-                   args.out)
+        torch.save(
+            {"params": params, "optimizer": optim, "losses": module.losses, "global_step": trainer.global_step},
+            args.out,
+        )
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ class Stream(IterableDataset):
 
     def __iter__(self):
         for i in range(self.count):
-            yield tuple(t[i * BATCH:(i + 1) * BATCH] for t in self.data)
+            yield tuple(t[i * BATCH : (i + 1) * BATCH] for t in self.data)
 
 
 def loader(kind: str, counts: str, rank: int) -> DataLoader:
@@ -59,7 +59,7 @@ def loader(kind: str, counts: str, rank: int) -> DataLoader:
     if kind == "iterable":
         return DataLoader(Stream(count, seed=rank), batch_size=None)
     x, y = samples(BATCH * count + rank).tensors
-    return DataLoader(TensorDataset(x[:BATCH * count], y[:BATCH * count]), batch_size=BATCH)
+    return DataLoader(TensorDataset(x[: BATCH * count], y[: BATCH * count]), batch_size=BATCH)
 
 
 class Module(L.LightningModule):
@@ -154,8 +154,15 @@ def trainer_for(sharding: str = "FULL_SHARD", **kwargs) -> L.Trainer:
     kwargs = {"max_epochs": 1, "num_sanity_val_steps": 0, **kwargs}
     strategy = FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy=sharding, timeout=timedelta(seconds=TIMEOUT_S))
     return L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, use_distributed_sampler=False, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[STARTED],
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[STARTED],
         **kwargs,
     )
 
@@ -193,8 +200,10 @@ CASES = {
     # even: no false alarm
     "even-map": lambda: fit("map", "3,3", val=("map", "2,2"), max_epochs=2),
     "even-iterable": lambda: fit("iterable", "3,3", val=("iterable", "2,2"), max_epochs=2, num_sanity_val_steps=1),
-    "even-validate-test-predict": lambda: {"ok": True, **{what: evaluate(what, "map", "2,2")
-                                                          for what in ("validate", "test", "predict")}},
+    "even-validate-test-predict": lambda: {
+        "ok": True,
+        **{what: evaluate(what, "map", "2,2") for what in ("validate", "test", "predict")},
+    },
     "even-manual-iterable": lambda: fit("iterable", "3,3", module=ManualModule),
     "even-dataloader-iter": lambda: fit("iterable", "3,3", module=IterModule),
     "even-reloaded": lambda: fit_reloaded("2,2", "3,3", max_epochs=2),
@@ -214,10 +223,27 @@ CASES = {
     "predict-map": lambda: evaluate("predict", "map", "3,2"),
     "predict-iterable-empty": lambda: evaluate("predict", "iterable", "2,0"),
 }
-OK_CASES = ["even-map", "even-iterable", "even-validate-test-predict", "even-manual-iterable", "even-dataloader-iter",
-            "even-reloaded", "max-steps-map", "max-steps-iterable", "max-steps-manual-map", "predict-map-no-shard",
-            "max-steps-late-map", "max-steps-late-iterable", "manual-iterable", "reloaded-uneven", "val-iterable",
-            "test-iterable", "predict-map", "predict-iterable-empty", "even-map"]
+OK_CASES = [
+    "even-map",
+    "even-iterable",
+    "even-validate-test-predict",
+    "even-manual-iterable",
+    "even-dataloader-iter",
+    "even-reloaded",
+    "max-steps-map",
+    "max-steps-iterable",
+    "max-steps-manual-map",
+    "predict-map-no-shard",
+    "max-steps-late-map",
+    "max-steps-late-iterable",
+    "manual-iterable",
+    "reloaded-uneven",
+    "val-iterable",
+    "test-iterable",
+    "predict-map",
+    "predict-iterable-empty",
+    "even-map",
+]
 
 
 def main() -> None:

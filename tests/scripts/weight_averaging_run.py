@@ -133,29 +133,51 @@ def main() -> None:
     results = {}
     rank = 0
 
-    def run(name, callbacks, epochs, *, scheduler=False, val=False, ckpt_path=None, state_dict_type="full",
-            validate_after=False):
+    def run(
+        name,
+        callbacks,
+        epochs,
+        *,
+        scheduler=False,
+        val=False,
+        ckpt_path=None,
+        state_dict_type="full",
+        validate_after=False,
+    ):
         nonlocal rank
         strategy = FSDPStrategy(auto_wrap_policy={Block}, state_dict_type=state_dict_type) if sharded else "auto"
         probe = Probe()
         callbacks = [*callbacks, probe]
         trainer = L.Trainer(
-            accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=epochs,
-            limit_val_batches=1 if val else 0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=callbacks,
+            accelerator="cpu",
+            devices=args.devices,
+            strategy=strategy,
+            max_epochs=epochs,
+            limit_val_batches=1 if val else 0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            use_distributed_sampler=False,
+            callbacks=callbacks,
         )
         module = Module(scheduler)
-        sampler = DistributedSampler(samples(SAMPLES), num_replicas=trainer.world_size, rank=trainer.global_rank,
-                                     shuffle=False)
+        sampler = DistributedSampler(
+            samples(SAMPLES), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False
+        )
         loader = DataLoader(samples(SAMPLES), batch_size=GLOBAL_BATCH // trainer.world_size, sampler=sampler)
         trainer.fit(module, loader, loader if val else None, ckpt_path=ckpt_path)
         rank = trainer.global_rank
         if validate_after:  # a second stage: the average is sharded again, swapped in for validation, given back
             results[f"{name}_validate"] = trainer.validate(module, loader, verbose=False)[0]["val_loss"]
         # Once the stage has ended, the model and the averages are whole again on every strategy: read them as they are.
-        out = {"state": {k: v.detach().clone() for k, v in module.state_dict().items()},
-               "local_shapes": probe.local_shapes, "average_shapes": probe.average_shapes,
-               "val_loss": float(trainer.callback_metrics["val_loss"]) if val else None}
+        out = {
+            "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
+            "local_shapes": probe.local_shapes,
+            "average_shapes": probe.average_shapes,
+            "val_loss": float(trainer.callback_metrics["val_loss"]) if val else None,
+        }
         names = [n for n, _ in module.named_parameters()]
         for cb in callbacks:
             average = _average_of(cb)
@@ -173,10 +195,19 @@ def main() -> None:
 
     d = args.dir
     full_ckpt = os.path.join(d, "swa.ckpt")
-    run("swa", [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2, annealing_epochs=1),
-                SaveAt(2, full_ckpt)], 4, scheduler=True)
-    run("swa_resume", [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2, annealing_epochs=1)], 4,
-        scheduler=True, ckpt_path=full_ckpt)
+    run(
+        "swa",
+        [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2, annealing_epochs=1), SaveAt(2, full_ckpt)],
+        4,
+        scheduler=True,
+    )
+    run(
+        "swa_resume",
+        [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2, annealing_epochs=1)],
+        4,
+        scheduler=True,
+        ckpt_path=full_ckpt,
+    )
     ema_ckpt = os.path.join(d, "ema.ckpt")
     run("ema", [EMAWeightAveraging(decay=0.9), SaveAt(0, ema_ckpt)], 2, val=True, validate_after=True)
     run("ema_resume", [EMAWeightAveraging(decay=0.9)], 2, val=True, ckpt_path=ema_ckpt)
@@ -184,28 +215,51 @@ def main() -> None:
     run("user_ema", [UserEMA(), SaveAt(1, user_ckpt)], 2)
     if sharded:
         local_ckpt = os.path.join(d, "swa_local.ckpt")
-        run("swa_local", [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2, annealing_epochs=1),
-                          SaveAt(2, local_ckpt)], 4, scheduler=True, state_dict_type="local")
-        run("swa_local_resume", [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2, annealing_epochs=1)], 4,
-            scheduler=True, ckpt_path=local_ckpt, state_dict_type="local")
+        run(
+            "swa_local",
+            [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2, annealing_epochs=1), SaveAt(2, local_ckpt)],
+            4,
+            scheduler=True,
+            state_dict_type="local",
+        )
+        run(
+            "swa_local_resume",
+            [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2, annealing_epochs=1)],
+            4,
+            scheduler=True,
+            ckpt_path=local_ckpt,
+            state_dict_type="local",
+        )
         sharded_ckpt = os.path.join(d, "ema_sharded.ckpt")
-        run("ema_sharded", [EMAWeightAveraging(decay=0.9), SaveAt(0, sharded_ckpt)], 1, val=True,
-            state_dict_type="sharded")
-        run("ema_sharded_resume", [EMAWeightAveraging(decay=0.9)], 2, val=True, ckpt_path=sharded_ckpt,
-            state_dict_type="sharded")
+        run(
+            "ema_sharded",
+            [EMAWeightAveraging(decay=0.9), SaveAt(0, sharded_ckpt)],
+            1,
+            val=True,
+            state_dict_type="sharded",
+        )
+        run(
+            "ema_sharded_resume",
+            [EMAWeightAveraging(decay=0.9)],
+            2,
+            val=True,
+            ckpt_path=sharded_ckpt,
+            state_dict_type="sharded",
+        )
         try:
             run("user_ema_setup", [UserEMA(when="setup")], 1)
         except ValueError as exc:
             results["user_ema_setup"] = {"error": str(exc)}
     if rank == 0:
         # What the checkpoint files hold (full format, written by rank 0; directory formats: their meta.pt).
-        results["files"] = {"swa": torch.load(full_ckpt, weights_only=False),
-                            "ema": torch.load(ema_ckpt, weights_only=False),
-                            "user": torch.load(user_ckpt, weights_only=False)}
+        results["files"] = {
+            "swa": torch.load(full_ckpt, weights_only=False),
+            "ema": torch.load(ema_ckpt, weights_only=False),
+            "user": torch.load(user_ckpt, weights_only=False),
+        }
         if sharded:
             results["files"]["swa_local_meta"] = torch.load(os.path.join(local_ckpt, "meta.pt"), weights_only=False)
-            results["files"]["ema_sharded_meta"] = torch.load(os.path.join(sharded_ckpt, "meta.pt"),
-                                                              weights_only=False)
+            results["files"]["ema_sharded_meta"] = torch.load(os.path.join(sharded_ckpt, "meta.pt"), weights_only=False)
         torch.save(results, args.out)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

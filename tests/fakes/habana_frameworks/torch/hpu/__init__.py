@@ -4,11 +4,10 @@
 """
 
 import os
-from typing import Optional, Union
 
 import torch
 
-_DeviceLike = Union[torch.device, str, int, None]
+_DeviceLike = torch.device | str | int | None
 
 _current_device = 0
 
@@ -33,7 +32,7 @@ def _index(device: _DeviceLike) -> int:
     if device is None:
         return _current_device
     if isinstance(device, int):
-        index: Optional[int] = device
+        index: int | None = device
     else:
         device = torch.device(device)
         if device.type != "hpu":
