@@ -109,6 +109,13 @@ class ShardingOptions:
             ignored_states=item_list(ignored_states, "ignored_states", (nn.Parameter, nn.Module, *name_kind)),
         )
 
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any], *, names: bool = False) -> ShardingOptions:
+        """``parse`` over the entries of ``arguments`` named like the fields. ``FSDPStrategy.__init__`` and
+        ``fully_shard`` pass their ``locals()``: their option parameters carry the fields' names, so the list of
+        options is written once, here."""
+        return cls.parse(**{field.name: arguments[field.name] for field in dataclasses.fields(cls)}, names=names)
+
     def as_kwargs(self) -> dict[str, Any]:
         """The options as ``fully_shard`` keyword arguments (a shallow copy: modules stay the same objects)."""
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
@@ -174,21 +181,30 @@ def split_ignored(root: nn.Module, options: ShardingOptions) -> tuple[list[nn.Mo
     params = []
     for item in options.ignored_states:
         (modules if isinstance(item, nn.Module) else params).append(item)
-    submodules = {id(m) for m in root.modules()}
-    for module in modules:
-        if id(module) not in submodules:
-            raise ValueError(
-                f"ignored_modules contains a {type(module).__name__} that is not a submodule of "
-                f"{type(root).__name__} (a module of another model instance?)."
-            )
-    own_params = {id(p) for p in root.parameters()}
-    for param in params:
-        if id(param) not in own_params:
-            raise ValueError(
-                f"ignored_states contains a parameter of shape {tuple(param.shape)} that is not a "
-                f"parameter of {type(root).__name__} (a parameter of another model instance?)."
-            )
+    _refuse_foreign("ignored_modules", modules, root.modules(), root, "submodule", lambda m: f"a {type(m).__name__}")
+    _refuse_foreign(
+        "ignored_states",
+        params,
+        root.parameters(),
+        root,
+        "parameter",
+        lambda p: f"a parameter of shape {tuple(p.shape)}",
+    )
     return modules, params
+
+
+def _refuse_foreign(
+    option: str, items: list, own: Iterable[Any], root: nn.Module, kind: str, describe: Callable[[Any], str]
+) -> None:
+    """Raise for an entry of ``option`` that is not one of ``root``'s own ``kind`` (e.g. a module of another model
+    instance): it would otherwise be silently sharded."""
+    own_ids = {id(x) for x in own}
+    for item in items:
+        if id(item) not in own_ids:
+            raise ValueError(
+                f"{option} contains {describe(item)} that is not a {kind} of {type(root).__name__} (a "
+                f"{kind.removeprefix('sub')} of another model instance?)."
+            )
 
 
 def check_use_orig_params(value: Any) -> None:

@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from functools import cached_property
 from typing import Any, Literal
@@ -41,6 +41,7 @@ from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, _is_local
 from lightning_fsdp.checkpoint.common import (
     CheckpointFormat,
     CheckpointMismatchError,
+    CheckpointRun,
     Collective,
     ShardedOptimizerState,
     ShardedStateDict,
@@ -149,20 +150,7 @@ class FSDPStrategy(ParallelStrategy):
     ) -> None:
         # Validate everything first: this runs on every rank before any process group exists, so a bad value
         # raises the same error everywhere instead of leaving a rank waiting in a collective (options.py).
-        self.options = ShardingOptions.parse(
-            sharding_strategy=sharding_strategy,
-            auto_wrap_policy=auto_wrap_policy,
-            mixed_precision=mixed_precision,
-            backward_prefetch=backward_prefetch,
-            forward_prefetch=forward_prefetch,
-            limit_all_gathers=limit_all_gathers,
-            sync_module_states=sync_module_states,
-            cpu_offload=cpu_offload,
-            param_init_fn=param_init_fn,
-            ignored_modules=ignored_modules,
-            ignored_states=ignored_states,
-            names=True,
-        )
+        self.options = ShardingOptions.from_arguments(locals(), names=True)
         self.activation_checkpointing_policy = parse_checkpointing_policy(activation_checkpointing_policy)
         self.state_dict_type = parse_state_dict_type(state_dict_type)  # full, sharded or local
         check_use_orig_params(use_orig_params)
@@ -509,24 +497,23 @@ class FSDPStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if (trainer := self._trainer()) is not None:
-            self._even_batches.before_step(trainer)
-        with self.precision_plugin.val_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
+        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context(), args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if (trainer := self._trainer()) is not None:
-            self._even_batches.before_step(trainer)
-        with self.precision_plugin.test_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
+        return self._evaluation_step("test_step", self.precision_plugin.test_step_context(), args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context(), args, kwargs)
+
+    def _evaluation_step(self, name: str, context: AbstractContextManager, args: tuple, kwargs: dict) -> Any:
+        """A validation, test or predict step: checked for even batches, then routed through the LightningModule's
+        ``__call__`` like the training step."""
         if (trainer := self._trainer()) is not None:
             self._even_batches.before_step(trainer)
-        with self.precision_plugin.predict_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
+        with context:
+            return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
 
     # ------------------------------------------------------------------------------------------ collectives
     @override
@@ -632,14 +619,8 @@ class FSDPStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         gather_averages_for_save(self, checkpoint)  # SWA / EMA averages: full tensors, not rank 0's rows only
-        self._checkpoint_format.save(
-            checkpoint,
-            filepath,
-            engine=self.engine,
-            optimizers=self.optimizers,
-            checkpoint_io=self.checkpoint_io,
-            storage_options=storage_options,
-        )
+        run = CheckpointRun(self.engine, self.optimizers, self.checkpoint_io)
+        self._checkpoint_format.save(checkpoint, filepath, run, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -655,14 +636,8 @@ class FSDPStrategy(ParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else None
-        checkpoint = fmt.load(
-            path,
-            engine=self.engine,
-            optimizers=optimizers,
-            checkpoint_io=self.checkpoint_io,
-            weights_only=weights_only,
-            coll=coll,
-        )
+        run = CheckpointRun(self.engine, optimizers, self.checkpoint_io)
+        checkpoint = fmt.load(path, run, weights_only=weights_only, coll=coll)
         # Each rank takes its rows of the SWA / EMA averages before the callbacks load them.
         return slice_loaded_averages(self, checkpoint)
 

@@ -882,7 +882,7 @@ def _round_trip(
 ) -> _Sharded:
     """Save ``run`` in ``mode`` to real files, load into a freshly sharded copy (other initial values) and check that
     it holds exactly what was saved. Adjusts the reference's per-rank buffers to the format's semantics."""
-    from lightning_fsdp.checkpoint.common import load_sharded_model_state_dict
+    from lightning_fsdp.checkpoint.common import CheckpointRun, load_sharded_model_state_dict
     from lightning_fsdp.checkpoint.full import (
         full_model_state_dict,
         full_optimizer_state_dict,
@@ -941,7 +941,7 @@ def _round_trip(
         load_full_optimizer_state_dict(fresh.engine, fresh.optimizer, loaded["optimizer_states"][0])
     else:
         load = load_sharded_checkpoint if mode == "sharded" else load_local_checkpoint
-        loaded = load(path, fresh.engine, [fresh.optimizer])
+        loaded = load(path, CheckpointRun(fresh.engine, [fresh.optimizer]))
         load_sharded_model_state_dict(fresh.engine, loaded["state_dict"])
         fresh.optimizer.load_state_dict(loaded["optimizer_states"][0])
     errors.equal("global_step", loaded["global_step"], step + 1)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_fsdp.checkpoint.common import load_sharded_model_state_dict
+from lightning_fsdp.checkpoint.common import CheckpointRun, load_sharded_model_state_dict
 from lightning_fsdp.checkpoint.full import full_model_state_dict, full_optimizer_state_dict
 from lightning_fsdp.checkpoint.local import (
     load_local_checkpoint,
@@ -84,7 +84,7 @@ def round_trip(rank, world_size, mode, folder):
     dist.barrier()
     _, engine_b, optimizer_b = build(groups, seed=1)  # different initial values, overwritten by the load
     loader = load_sharded_checkpoint if mode == "sharded" else load_local_checkpoint
-    checkpoint = loader(path, engine_b, [optimizer_b])
+    checkpoint = loader(path, CheckpointRun(engine_b, [optimizer_b]))
     load_sharded_model_state_dict(engine_b, checkpoint["state_dict"])
     optimizer_b.load_state_dict(checkpoint["optimizer_states"][0])
     return saved, snapshot(engine_b, optimizer_b), checkpoint["global_step"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -289,6 +289,14 @@ def numel(shape: Any) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ formats
+class CheckpointRun(NamedTuple):
+    """What a format takes from the run that saves or loads a checkpoint."""
+
+    engine: ShardingEngine | None  # None before the model is sharded (only a full file can be read then)
+    optimizers: Sequence[Optimizer] | None = None  # a load restores optimizer state only where these are given
+    checkpoint_io: CheckpointIO | None = None  # Lightning's: the full format's file goes through it
+
+
 class CheckpointFormat:
     """One checkpoint format: how the strategy's state is taken, written, read back, and read whole by ``convert``.
 
@@ -312,28 +320,12 @@ class CheckpointFormat:
         """What the checkpoint's ``optimizer_states`` holds for ``optimizer`` (call on every rank)."""
         raise NotImplementedError
 
-    def save(
-        self,
-        checkpoint: dict[str, Any],
-        path: Any,
-        *,
-        engine: ShardingEngine | None,
-        optimizers: Sequence[Optimizer],
-        checkpoint_io: CheckpointIO,
-        storage_options: Any | None = None,
-    ) -> None:
+    def save(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun, storage_options: Any = None) -> None:
         """Write a checkpoint built from ``model_state_dict`` / ``optimizer_state`` to ``path`` (call on every rank)."""
         raise NotImplementedError
 
     def load(
-        self,
-        path: Any,
-        *,
-        engine: ShardingEngine | None,
-        optimizers: Sequence[Optimizer] | None,
-        checkpoint_io: CheckpointIO,
-        weights_only: bool | None = None,
-        coll: Collective | None = None,
+        self, path: Any, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None
     ) -> dict[str, Any]:
         """Read ``path`` on every rank into a Lightning checkpoint dict (optimizer state only if ``optimizers``)."""
         raise NotImplementedError
@@ -352,48 +344,23 @@ class DirectoryFormat(CheckpointFormat):
     """A format whose checkpoint is a directory every rank writes its part of (see :func:`write_directory`) and
     reads its rows from, on the local (or a network-mounted) file system, not through the ``CheckpointIO``."""
 
-    def write(
-        self, checkpoint: dict[str, Any], path: Any, engine: ShardingEngine, optimizers: Sequence[Optimizer]
-    ) -> None:
+    def write(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun) -> None:
         raise NotImplementedError
 
-    def read(
-        self,
-        path: str,
-        engine: ShardingEngine,
-        optimizers: Sequence[Optimizer] | None,
-        *,
-        coll: Collective | None,
-        weights_only: bool | None,
-    ) -> dict[str, Any]:
-        raise NotImplementedError
+    # read(path, run, *, coll, weights_only) -> the checkpoint dict with this rank's rows; a module function of
+    # each format (load_sharded_checkpoint, load_local_checkpoint), which tests also call directly.
+    read: Callable[..., dict[str, Any]]
 
-    def save(
-        self,
-        checkpoint: dict[str, Any],
-        path: Any,
-        *,
-        engine: ShardingEngine | None,
-        optimizers: Sequence[Optimizer],
-        checkpoint_io: CheckpointIO,
-        storage_options: Any | None = None,
-    ) -> None:
+    def save(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun, storage_options: Any = None) -> None:
         self._check_save_path(path, storage_options)
-        assert engine is not None
-        self.write(checkpoint, path, engine, optimizers)
+        assert run.engine is not None
+        self.write(checkpoint, path, run)
 
     def load(
-        self,
-        path: Any,
-        *,
-        engine: ShardingEngine | None,
-        optimizers: Sequence[Optimizer] | None,
-        checkpoint_io: CheckpointIO,
-        weights_only: bool | None = None,
-        coll: Collective | None = None,
+        self, path: Any, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None
     ) -> dict[str, Any]:
-        assert engine is not None
-        return self.read(os.fspath(path), engine, optimizers, coll=coll, weights_only=weights_only)
+        assert run.engine is not None
+        return self.read(os.fspath(path), run, coll=coll, weights_only=weights_only)
 
     def _check_save_path(self, path: Any, storage_options: Any | None) -> None:
         """Refuse what only a ``CheckpointIO`` could do: storage options and remote paths (every rank writes here)."""

@@ -9,7 +9,7 @@ copies its own rows in. :class:`FullFormat` is the format object the strategy an
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,14 +18,20 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError
-from lightning_fsdp.checkpoint.common import CheckpointFormat, CheckpointMismatchError, Collective, to_index_keyed
+from lightning_fsdp.checkpoint.common import (
+    CheckpointFormat,
+    CheckpointMismatchError,
+    CheckpointRun,
+    Collective,
+    to_index_keyed,
+)
 from lightning_fsdp.checkpoint.paths import FULL, remove_checkpoint_path
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import all_gather_flat
 from lightning_fsdp.engine.layout import ShardLayout
 
 if TYPE_CHECKING:
-    from lightning.fabric.plugins import CheckpointIO
+    pass
 
 
 def _global_rank() -> int:
@@ -205,41 +211,24 @@ class FullFormat(CheckpointFormat):
     kind = FULL
     writes_offline = True
 
-    def model_state_dict(self, engine: ShardingEngine) -> dict[str, Any]:
-        return full_model_state_dict(engine)
+    model_state_dict = staticmethod(full_model_state_dict)
+    optimizer_state = staticmethod(full_optimizer_state_dict)
 
-    def optimizer_state(self, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
-        return full_optimizer_state_dict(engine, optimizer)
-
-    def save(
-        self,
-        checkpoint: dict[str, Any],
-        path: Any,
-        *,
-        engine: ShardingEngine | None,
-        optimizers: Sequence[Optimizer],
-        checkpoint_io: CheckpointIO,
-        storage_options: Any | None = None,
-    ) -> None:
+    def save(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun, storage_options: Any = None) -> None:
         # The rank the full state was gathered to writes it (the others' state dicts are empty), as Lightning's
         # Strategy.save_checkpoint does with is_global_zero.
         if _global_rank() == 0:
-            checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            assert run.checkpoint_io is not None
+            run.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load(
-        self,
-        path: Any,
-        *,
-        engine: ShardingEngine | None,
-        optimizers: Sequence[Optimizer] | None,
-        checkpoint_io: CheckpointIO,
-        weights_only: bool | None = None,
-        coll: Collective | None = None,
+        self, path: Any, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None
     ) -> dict[str, Any]:
         # Every rank reads the whole file (the CheckpointIO also reports remote and missing paths), as Lightning's
         # Strategy.load_checkpoint does, cached GPU memory released first.
         torch.cuda.empty_cache()
-        return checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        assert run.checkpoint_io is not None
+        return run.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
 
     def read_as_full(self, path: str, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = AtomicCheckpointIO().load_checkpoint(path, weights_only=weights_only)

@@ -29,6 +29,7 @@ from lightning_fsdp.checkpoint.common import (
     FORMAT_KEY,
     FORMAT_VERSION,
     CheckpointMismatchError,
+    CheckpointRun,
     Collective,
     DirectoryFormat,
     ShardedOptimizerState,
@@ -236,16 +237,13 @@ def _check_optimizers(
 
 
 def load_local_checkpoint(
-    path: str,
-    engine: ShardingEngine,
-    optimizers: Sequence[Optimizer] | None = None,
-    *,
-    coll: Collective | None = None,
-    weights_only: bool | None = None,
+    path: str, run: CheckpointRun, *, coll: Collective | None = None, weights_only: bool | None = None
 ) -> dict[str, Any]:
     """Read this rank's file of a local checkpoint (on every rank): the Lightning checkpoint dict with ``state_dict``
     a :class:`ShardedStateDict` and ``optimizer_states`` (when ``optimizers`` is given and the checkpoint has them)
     :class:`ShardedOptimizerState` entries. Mismatches and damaged files raise on every rank."""
+    engine, optimizers = run.engine, run.optimizers
+    assert engine is not None
     coll = coll or Collective()
 
     def read() -> dict[str, Any]:
@@ -329,28 +327,17 @@ class LocalFormat(DirectoryFormat):
 
     kind = LOCAL
 
-    def model_state_dict(self, engine: ShardingEngine) -> dict[str, Any]:
-        return local_model_state_dict(engine)
+    model_state_dict = staticmethod(local_model_state_dict)
 
     def optimizer_state(self, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
         return local_optimizer_state_dict(optimizer)
 
-    def write(
-        self, checkpoint: dict[str, Any], path: Any, engine: ShardingEngine, optimizers: Sequence[Optimizer]
-    ) -> None:
+    def write(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun) -> None:
         # meta.pt names each optimizer's parameters only when the checkpoint holds their state (not weights-only).
-        save_local_checkpoint(checkpoint, path, engine, optimizers if "optimizer_states" in checkpoint else None)
+        optimizers = run.optimizers if "optimizer_states" in checkpoint else None
+        save_local_checkpoint(checkpoint, path, run.engine, optimizers)
 
-    def read(
-        self,
-        path: str,
-        engine: ShardingEngine,
-        optimizers: Sequence[Optimizer] | None,
-        *,
-        coll: Collective | None,
-        weights_only: bool | None,
-    ) -> dict[str, Any]:
-        return load_local_checkpoint(path, engine, optimizers, coll=coll, weights_only=weights_only)
+    read = staticmethod(load_local_checkpoint)
 
     def read_as_full(self, path: str, weights_only: bool | None = None) -> dict[str, Any]:
         return read_local_checkpoint_full(path, weights_only=weights_only)

@@ -44,6 +44,7 @@ from lightning_fsdp.checkpoint.common import (
     FORMAT_KEY,
     FORMAT_VERSION,
     CheckpointMismatchError,
+    CheckpointRun,
     Collective,
     DirectoryFormat,
     ShardedOptimizerState,
@@ -531,16 +532,13 @@ class _ShardedLoad:
 
 
 def load_sharded_checkpoint(
-    path: str,
-    engine: ShardingEngine,
-    optimizers: Sequence[Optimizer] | None = None,
-    *,
-    coll: Collective | None = None,
-    weights_only: bool | None = None,
+    path: str, run: CheckpointRun, *, coll: Collective | None = None, weights_only: bool | None = None
 ) -> dict[str, Any]:
     """Read a sharded directory on every rank: the Lightning checkpoint dict with ``state_dict`` a
     :class:`ShardedStateDict` and (if ``optimizers`` is given and the checkpoint has them) ``optimizer_states`` as
     :class:`ShardedOptimizerState` entries, each holding this rank's rows under the current layout."""
+    engine, optimizers = run.engine, run.optimizers
+    assert engine is not None
     coll = coll or Collective()
     # Every rank checks the directory and plans its reads; a problem on one raises on all before any DCP collective.
     loader = coll.run_agreed(lambda: _ShardedLoad(path, engine, optimizers, coll, weights_only))
@@ -584,27 +582,13 @@ class ShardedFormat(DirectoryFormat):
     kind = SHARDED
     writes_offline = True
 
-    def model_state_dict(self, engine: ShardingEngine) -> dict[str, Any]:
-        return sharded_model_state_dict(engine)
+    model_state_dict = staticmethod(sharded_model_state_dict)
+    optimizer_state = staticmethod(sharded_optimizer_state_dict)
 
-    def optimizer_state(self, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
-        return sharded_optimizer_state_dict(engine, optimizer)
-
-    def write(
-        self, checkpoint: dict[str, Any], path: Any, engine: ShardingEngine, optimizers: Sequence[Optimizer]
-    ) -> None:
+    def write(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun) -> None:
         save_sharded_checkpoint(checkpoint, path)
 
-    def read(
-        self,
-        path: str,
-        engine: ShardingEngine,
-        optimizers: Sequence[Optimizer] | None,
-        *,
-        coll: Collective | None,
-        weights_only: bool | None,
-    ) -> dict[str, Any]:
-        return load_sharded_checkpoint(path, engine, optimizers, coll=coll, weights_only=weights_only)
+    read = staticmethod(load_sharded_checkpoint)
 
     def read_as_full(self, path: str, weights_only: bool | None = None) -> dict[str, Any]:
         return read_sharded_checkpoint_full(path, weights_only=weights_only)

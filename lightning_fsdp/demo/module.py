@@ -8,6 +8,7 @@ as ``--model.<name>`` and ``--print_config`` writes them back out as YAML that p
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import lightning as L
@@ -56,16 +57,8 @@ class GPTLightningModule(L.LightningModule):
         super().__init__()
         # Plain types only: the checkpoint then loads with torch.load(weights_only=True).
         self.save_hyperparameters()
-        self.config = GPTConfig(
-            vocab_size=vocab_size,
-            block_size=block_size,
-            n_layer=n_layer,
-            n_head=n_head,
-            n_embd=n_embd,
-            dropout=dropout,
-            bias=bias,
-            tie_weights=tie_weights,
-        )
+        # The model's arguments are GPTConfig's fields by name; the rest (lr, weight_decay, betas) are the optimizer's.
+        self.config = GPTConfig(**{field.name: self.hparams[field.name] for field in dataclasses.fields(GPTConfig)})
         self.model = GPT(self.config)
         # Counted now: once sharded, parameters() yields only this rank's shards.
         self.num_model_parameters = self.model.num_parameters()

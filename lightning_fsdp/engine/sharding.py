@@ -65,19 +65,7 @@ def fully_shard(
     # bad one raises the same error on every rank instead of leaving the others waiting (lightning_fsdp/options.py).
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard(module={module!r}) is not valid; expected an nn.Module.")
-    options = ShardingOptions.parse(
-        sharding_strategy=sharding_strategy,
-        auto_wrap_policy=auto_wrap_policy,
-        mixed_precision=mixed_precision,
-        backward_prefetch=backward_prefetch,
-        forward_prefetch=forward_prefetch,
-        limit_all_gathers=limit_all_gathers,
-        sync_module_states=sync_module_states,
-        cpu_offload=cpu_offload,
-        param_init_fn=param_init_fn,
-        ignored_modules=ignored_modules,
-        ignored_states=ignored_states,
-    )
+    options = ShardingOptions.from_arguments(locals())
     strategy = options.sharding_strategy
     check_engine_groups(strategy, process_group, replicate_group)
     mixed_precision = options.mixed_precision or MixedPrecision()

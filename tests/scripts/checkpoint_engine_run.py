@@ -53,7 +53,7 @@ def _gathered_optimizer(engine, optimizer) -> dict:
 
 
 def worker(rank: int, port: int, folder: str, out: str) -> None:
-    from lightning_fsdp.checkpoint.common import load_sharded_model_state_dict
+    from lightning_fsdp.checkpoint.common import CheckpointRun, load_sharded_model_state_dict
     from lightning_fsdp.checkpoint.full import full_model_state_dict
     from lightning_fsdp.checkpoint.sharded import (
         load_sharded_checkpoint,
@@ -84,7 +84,7 @@ def worker(rank: int, port: int, folder: str, out: str) -> None:
         )
 
     def load(engine, optimizer, path):
-        checkpoint = load_sharded_checkpoint(path, engine, [optimizer])
+        checkpoint = load_sharded_checkpoint(path, CheckpointRun(engine, [optimizer]))
         load_sharded_model_state_dict(engine, checkpoint["state_dict"])
         optimizer.load_state_dict(checkpoint["optimizer_states"][0])
 
