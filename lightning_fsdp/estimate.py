@@ -44,7 +44,7 @@ from lightning_fsdp.config import (
     parse_sharding_strategy,
 )
 from lightning_fsdp.engine.layout import ShardLayout
-from lightning_fsdp.engine.wrap import assign_owners, select_unit_modules
+from lightning_fsdp.engine.wrap import assign_owners, enclosing_units, select_unit_modules
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
@@ -220,18 +220,9 @@ def estimate_memory(
 
 def _unit_chains(root: nn.Module, unit_modules: list[nn.Module]) -> list[list[nn.Module]]:
     """For every unit, the units alive while it computes: itself and every unit enclosing it (the root included)."""
+    chains = enclosing_units(root, unit_modules)
     unit_ids = {id(m) for m in unit_modules}
-    chains: list[list[nn.Module]] = []
-
-    def walk(module: nn.Module, chain: list[nn.Module]) -> None:
-        if id(module) in unit_ids:
-            chain = chain + [module]
-            chains.append(chain)
-        for child in module.children():
-            walk(child, chain)
-
-    walk(root, [])
-    return chains
+    return [chains[id(m)] for m in root.modules() if id(m) in unit_ids]
 
 
 def _parse_optimizer(optimizer: str | None) -> tuple[int, int]:

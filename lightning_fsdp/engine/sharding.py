@@ -14,7 +14,7 @@ from lightning_fsdp.engine.comm import Communicator
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.state import ShardingEngine
 from lightning_fsdp.engine.unit import FlatUnit, ParamSlot
-from lightning_fsdp.engine.wrap import assign_owners, ignored_module_set, select_unit_modules
+from lightning_fsdp.engine.wrap import assign_owners, enclosing_units, ignored_module_set, select_unit_modules
 from lightning_fsdp.options import ShardingOptions, split_ignored
 from lightning_fsdp.process_groups import check_engine_groups
 
@@ -152,20 +152,7 @@ def _module_name(root: nn.Module, target: nn.Module) -> str:
 
 def _innermost_units(root: nn.Module, unit_modules: list[nn.Module], ignored_ids: set[int]) -> dict[int, nn.Module]:
     """For every module not ignored (by id): the innermost unit enclosing it, whose buffer its tensors go to."""
-    unit_ids = {id(m) for m in unit_modules}
-    result: dict[int, nn.Module] = {}
-
-    def walk(module: nn.Module, current: nn.Module) -> None:
-        if id(module) in ignored_ids or id(module) in result:
-            return
-        if id(module) in unit_ids:
-            current = module
-        result[id(module)] = current
-        for child in module.children():
-            walk(child, current)
-
-    walk(root, root)
-    return result
+    return {mid: chain[-1] for mid, chain in enclosing_units(root, unit_modules, ignored_ids).items()}
 
 
 def has_meta_tensors(module: nn.Module) -> bool:

@@ -104,18 +104,13 @@ def ignored_module_set(root: nn.Module, ignored: Iterable[nn.Module]) -> set[int
     return ids
 
 
-def assign_owners(
-    root: nn.Module,
-    unit_modules: list[nn.Module],
-    ignored_ids: set[int],
-    ignored_param_ids: frozenset[int] = frozenset(),
-) -> dict[int, ParamOwner]:
-    """Map each managed parameter (by id) to its owning unit module, its uses and its fully qualified name.
-
-    A parameter used by several modules (tied weights) belongs to the innermost unit that encloses all its uses.
-    """
+def enclosing_units(
+    root: nn.Module, unit_modules: list[nn.Module], ignored_ids: set[int] | frozenset[int] = frozenset()
+) -> dict[int, list[nn.Module]]:
+    """For every module below ``root`` that is not ignored (by id): the units enclosing it, outermost first (the
+    root, which is always a unit, first; the module itself last if it is a unit). A module reached twice (shared
+    by two parents) keeps the chain of its first place in module order, as ``root.modules()`` lists it once."""
     unit_ids = {id(m) for m in unit_modules}
-    # For every module: the chain of enclosing units, outermost first.
     chains: dict[int, list[nn.Module]] = {}
 
     def walk(module: nn.Module, chain: list[nn.Module]) -> None:
@@ -128,6 +123,20 @@ def assign_owners(
             walk(child, chain)
 
     walk(root, [])
+    return chains
+
+
+def assign_owners(
+    root: nn.Module,
+    unit_modules: list[nn.Module],
+    ignored_ids: set[int],
+    ignored_param_ids: frozenset[int] = frozenset(),
+) -> dict[int, ParamOwner]:
+    """Map each managed parameter (by id) to its owning unit module, its uses and its fully qualified name.
+
+    A parameter used by several modules (tied weights) belongs to the innermost unit that encloses all its uses.
+    """
+    chains = enclosing_units(root, unit_modules, ignored_ids)
     names = {id(p): name for name, p in root.named_parameters()}
     uses: dict[int, list[ParamUse]] = {}
     owners: dict[int, list[nn.Module]] = {}
