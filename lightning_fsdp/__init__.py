@@ -6,11 +6,13 @@ Importing the package registers the ``"fsdp_custom"`` strategy (and its variants
 from lightning.pytorch.strategies import StrategyRegistry
 
 from accelerators import HPUAccelerator, register_hpu_accelerator
+from lightning_fsdp.checkpoint.export import export_safetensors
 from lightning_fsdp.config import BackwardPrefetch, MixedPrecision, ShardingStrategy, StateDictType
 from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
 from lightning_fsdp.estimate import MemoryEstimate, estimate_memory
 from lightning_fsdp.even_batches import UnevenBatchesError
 from lightning_fsdp.monitor import ShardingMonitor
+from lightning_fsdp.pretrained import LoadResult, load_pretrained
 from lightning_fsdp.strategy import FSDPStrategy
 
 __version__ = "0.1.0"
@@ -18,6 +20,7 @@ __all__ = [
     "BackwardPrefetch",
     "FSDPStrategy",
     "HPUAccelerator",
+    "LoadResult",
     "MemoryEstimate",
     "MixedPrecision",
     "ShardingEngine",
@@ -26,8 +29,10 @@ __all__ = [
     "StateDictType",
     "UnevenBatchesError",
     "estimate_memory",
+    "export_safetensors",
     "fully_shard",
     "get_engine",
+    "load_pretrained",
 ]
 
 FSDPStrategy.register_strategies(StrategyRegistry)

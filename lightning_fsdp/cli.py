@@ -9,7 +9,8 @@ It is ``LightningCLI`` in subclass mode: the model and the data module are any `
 ``LightningDataModule`` named by ``class_path`` in a config (or ``--model``, ``--data``). Importing this package
 registers ``trainer.strategy: fsdp_custom`` (and its variants), and ``fsdp_custom`` is the default strategy.
 When ``lightning_fsdp.checkpoint.convert`` is installed the command also offers ``convert`` (checkpoint format
-conversion), handing it the rest of the command line.
+conversion), and with ``lightning_fsdp.checkpoint.export`` ``export`` (a checkpoint's weights as a Hugging Face
+safetensors directory), handing them the rest of the command line.
 
 ``python -m lightning_fsdp.cli`` is the same command. Lightning's launcher re-runs the command once per extra rank,
 with the same arguments.
@@ -33,6 +34,7 @@ __all__ = ["FSDPLightningCLI", "main"]
 
 DEFAULT_STRATEGY = "fsdp_custom"
 _CONVERT_MODULE = "lightning_fsdp.checkpoint.convert"
+_EXPORT_MODULE = "lightning_fsdp.checkpoint.export"
 
 
 class FSDPLightningCLI(LightningCLI):
@@ -92,22 +94,32 @@ def _config_error_text(err: BaseException) -> str:
     return "; ".join(reasons) if reasons else text
 
 
-def _convert_entry() -> Callable[[list[str]], int | None] | None:
-    """``lightning_fsdp.checkpoint.convert.main`` if that module exists; imported only when asked for."""
+def _entry(module_name: str) -> Callable[[list[str]], int | None] | None:
+    """``module_name.main`` if that module exists; imported only when asked for."""
     try:
-        module = importlib.import_module(_CONVERT_MODULE)
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
-        if err.name != _CONVERT_MODULE:  # the module exists but one of its own imports failed: say so
+        if err.name != module_name:  # the module exists but one of its own imports failed: say so
             raise
         return None
     return getattr(module, "main", None)
 
 
+def _convert_entry() -> Callable[[list[str]], int | None] | None:
+    """``lightning_fsdp.checkpoint.convert.main`` if that module exists; imported only when asked for."""
+    return _entry(_CONVERT_MODULE)
+
+
+def _export_entry() -> Callable[[list[str]], int | None] | None:
+    """``lightning_fsdp.checkpoint.export.main`` if that module exists; imported only when asked for."""
+    return _entry(_EXPORT_MODULE)
+
+
 def main(args: Sequence[str] | None = None) -> int | None:
     """Run the command with ``args`` (default: ``sys.argv[1:]``).
 
-    Returns the exit status for the console script (``sys.exit(main())``): ``convert``'s, or ``None`` (success)
-    after a Lightning subcommand; errors raise or exit on their own.
+    Returns the exit status for the console script (``sys.exit(main())``): ``convert``'s or ``export``'s, or
+    ``None`` (success) after a Lightning subcommand; errors raise or exit on their own.
     """
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] == ["convert"]:
@@ -116,9 +128,15 @@ def main(args: Sequence[str] | None = None) -> int | None:
             # The converter's contract: main(argv: list[str]) -> int | None, parsing argv itself.
             return convert(argv[1:])
         # Not installed: fall through, and LightningCLI reports 'convert' as an invalid choice with the valid ones.
+    if argv[:1] == ["export"]:
+        export = _export_entry()
+        if export is not None:
+            return export(argv[1:])  # the same contract as convert's main
     description = "Lightning's CLI with the fsdp_custom strategy (lightning-fsdp)."
     if _convert_entry() is not None:
         description += " Also: 'lightning-fsdp convert --help' converts checkpoints between formats."
+    if _export_entry() is not None:
+        description += " 'lightning-fsdp export --help' exports a checkpoint as a Hugging Face safetensors directory."
     FSDPLightningCLI(
         model_class=None,  # any LightningModule, by class_path
         datamodule_class=None,  # any LightningDataModule, by class_path (optional)

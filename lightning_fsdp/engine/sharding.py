@@ -12,7 +12,7 @@ from torch import nn
 from lightning_fsdp.config import MixedPrecision, ShardingStrategy
 from lightning_fsdp.engine.comm import Communicator
 from lightning_fsdp.engine.layout import ShardLayout
-from lightning_fsdp.engine.state import ShardingEngine
+from lightning_fsdp.engine.state import ShardingEngine, live_engines
 from lightning_fsdp.engine.unit import FlatUnit, ParamSlot
 from lightning_fsdp.engine.wrap import assign_owners, enclosing_units, ignored_module_set, select_unit_modules
 from lightning_fsdp.options import ShardingOptions, split_ignored
@@ -24,6 +24,14 @@ _ENGINE_ATTR = "_lightning_fsdp_engine"
 def get_engine(module: nn.Module) -> ShardingEngine | None:
     """The engine that sharded ``module``, if any."""
     return module.__dict__.get(_ENGINE_ATTR)
+
+
+def find_engine(module: nn.Module) -> ShardingEngine | None:
+    """The live engine that sharded ``module`` or a module containing it (``self.model`` of a LightningModule)."""
+    engine = get_engine(module)
+    if engine is not None and not engine.closed:
+        return engine
+    return next((e for e in live_engines() if any(m is module for m in e.root.modules())), None)
 
 
 def detach_engine(module: nn.Module) -> None:

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_fsdp.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from lightning_fsdp.engine.comm import Communicator
+from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.unit import CollectiveKind, FlatUnit
 
 
@@ -61,6 +62,11 @@ _optimizer_hook_handle: Any = None
 def _after_any_optimizer_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
     for engine in list(_LIVE_ENGINES):
         engine._after_optimizer_step()
+
+
+def live_engines() -> list[ShardingEngine]:
+    """Every engine not yet closed (``restore_unsharded``), in no particular order."""
+    return [engine for engine in list(_LIVE_ENGINES) if not engine.closed]
 
 
 def _watch_optimizer_steps(engine: ShardingEngine) -> None:
@@ -538,6 +544,16 @@ class ShardingEngine:
     def is_sharded(self, param: nn.Parameter) -> bool:
         slot = self._slot_by_param.get(id(param))
         return slot is not None and slot.layout.world_size > 1
+
+    def layout_of(self, param: nn.Parameter) -> ShardLayout | None:
+        """Which rows of ``param`` this rank holds (its ``ShardLayout``); None for a parameter no unit shards."""
+        slot = self._slot_by_param.get(id(param))
+        return slot.layout if slot is not None else None
+
+    @property
+    def training_state(self) -> TrainingState:
+        """IDLE between steps, FORWARD or BACKWARD inside one (see [Note: the engine's training state])."""
+        return self._training_state
 
     @torch.no_grad()
     def clip_grad_norm_(

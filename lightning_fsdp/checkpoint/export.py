@@ -1,0 +1,537 @@
+"""``lightning-fsdp export CHECKPOINT OUT_DIR``: any checkpoint's model weights as a Hugging Face style directory.
+
+The output is what ``transformers``' ``save_pretrained`` writes and ``from_pretrained`` reads: ``model.safetensors``
+when everything fits in one file, else ``model-00001-of-0000N.safetensors`` ... plus ``model.safetensors.index.json``
+(``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``), and ``config.json`` when one is given. Only the
+model weights (the checkpoint's ``state_dict``) are exported; optimizer state and the loops are left behind.
+
+[Note: streaming export]
+A checkpoint is read tensor by tensor and never whole:
+
+* a full file is opened with ``torch.load(mmap=True)``: tensors stay on disk until one is copied out;
+* a sharded directory (``torch.distributed.checkpoint``) is read with one ``dcp.load`` per tensor, its target a
+  single full-size tensor built from the metadata (no process group), so DCP reads only that tensor's chunks;
+* a local directory's rank files are opened with ``torch.load(mmap=True)`` and each tensor is assembled from the
+  rows every shard rank holds (the layout ``meta.pt`` records, as ``local.read_local_checkpoint_full`` does).
+
+The split into files is planned from the shapes alone before anything is read (the file names need the count, and
+each file's header its tensors' shapes and offsets), so every tensor is written to its file as soon as it is read and
+dropped before the next one is read (``_write_files``). Peak memory is therefore about the largest tensor (and DCP's
+temporary copy of its chunks), whatever ``max_shard_size`` is, not the model; memory freed after each read is handed
+back to the operating system (``_return_freed_memory``) so freed blocks do not pile up in the resident set.
+
+Tied weights (two keys naming one parameter, e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``) are written
+under both names as separate tensors: ``from_pretrained`` accepts both keys and re-ties them when the config says
+``tie_word_embeddings``, while dropping one would lose the weight for a model whose config does not tie it.
+
+The directory is written under a temporary name next to ``OUT_DIR`` and renamed into place when complete.
+``python -m lightning_fsdp.checkpoint.export`` runs the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import json
+import os
+import re
+import sys
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError
+from lightning_fsdp.checkpoint.common import Collective, numel
+from lightning_fsdp.checkpoint.formats import format_on_disk
+from lightning_fsdp.checkpoint.local import _concat_rows, read_local_meta
+from lightning_fsdp.checkpoint.paths import (
+    FULL,
+    LOCAL,
+    SHARDED,
+    commit_directory,
+    file_problem,
+    local_rank_file,
+    prepare_temp_dir,
+    remove_path,
+    remove_stale_temps,
+)
+from lightning_fsdp.checkpoint.sharded import _entries, _load, _planner_data, check_shard_files, read_dcp_metadata
+
+__all__ = ["DTYPES", "export_safetensors", "main", "parse_dtype", "parse_size"]
+
+SINGLE_FILE = "model.safetensors"  # transformers' SAFE_WEIGHTS_NAME
+INDEX_FILE = "model.safetensors.index.json"  # transformers' SAFE_WEIGHTS_INDEX_NAME
+CONFIG_FILE = "config.json"
+
+# The names --dtype accepts. Only floating-point tensors are cast (integer and bool buffers keep their dtype), as
+# transformers' torch_dtype does.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+}
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([a-z]*)\s*", re.IGNORECASE)
+_SIZE_HELP = (
+    "a number of bytes, or a number with a unit: B, KB, MB, GB, TB (powers of 1000, as transformers reads "
+    "'5GB') or KiB, MiB, GiB, TiB (powers of 1024), e.g. '5GB' or '500MiB'"
+)
+
+
+# ===================================================================================================== arguments
+def parse_size(value: int | str) -> int:
+    """``max_shard_size`` in bytes: an int, or a string such as ``"5GB"`` (5 * 10**9) or ``"500MiB"``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"max_shard_size must be an int or a string, not {type(value).__name__} ({value!r}).")
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _SIZE.fullmatch(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"max_shard_size {value!r} is not a size; give {_SIZE_HELP}.")
+        size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"max_shard_size {value!r} must be positive; give {_SIZE_HELP}.")
+    return size
+
+
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    """The dtype floating-point tensors are cast to (None: keep each tensor's own)."""
+    if value is None or isinstance(value, torch.dtype):
+        if isinstance(value, torch.dtype) and value not in DTYPES.values():
+            raise ValueError(f"dtype {value} is not supported; choose one of {_dtype_choices()}.")
+        return value
+    if isinstance(value, str):
+        name = value.lower().removeprefix("torch.")
+        if name in DTYPES:
+            return DTYPES[name]
+    raise ValueError(f"dtype {value!r} is not valid; choose one of {_dtype_choices()}.")
+
+
+def _dtype_choices() -> str:
+    return ", ".join(repr(n) for n in DTYPES)
+
+
+def _read_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """``config.json``'s content from a dict, a file, or a directory holding ``config.json``."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    path = os.fspath(config)
+    file = os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        where = f"the directory {path!r} has no {CONFIG_FILE!r}" if os.path.isdir(path) else f"{path!r} does not exist"
+        raise FileNotFoundError(f"config: {where}; give a config.json file, a directory holding one, or a dict.")
+    try:
+        with open(file, encoding="utf-8") as f:
+            content = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"config: {file!r} is not a JSON file ({type(exc).__name__}: {exc}).") from exc
+    if not isinstance(content, dict):
+        raise ValueError(f"config: {file!r} holds a JSON {type(content).__name__}, not an object (a model config).")
+    return content
+
+
+# ===================================================================================================== sources
+class TensorInfo(NamedTuple):
+    """One tensor of the checkpoint's ``state_dict``, as known before it is read."""
+
+    key: str  # the checkpoint's key
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _Source:
+    """The model weights of one checkpoint: what tensors it has (from metadata alone), and each one on request."""
+
+    tensors: list[TensorInfo]  # in the checkpoint's order
+    skipped: list[str]  # non-tensor entries (safetensors holds tensors only)
+
+    def read(self, key: str) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _mmap_load(file: str) -> Any:
+    """``torch.load`` with the file memory-mapped (a tensor's bytes are read when it is used, not at load)."""
+    problem = file_problem(file)
+    if problem is not None:
+        raise CheckpointLoadError(f"Could not read {file!r}: {problem}.", file)
+    try:
+        # weights_only=False: a Lightning checkpoint holds hyper-parameters and loop state; like `convert`, export
+        # reads checkpoints this package wrote.
+        return torch.load(file, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - re-raised naming the file
+        raise CheckpointLoadError(
+            f"Could not read {file!r} (truncated or corrupt?): {type(exc).__name__}: {exc}", file
+        ) from exc
+
+
+class _FullSource(_Source):
+    def __init__(self, path: str) -> None:
+        checkpoint = _mmap_load(path)
+        state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
+        if not isinstance(state, Mapping):
+            found = sorted(map(str, checkpoint)) if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
+            raise CheckpointLoadError(
+                f"{path!r} is not a Lightning checkpoint: it has no 'state_dict' entry with the model's weights (its "
+                f"entries: {found}).",
+                path,
+            )
+        self.state = state
+        self.tensors = [TensorInfo(k, tuple(v.shape), v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor)]
+        self.skipped = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.state[key]
+
+
+class _ShardedSource(_Source):
+    def __init__(self, path: str) -> None:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.path = path
+        metadata = read_dcp_metadata(path)
+        check_shard_files(path, metadata)
+        self.tensors, self.skipped, self._flat = [], [], {}
+        entries = _entries(metadata)
+        saved_order = {flat: i for i, flat in enumerate(_planner_data(metadata))}  # the saved dict's order
+        for flat in sorted(entries, key=lambda f: saved_order.get(f, len(saved_order))):
+            where, storage = entries[flat]
+            if where[0] != "model" or len(where) != 2:
+                continue  # optimizer state
+            key = str(where[1])
+            if isinstance(storage, TensorStorageMetadata):
+                info = TensorInfo(key, tuple(int(s) for s in storage.size), storage.properties.dtype)
+                self.tensors.append(info)
+                self._flat[key] = (flat, info)
+            else:
+                self.skipped.append(key)
+
+    def read(self, key: str) -> torch.Tensor:
+        flat, info = self._flat[key]
+        target = torch.empty(info.shape, dtype=info.dtype)
+        # One entry: DCP plans reads of this tensor's chunks only (every rank file that holds rows of it).
+        _load({flat: target}, self.path, Collective(alone=True))
+        return target
+
+
+class _LocalSource(_Source):
+    def __init__(self, path: str) -> None:
+        _, info = read_local_meta(path)
+        world = info["world_size"]
+        self.files = []
+        # The first global rank holding each shard rank's rows (with a subgroup as shard group, groups repeat).
+        self.holders: dict[int, int] = {}
+        for rank in range(world):
+            data = _mmap_load(os.path.join(path, local_rank_file(rank)))
+            if not isinstance(data, Mapping) or data.get("rank") != rank or data.get("world_size") != world:
+                got = (data.get("rank"), data.get("world_size")) if isinstance(data, Mapping) else None
+                raise CheckpointLoadError(
+                    f"{local_rank_file(rank)!r} in {path!r} holds the shards of rank {got}, not of rank {rank} of "
+                    f"{world}; the checkpoint directory was assembled from different saves.",
+                    path,
+                )
+            self.files.append(data["state_dict"])
+            self.holders.setdefault(int(data.get("shard_rank", rank)), rank)
+        self.entries: Mapping[str, Any] = info["entries"]
+        self.tensors, self.skipped = [], []
+        for key, entry in self.entries.items():
+            if entry["shape"] is None:
+                self.skipped.append(key)
+            else:
+                dtype = getattr(torch, str(entry["dtype"]).removeprefix("torch."))
+                self.tensors.append(TensorInfo(key, tuple(int(s) for s in entry["shape"]), dtype))
+
+    def read(self, key: str) -> torch.Tensor:
+        entry = self.entries[key]
+        if entry["rows"] is None:
+            return self.files[0][key]
+        pieces = [self.files[self.holders[r]][key] for r in range(len(entry["rows"]))]
+        return _concat_rows(pieces, tuple(int(s) for s in entry["shape"]))
+
+
+def _open(path: str) -> _Source:
+    kind = format_on_disk(path).kind
+    if kind == FULL:
+        return _FullSource(path)
+    if kind == SHARDED:
+        return _ShardedSource(path)
+    assert kind == LOCAL, kind
+    return _LocalSource(path)
+
+
+# ===================================================================================================== planning
+class _Planned(NamedTuple):
+    """A tensor of the export: where it comes from, its name in the output, what it is written as."""
+
+    key: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+
+def _output_names(
+    tensors: list[TensorInfo], prefix: str, rename: Callable[[str], str] | None, dtype: torch.dtype | None
+) -> list[_Planned]:
+    planned, seen = [], {}
+    for info in tensors:
+        name = info.key.removeprefix(prefix)
+        if rename is not None:
+            name = rename(name)
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"rename({info.key.removeprefix(prefix)!r}) returned {name!r}; it must return a name.")
+        if name in seen:
+            raise ValueError(
+                f"Checkpoint keys {seen[name]!r} and {info.key!r} both become {name!r} after the name mapping "
+                f"(prefix {prefix!r}{', rename' if rename is not None else ''}); the output needs distinct names."
+            )
+        seen[name] = info.key
+        out_dtype = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+        nbytes = numel(info.shape) * torch.empty((), dtype=out_dtype).element_size()
+        planned.append(_Planned(info.key, name, tuple(info.shape), out_dtype, nbytes))
+    return planned
+
+
+def _split(planned: list[_Planned], max_bytes: int) -> list[list[_Planned]]:
+    """Consecutive tensors into files of at most ``max_bytes`` (a larger tensor gets a file of its own), in order,
+    as huggingface_hub's ``split_torch_state_dict_into_shards`` does."""
+    files: list[list[_Planned]] = []
+    current: list[_Planned] = []
+    size = 0
+    for item in planned:
+        if current and size + item.nbytes > max_bytes:
+            files.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += item.nbytes
+    if current or not files:
+        files.append(current)
+    return files
+
+
+def _file_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+# ===================================================================================================== writing
+def _return_freed_memory() -> None:
+    """Hand memory freed by the last read back to the operating system (glibc's ``malloc_trim``; elsewhere nothing).
+
+    Why: glibc raises its mmap threshold after a large block is freed, so the next tensor-sized blocks (the tensor
+    being read, and DCP's temporary copy of each chunk) come from the heap, and freed heap memory stays resident.
+    Without this the resident set of a streaming export grows to several tensors' worth of freed memory; with it,
+    it stays at about the tensors actually held (measured in tests/test_export.py)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+# Smaller blocks come from the heap anyway and do not move glibc's mmap threshold; trimming after each would only
+# cost time on models with many small tensors.
+_TRIM_AFTER_BYTES = 2**20
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc; musl and others lack it
+    except (OSError, AttributeError):
+        return None
+
+
+# safetensors' names of torch's dtypes (the format's "dtype" field).
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def _header(items: list[_Planned]) -> bytes:
+    """A safetensors file's header for ``items`` laid out in order: 8 bytes of little-endian header length, then the
+    JSON (names, dtypes, shapes, byte offsets), padded with spaces to a multiple of 8 as safetensors writes it."""
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for item in items:
+        if item.dtype not in _SAFETENSORS_DTYPES:
+            raise TypeError(f"{item.name!r} has dtype {item.dtype}, which safetensors cannot store.")
+        entries[item.name] = {
+            "dtype": _SAFETENSORS_DTYPES[item.dtype],
+            "shape": list(item.shape),
+            "data_offsets": [offset, offset + item.nbytes],
+        }
+        offset += item.nbytes
+    text = json.dumps(entries, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def _write_files(source: _Source, files: list[list[_Planned]], names: list[str], folder: str) -> None:
+    """Write each file tensor by tensor: the header is known from the plan, so each tensor's bytes go to disk as soon
+    as it is read and it is dropped before the next one is read. Peak memory is the tensor being read (and DCP's
+    temporary copy of its chunks), whatever ``max_shard_size`` is. ``safetensors.torch.save_file`` would need a
+    whole file's tensors in memory at once. safetensors' own reader checks what is written here (tests)."""
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors files are little-endian; exporting on a big-endian machine is not supported.")
+    for items, file_name in zip(files, names):
+        with open(os.path.join(folder, file_name), "wb") as f:
+            f.write(_header(items))
+            for item in items:
+                tensor = source.read(item.key).detach().to(item.dtype).contiguous()
+                if tuple(tensor.shape) != item.shape:
+                    raise CheckpointLoadError(
+                        f"{item.key!r} has shape {tuple(tensor.shape)} in the checkpoint's data but {item.shape} in "
+                        "its metadata; the checkpoint is damaged.",
+                        folder,
+                    )
+                if tensor.numel():
+                    f.write(tensor.reshape(-1).view(torch.uint8).numpy())  # the tensor's own memory, no copy
+                del tensor
+                if item.nbytes >= _TRIM_AFTER_BYTES:
+                    _return_freed_memory()  # the read's temporaries
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _write_json(obj: Any, file: str) -> None:
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+def export_safetensors(
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: str | torch.dtype | None = None,
+    prefix: str = "",
+    rename: Callable[[str], str] | None = None,
+    config: str | os.PathLike | Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+) -> list[str]:
+    """Write the model weights of ``checkpoint`` (a full file, a sharded or a local directory) to ``out_dir`` as a
+    Hugging Face style safetensors directory, streaming (see ``[Note: streaming export]``). Returns the paths of the
+    files written, in ``out_dir``.
+
+    ``max_shard_size``: the most bytes per safetensors file (``"5GB"`` like transformers, or ``"500MiB"``, or an int);
+    a tensor larger than it gets a file of its own. ``dtype``: cast floating-point tensors (one of :data:`DTYPES`).
+    Names: each output name is ``rename(key.removeprefix(prefix))`` (``prefix="model."`` turns a LightningModule's
+    ``model.model.layers.0...`` into transformers' ``model.layers.0...``). ``config``: ``config.json`` to copy into
+    the output (a file, a directory holding one, or a dict). ``overwrite``: replace an existing ``out_dir``.
+    """
+    checkpoint, out_dir = os.fspath(checkpoint), os.fspath(out_dir)
+    # Every argument is checked before anything is read or written.
+    max_bytes = parse_size(max_shard_size)
+    cast = parse_dtype(dtype)
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a string, not {type(prefix).__name__} ({prefix!r}).")
+    if rename is not None and not callable(rename):
+        raise TypeError(f"rename must be a function from name to name, not {type(rename).__name__} ({rename!r}).")
+    config_content = _read_config(config) if config is not None else None
+    if os.path.abspath(checkpoint) == os.path.abspath(out_dir):
+        raise ValueError(f"The checkpoint and the output directory are the same path: {checkpoint!r}.")
+    source = _open(checkpoint)  # raises naming the path if it is no checkpoint
+    if os.path.lexists(out_dir) and not overwrite:
+        raise FileExistsError(f"Output directory {out_dir!r} exists; pass overwrite=True (--overwrite) to replace it.")
+    if source.skipped:
+        warnings.warn(
+            f"Export of {checkpoint!r}: the state_dict entries {source.skipped} are not tensors; safetensors holds "
+            "tensors only, so they are left out.",
+            stacklevel=2,
+        )
+    planned = _output_names(source.tensors, prefix, rename, cast)
+    files = _split(planned, max_bytes)
+    names = _file_names(len(files))
+
+    remove_stale_temps(out_dir)
+    tmp = prepare_temp_dir(out_dir)
+    try:
+        _write_files(source, files, names, tmp)
+        written = list(names)
+        if len(files) > 1:
+            weight_map = {item.name: name for items, name in zip(files, names) for item in items}
+            index = {"metadata": {"total_size": sum(item.nbytes for item in planned)}, "weight_map": weight_map}
+            _write_json(index, os.path.join(tmp, INDEX_FILE))
+            written.append(INDEX_FILE)
+        if config_content is not None:
+            _write_json(config_content, os.path.join(tmp, CONFIG_FILE))
+            written.append(CONFIG_FILE)
+        commit_directory(tmp, out_dir)
+    except BaseException:
+        remove_path(tmp)
+        raise
+    return [os.path.join(out_dir, name) for name in written]
+
+
+# ===================================================================================================== command
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-fsdp export",
+        description="Export a checkpoint's model weights (a full file, a sharded or a local directory) as a Hugging "
+        "Face style directory of safetensors files plus index, loadable by transformers' from_pretrained. Reads the "
+        "checkpoint tensor by tensor.",
+    )
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint file or directory to read")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to write")
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="most bytes per safetensors file, e.g. 5GB (default), 500MiB"
+    )
+    parser.add_argument("--dtype", default=None, help=f"cast floating-point tensors to this dtype: {', '.join(DTYPES)}")
+    parser.add_argument(
+        "--strip-prefix",
+        default="",
+        metavar="PREFIX",
+        help="remove PREFIX from the start of every name (model. for a LightningModule holding the model as "
+        "self.model)",
+    )
+    parser.add_argument("--config", default=None, help="config.json to copy into OUT_DIR, or a directory holding one")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        written = export_safetensors(
+            args.checkpoint,
+            args.out_dir,
+            max_shard_size=args.max_shard_size,
+            dtype=args.dtype,
+            prefix=args.strip_prefix,
+            config=args.config,
+            overwrite=args.overwrite,
+        )
+    except (CheckpointLoadError, ValueError, TypeError, OSError) as exc:
+        print(f"lightning-fsdp export: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"Wrote {len(written)} file(s) to {args.out_dir}: {', '.join(os.path.basename(w) for w in written)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

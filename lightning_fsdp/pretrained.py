@@ -1,0 +1,362 @@
+"""``load_pretrained``: a pretrained safetensors model loaded straight into fsdp_custom's shards.
+
+Fine-tuning starts from a pretrained model; loading it the usual way means every rank holding the whole model
+before the strategy shards it. Here the model is built without its weights (on the meta device), sharded, and then
+each rank reads from the safetensors files only the rows of the parameters it holds.
+
+[Note: where the call goes]
+In a LightningModule, after ``FSDPStrategy.setup`` has sharded the model: Lightning runs ``setup`` and
+``configure_model``, then ``Strategy.setup`` (which shards, and builds the optimizers over the shards), then
+``on_fit_start``, then restores ``ckpt_path`` if one was given. So::
+
+    class FineTune(L.LightningModule):
+        def __init__(self, config):
+            super().__init__()
+            self.model = LlamaForCausalLM(config)  # built under trainer.init_module(empty_init=True): meta device
+
+        def on_fit_start(self):  # every rank; the model is sharded and the optimizers are built by now
+            load_pretrained(self.model, "path/to/pretrained")
+
+A resumed run (``fit(ckpt_path=...)``) therefore starts from the checkpoint, which is restored after this load.
+For ``validate`` / ``test`` / ``predict`` without ``fit``, ``on_test_start`` / ``on_predict_start`` run after the
+sharding too; ``on_validation_start`` also runs inside ``fit`` (every validation loop), so load there only when
+``self.trainer.state.fn == "validate"``. ``setup`` and ``configure_model`` run before the sharding: too early.
+Parameters are copied into place (``copy_``), so the optimizer built in ``Strategy.setup`` keeps its references.
+The same code runs unsharded (one device, DDP): the module's tensors are then loaded whole.
+
+Meta-device modules are materialised when sharded (``fully_shard``) by ``param_init_fn`` or ``reset_parameters``;
+their values are overwritten here, but buffers that are not in the state dict (a rotary embedding's ``inv_freq``)
+are not: ``param_init_fn`` must compute them (for a Hugging Face model, its ``_init_weights`` does).
+
+[Note: reading only this rank's rows]
+A sharded parameter's ``ShardLayout`` says which rows of dim 0 this rank holds (``rows_of(rank)``, ``torch.chunk``
+semantics); ``safe_open(...).get_slice(name)[start:end]`` reads just those rows from the memory-mapped file, so a
+rank's peak is its shards plus the largest slice being copied. Unsharded parameters (ignored, NO_SHARD) and buffers
+are read whole, as is a 0-dim parameter (one element).
+
+[Note: checks before copying]
+Every rank reads the same headers (names, shapes) and finds the same missing, unexpected and wrongly shaped
+tensors; the verdict is still agreed over the process group (``Collective.run_agreed``) so that a rank that cannot
+read a file raises on every rank rather than leaving the others waiting. Nothing is copied before that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import nn
+
+from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError, CheckpointNotFoundError
+from lightning_fsdp.checkpoint.common import CheckpointMismatchError, Collective, shape_str
+from lightning_fsdp.engine import ShardingEngine
+from lightning_fsdp.engine.layout import ShardLayout
+from lightning_fsdp.engine.sharding import find_engine
+from lightning_fsdp.engine.state import TrainingState
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    # File tensor name -> state-dict key (before the prefix); a function may return None to skip a tensor.
+    Rename: TypeAlias = Callable[[str], str | None] | Mapping[str, str] | None
+
+
+class LoadResult(NamedTuple):
+    """What ``load_pretrained`` did not load (all empty after a strict load)."""
+
+    missing: list[str]  # model state-dict keys no file tensor maps to (left as they were)
+    unexpected: list[str]  # file tensor names that map to no model key (not read)
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]]  # (model key, file shape, model shape): not read
+
+
+class _FileTensor(NamedTuple):
+    """One tensor in the safetensors files, from their headers."""
+
+    name: str  # its name in the file
+    file: str
+    shape: tuple[int, ...]
+
+
+class _Target(NamedTuple):
+    """One tensor of the model to fill: its state-dict keys (several for a tied parameter) and where it lives."""
+
+    keys: list[str]
+    tensor: torch.Tensor  # the Parameter (its ``.data`` holds this rank's rows if sharded) or buffer
+    layout: ShardLayout | None  # set for a parameter the engine shards: only its rows are read
+    shape: tuple[int, ...]  # the full shape the file must have
+
+
+class _Plan(NamedTuple):
+    """Which file tensor fills which model tensor, and what does not fit."""
+
+    reads: list[tuple[_Target, _FileTensor]]
+    result: LoadResult
+
+
+# ------------------------------------------------------------------------------------------------ public
+def load_pretrained(
+    target: nn.Module | ShardingEngine,
+    path: str | os.PathLike,
+    *,
+    prefix: str = "",
+    rename: Rename = None,
+    strict: bool = True,
+) -> LoadResult:
+    """Load the tensors of a safetensors file or directory into ``target``'s parameters and buffers.
+
+    Args:
+        target: a module sharded by fsdp_custom (the LightningModule, or a submodule of it such as the wrapped
+            Hugging Face model), its ``ShardingEngine``, or a module that is not sharded (loaded whole). Call on
+            every rank, after the model was sharded (see [Note: where the call goes] in this module).
+        path: a ``.safetensors`` file, or a directory holding ``model.safetensors`` or a sharded set with its
+            ``model.safetensors.index.json`` (whose ``weight_map`` names the file of each tensor).
+        prefix: added in front of every (renamed) file name to give the key in ``target.state_dict()``, e.g.
+            ``"model."`` to load a Hugging Face file into the LightningModule that holds the model as ``self.model``.
+        rename: file name -> key (before ``prefix``): a function, or a dict (names not in it stay as they are).
+            A function returning ``None`` skips that tensor (neither loaded nor unexpected). Removing a prefix:
+            ``rename=lambda name: name.removeprefix("transformer.")``.
+        strict: if True, any missing, unexpected or wrongly shaped tensor raises one
+            ``CheckpointMismatchError`` naming them all, on every rank, before anything is copied. If False,
+            they are returned in the ``LoadResult`` and everything else is loaded.
+
+    Values are cast to each parameter's dtype and moved to its device by ``copy_`` (a bfloat16 file loads into a
+    float32 model and back). A tied parameter (several keys, one ``Parameter``) is read once, from whichever of
+    its keys the file holds, and stays tied.
+    """
+    _check_arguments(target, path, prefix, rename, strict)
+    module, engine = _resolve(target)
+    coll = Collective() if engine is not None else Collective(alone=True)
+    plan = coll.run_agreed(lambda: _plan(module, engine, os.fspath(path), prefix, rename, strict))
+    _copy(plan.reads)
+    return plan.result
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+def _check_arguments(target: Any, path: Any, prefix: Any, rename: Any, strict: Any) -> None:
+    # The same values on every rank, so these raise everywhere before any collective.
+    if not isinstance(target, (nn.Module, ShardingEngine)):
+        raise TypeError(
+            f"load_pretrained(target={target!r}) is not valid; expected an nn.Module (sharded or not) or a "
+            "ShardingEngine."
+        )
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"load_pretrained(path={path!r}) is not valid; expected a path to a .safetensors file or to a directory "
+            f"holding {SINGLE_FILE} or {INDEX_FILE}."
+        )
+    if not isinstance(prefix, str):
+        raise TypeError(f"load_pretrained(prefix={prefix!r}) is not valid; expected a string such as 'model.'.")
+    if rename is not None and not callable(rename) and not isinstance(rename, Mapping):
+        raise TypeError(
+            f"load_pretrained(rename={rename!r}) is not valid; expected None, a function from file name to key, or "
+            "a dict {file name: key}."
+        )
+    if not isinstance(strict, bool):
+        raise TypeError(f"load_pretrained(strict={strict!r}) is not valid; expected True or False.")
+
+
+def _resolve(target: nn.Module | ShardingEngine) -> tuple[nn.Module, ShardingEngine | None]:
+    """The module to fill and the engine that shards its parameters (None if they are whole)."""
+    if isinstance(target, ShardingEngine):
+        return target.root, (None if target.closed else target)
+    # None also once the stage ended (closed engine): the module then holds full parameters again.
+    return target, find_engine(target)
+
+
+# ------------------------------------------------------------------------------------------------ files
+def safetensors_files(path: str) -> dict[str, str]:
+    """File tensor name -> the file holding it, for a ``.safetensors`` file or a directory (see ``load_pretrained``)."""
+    from safetensors import safe_open
+
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"Pretrained model {path!r} does not exist.", path)
+    if os.path.isdir(path):
+        index = os.path.join(path, INDEX_FILE)
+        single = os.path.join(path, SINGLE_FILE)
+        if os.path.isfile(index):
+            return _read_index(index)
+        if os.path.isfile(single):
+            path = single
+        else:
+            found = sorted(os.listdir(path))
+            raise CheckpointLoadError(
+                f"Directory {path!r} holds neither {SINGLE_FILE} nor {INDEX_FILE} (it holds {found}); pass the "
+                ".safetensors file itself or a directory written by save_pretrained.",
+                path,
+            )
+    try:
+        with safe_open(path, "pt") as f:
+            names = list(f.keys())
+    except Exception as exc:  # safetensors raises its own SafetensorError (and OSError) for unreadable files
+        raise CheckpointLoadError(f"{path!r} is not a readable safetensors file: {exc}", path) from exc
+    return dict.fromkeys(names, path)
+
+
+def _read_index(index: str) -> dict[str, str]:
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map is not a {name: file} mapping")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointLoadError(
+            f"{index!r} is not a safetensors index: expected JSON with a 'weight_map' {{tensor name: file}} ({exc}).",
+            index,
+        ) from exc
+    folder = os.path.dirname(index)
+    files = {name: os.path.join(folder, file) for name, file in weight_map.items()}
+    absent = sorted({f for f in files.values() if not os.path.isfile(f)})
+    if absent:
+        raise CheckpointNotFoundError(f"{index!r} names files that do not exist: {absent}.", index)
+    return files
+
+
+def _file_tensors(files: dict[str, str]) -> list[_FileTensor]:
+    """Every tensor's name, file and shape, from the files' headers (no tensor data is read)."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    tensors = []
+    for file, names in by_file.items():
+        try:
+            with safe_open(file, "pt") as f:
+                present = set(f.keys())
+                absent = [n for n in names if n not in present]
+                if absent:
+                    raise CheckpointLoadError(
+                        f"The index says {file!r} holds {absent}, but it does not (it holds {sorted(present)}).", file
+                    )
+                tensors += [_FileTensor(n, file, tuple(f.get_slice(n).get_shape())) for n in names]
+        except CheckpointLoadError:
+            raise
+        except Exception as exc:
+            raise CheckpointLoadError(f"{file!r} is not a readable safetensors file: {exc}", file) from exc
+    return tensors
+
+
+# ------------------------------------------------------------------------------------------------ planning
+def _targets(module: nn.Module, engine: ShardingEngine | None) -> list[_Target]:
+    """The tensors of ``module.state_dict()``, one per object: a tied parameter is one target with several keys."""
+    if engine is not None:
+        if engine.training_state is not TrainingState.IDLE:
+            # Inside a forward or backward the modules hold full-size stand-ins that are about to be discarded.
+            raise RuntimeError(
+                f"load_pretrained was called during a {engine.training_state.name.lower()} of the sharded model; "
+                "call it between steps (e.g. in on_fit_start)."
+            )
+        # A forward whose backward never came leaves full-size stand-ins in the modules; read past them.
+        engine.reshard_idle()
+    targets: dict[int, _Target] = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if not isinstance(tensor, torch.Tensor):  # get_extra_state() objects: not in safetensors files
+            continue
+        if id(tensor) in targets:
+            targets[id(tensor)].keys.append(key)
+            continue
+        layout = engine.layout_of(tensor) if engine is not None and isinstance(tensor, nn.Parameter) else None
+        if layout is not None:
+            targets[id(tensor)] = _Target([key], tensor, layout, tuple(layout.shape))
+        else:
+            targets[id(tensor)] = _Target([key], tensor, None, tuple(tensor.shape))
+    return list(targets.values())
+
+
+def _key_for(name: str, prefix: str, rename: Rename) -> str | None:
+    if isinstance(rename, Mapping):
+        new = rename.get(name, name)
+    elif rename is not None:
+        new = rename(name)
+        if new is not None and not isinstance(new, str):
+            raise TypeError(f"rename({name!r}) returned {new!r}; expected a string key or None (skip the tensor).")
+    else:
+        new = name
+    return None if new is None else prefix + new
+
+
+def _plan(
+    module: nn.Module, engine: ShardingEngine | None, path: str, prefix: str, rename: Rename, strict: bool
+) -> _Plan:
+    tensors = _file_tensors(safetensors_files(path))
+    targets = _targets(module, engine)
+    target_of = {key: t for t in targets for key in t.keys}
+    source_of: dict[str, _FileTensor] = {}  # model key -> file tensor
+    unexpected = []
+    for ft in tensors:
+        key = _key_for(ft.name, prefix, rename)
+        if key is None:
+            continue
+        if key in source_of:
+            raise CheckpointMismatchError(
+                f"File tensors {source_of[key].name!r} and {ft.name!r} both map to {key!r}; fix prefix/rename."
+            )
+        source_of[key] = ft
+        if key not in target_of:
+            unexpected.append(ft.name)
+    reads, missing, mismatched = [], [], []
+    for target in targets:
+        # A tied parameter is read once, from the first of its keys the files hold.
+        ft = next((source_of[k] for k in target.keys if k in source_of), None)
+        if ft is None:
+            missing += target.keys
+        elif ft.shape != target.shape:
+            key = next(k for k in target.keys if k in source_of)
+            mismatched.append((key, ft.shape, target.shape))
+        else:
+            reads.append((target, ft))
+    result = LoadResult(missing, unexpected, mismatched)
+    if strict and (missing or unexpected or mismatched):
+        problems = []
+        if missing:
+            problems.append(f"missing (in the model, not in the files): {missing}")
+        if unexpected:
+            problems.append(f"unexpected (in the files, not in the model): {unexpected}")
+        if mismatched:
+            shapes = [f"{key!r}: file {shape_str(f)}, model {shape_str(m)}" for key, f, m in mismatched]
+            problems.append(f"wrong shape: {shapes}")
+        raise CheckpointMismatchError(
+            f"Pretrained model {path!r} does not match {type(module).__name__} (prefix={prefix!r}): "
+            + "; ".join(problems)
+            + ". Fix prefix/rename, or pass strict=False to load the rest and get these back in the LoadResult."
+        )
+    return _Plan(reads, result)
+
+
+# ------------------------------------------------------------------------------------------------ copying
+@torch.no_grad()
+def _copy(reads: list[tuple[_Target, _FileTensor]]) -> None:
+    from safetensors import safe_open
+
+    by_file: dict[str, list[tuple[_Target, _FileTensor]]] = {}
+    for target, ft in reads:
+        by_file.setdefault(ft.file, []).append((target, ft))
+    for file, items in by_file.items():
+        with safe_open(file, "pt") as f:
+            for target, ft in items:
+                layout = target.layout
+                if layout is None:
+                    _fill_whole(target.tensor, f.get_tensor(ft.name))
+                elif len(layout.shape) == 0:  # one element, held as one row by the rank that has it
+                    target.tensor.data.copy_(layout.local_slice(f.get_tensor(ft.name)))
+                else:
+                    start, end = layout.rows_of(layout.rank)
+                    target.tensor.data.copy_(f.get_slice(ft.name)[start:end])
+
+
+def _fill_whole(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    if tensor.is_meta:
+        # A module built on the meta device and not sharded: give the tensor real memory, keeping the object (so
+        # ties and optimizers keep their reference), on the CPU since meta has no device to keep.
+        real = value.to(tensor.dtype)
+        if isinstance(tensor, nn.Parameter):
+            real = nn.Parameter(real, requires_grad=tensor.requires_grad)
+        torch.utils.swap_tensors(tensor, real)
+        return
+    tensor.data.copy_(value)
