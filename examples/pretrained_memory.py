@@ -43,6 +43,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from lightning_fsdp.benchmark.memory import PeakGrowth  # noqa: E402
+
 # ~110M parameters: embeddings 32000 x 768 (tied with the head) + 12 layers of 7.1M.
 LLAMA = dict(
     vocab_size=32000,
@@ -64,51 +66,6 @@ MiB = 2**20
 
 
 # ------------------------------------------------------------------------------------------------ measuring
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
-class PeakGrowth:
-    """Peak memory growth of this process from ``start()`` to ``stop()`` (see the module docstring).
-
-    ``rss``: the growth of ``VmHWM`` (exact, kernel-kept). It counts the pages of files mapped into the process
-    (safetensors reads through ``mmap``) as well as private memory. ``anon``: the growth of ``RssAnon`` (private
-    memory: tensors, allocator caches), which the kernel keeps no peak of, so it is sampled every millisecond by a
-    thread; a spike shorter than that can be missed (torch's copies release the GIL, so the thread keeps running).
-    """
-
-    INTERVAL_S = 0.001
-
-    def __init__(self) -> None:
-        self._thread = None
-
-    def start(self) -> None:
-        import threading
-
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := current RSS
-        self._rss_level = _status_bytes("VmHWM")
-        self._anon_level = self._anon_peak = _status_bytes("RssAnon")
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        while not self._stopping.wait(self.INTERVAL_S):
-            self._anon_peak = max(self._anon_peak, _status_bytes("RssAnon"))
-
-    def stop(self) -> dict[str, int]:
-        assert self._thread is not None, "start() first"
-        rss = _status_bytes("VmHWM") - self._rss_level
-        self._anon_peak = max(self._anon_peak, _status_bytes("RssAnon"))
-        self._stopping.set()
-        self._thread.join()
-        self._thread = None
-        held = _status_bytes("VmRSS") - self._rss_level
-        return {"rss": rss, "anon": self._anon_peak - self._anon_level, "held": held}
-
-
 def checksums(state) -> dict[str, tuple]:
     """Per tensor: shape, float64 sum, float64 sum of squares and the first 4 values. Computed with one thread in
     every process, the same values give the same sums bit for bit, so equality is tested exactly."""

@@ -319,19 +319,16 @@ from lightning_fsdp.checkpoint.export import export_safetensors
 from lightning_fsdp.checkpoint.sharded import read_sharded_checkpoint_full
 import safetensors.torch
 
-def status(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+from lightning_fsdp.benchmark.memory import PeakGrowth
 
 mode, src, out = sys.argv[1:]
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # peak resident set size := current: the imports' own peak is not counted
-before = status("VmHWM")
+meter = PeakGrowth()
+meter.start()  # peak resident set size := current: the imports' own peak is not counted
 if mode == "export":
     export_safetensors(src, out)  # the default 5GB limit: all ten tensors go to one file
 else:  # the whole checkpoint in memory at once: what the measurement must see
     state = read_sharded_checkpoint_full(src)["state_dict"]
-print(json.dumps({"increase_bytes": status("VmHWM") - before}))
+print(json.dumps({"increase_bytes": meter.stop()["rss"]}))
 """
 
 

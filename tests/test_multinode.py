@@ -30,24 +30,13 @@ import pytest
 import torch
 
 from tests.models import ToyLM, loss_fn, samples
+from tests.processes import _LAUNCHER_VARIABLES
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "multinode_run.py"
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
 TIMEOUT_S = 240
-
-
-_LAUNCHER_VARIABLES = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "GROUP_RANK",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
 
 
 def _env() -> dict:

@@ -22,6 +22,8 @@ Three measures, each stated in the benchmark's output next to its figures:
 * :class:`CollectiveCounter` - bytes passed to ``torch.distributed``'s flat collectives from Python (torch's FSDP1
   and FSDP2 call them by module attribute, so a wrapper sees them). DDP's reducer calls the process group from
   C++ and is not seen; lightning_fsdp's engine keeps its own exact counters (``CommStats``), used instead.
+* :class:`PeakGrowth` - peak growth of the resident set (``VmHWM`` after a reset, exact) and of private memory
+  (``RssAnon``, sampled), for the pretrained-loading and export measurements, where memory-mapped files matter.
 """
 
 from __future__ import annotations
@@ -266,3 +268,51 @@ class CollectiveCounter:
                 self._depth -= 1
 
         return counted
+
+
+def status_bytes(field: str) -> int:
+    """A byte count of this process from ``/proc/self/status`` (Linux): ``VmHWM``, ``VmRSS``, ``RssAnon``."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+class PeakGrowth:
+    """Peak host memory growth of this process from ``start()`` to ``stop()`` (Linux): for code whose memory is not
+    all torch tensors, such as files memory-mapped by safetensors, which :class:`LiveTensorBytes` does not see.
+    ``start()`` resets the kernel's peak (``/proc/self/clear_refs``), so the imports' own peak is not counted.
+
+    ``rss``: the growth of ``VmHWM`` (exact, kernel-kept). It counts the pages of files mapped into the process
+    (safetensors reads through ``mmap``) as well as private memory. ``anon``: the growth of ``RssAnon`` (private
+    memory: tensors, allocator caches), which the kernel keeps no peak of, so it is sampled every millisecond by a
+    thread; a spike shorter than that can be missed (torch's copies release the GIL, so the thread keeps running).
+    """
+
+    INTERVAL_S = 0.001
+
+    def __init__(self) -> None:
+        self._thread = None
+
+    def start(self) -> None:
+        import threading
+
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := current RSS
+        self._rss_level = status_bytes("VmHWM")
+        self._anon_level = self._anon_peak = status_bytes("RssAnon")
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stopping.wait(self.INTERVAL_S):
+            self._anon_peak = max(self._anon_peak, status_bytes("RssAnon"))
+
+    def stop(self) -> dict[str, int]:
+        assert self._thread is not None, "start() first"
+        rss = status_bytes("VmHWM") - self._rss_level
+        self._anon_peak = max(self._anon_peak, status_bytes("RssAnon"))
+        self._stopping.set()
+        self._thread.join()
+        self._thread = None
+        held = status_bytes("VmRSS") - self._rss_level
+        return {"rss": rss, "anon": self._anon_peak - self._anon_level, "held": held}
