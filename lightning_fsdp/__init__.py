@@ -12,6 +12,7 @@ from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
 from lightning_fsdp.estimate import MemoryEstimate, estimate_memory
 from lightning_fsdp.even_batches import UnevenBatchesError
 from lightning_fsdp.monitor import ShardingMonitor
+from lightning_fsdp.pipeline import pipelined_loss
 from lightning_fsdp.pretrained import LoadResult, load_pretrained
 from lightning_fsdp.strategy import FSDPStrategy
 
@@ -33,6 +34,7 @@ __all__ = [
     "fully_shard",
     "get_engine",
     "load_pretrained",
+    "pipelined_loss",
 ]
 
 FSDPStrategy.register_strategies(StrategyRegistry)

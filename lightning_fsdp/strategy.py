@@ -54,6 +54,8 @@ from lightning_fsdp.checkpoint.paths import remove_checkpoint_path
 from lightning_fsdp.config import MixedPrecision, ShardingStrategy, WrapPolicy, parse_state_dict_type
 from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
 from lightning_fsdp.engine.sharding import has_meta_tensors
+from lightning_fsdp.pipeline.options import PipelineOptions, check_pipeline_composition
+from lightning_fsdp.pipeline.runtime import PipelineGradients, PipelineRuntime, pipeline_layout
 from lightning_fsdp.even_batches import EvenBatches
 from lightning_fsdp.launcher import check_start_method, choose_launcher, stop_launched_processes
 from lightning_fsdp.options import (
@@ -112,6 +114,14 @@ class FSDPStrategy(ParallelStrategy):
         process_group_backend: overrides the backend chosen from the accelerator (gloo/nccl/hccl).
         start_method: ``"popen"`` (re-run the script per rank, the default; forks in a notebook), ``"spawn"``,
             ``"fork"`` or ``"forkserver"``.
+        pipeline_parallel_size: P > 1 cuts the LightningModule's ``pipeline_module`` into stages over P pipeline
+            ranks, each stage sharded over the other ``world_size / P`` ranks (docs/pipeline.md); the training and
+            validation steps then call :func:`~lightning_fsdp.pipelined_loss`.
+        pipeline_schedule: ``"GPipe"``, ``"1F1B"`` (default) or ``"Interleaved1F1B"`` (torch.distributed.pipelining).
+        pipeline_microbatches: microbatches per rank's batch (default: one per stage).
+        pipeline_stages_per_rank: stages on each pipeline rank (2 or more for the interleaved schedule; default 2).
+        pipeline_split: piece names (``"blocks.4"``) where stages 1, 2, ... start; default: balanced by parameters.
+        pipeline_module: the LightningModule's attribute holding the model to cut (default ``"model"``).
 
     The engine's options, validated, are ``strategy.options`` (a :class:`~lightning_fsdp.options.ShardingOptions`);
     the sharded model's engine is ``strategy.engine`` after setup.
@@ -147,6 +157,12 @@ class FSDPStrategy(ParallelStrategy):
         device_mesh: Any | None = None,
         device_id: int | torch.device | None = None,
         use_orig_params: bool = True,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: str = "1F1B",
+        pipeline_microbatches: int | None = None,
+        pipeline_stages_per_rank: int | None = None,
+        pipeline_split: list[str] | None = None,
+        pipeline_module: str = "model",
     ) -> None:
         # Validate everything first: this runs on every rank before any process group exists, so a bad value
         # raises the same error everywhere instead of leaving a rank waiting in a collective (options.py).
@@ -157,6 +173,15 @@ class FSDPStrategy(ParallelStrategy):
         check_device_id(device_id)
         self.device_id = device_id
         self._group_choice = GroupChoice(self.options.sharding_strategy, process_group, device_mesh)
+        self.pipeline_options = PipelineOptions.parse(
+            pipeline_parallel_size,
+            pipeline_schedule,
+            pipeline_microbatches,
+            pipeline_stages_per_rank,
+            pipeline_split,
+            pipeline_module,
+        )
+        check_pipeline_composition(self.pipeline_options, self.options, process_group, device_mesh)
         check_start_method(start_method)
         check_lightning_arguments(
             accelerator,
@@ -181,6 +206,7 @@ class FSDPStrategy(ParallelStrategy):
         self._stage_failed = False  # on_exception ran: teardown must not gather (the ranks may be apart)
         self._start_method = start_method
         self.engine: ShardingEngine | None = None
+        self.pipeline: PipelineRuntime | None = None  # this rank's stages, with pipeline_parallel_size > 1
 
     # --------------------------------------------------------------------------------------------- properties
     # The sharding options are ``self.options`` (a ShardingOptions); these are the ones read by name elsewhere.
@@ -239,6 +265,10 @@ class FSDPStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self.pipeline_options.enabled:
+            # The ranks of one pipeline take the same samples: the data-parallel index picks them.
+            data = self.pipeline_options.check_world(self.num_nodes * self.num_processes)
+            return {"num_replicas": data, "rank": self.global_rank % data}
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
@@ -360,7 +390,10 @@ class FSDPStrategy(ParallelStrategy):
                 "trainer.fit needs at least one. validate, test and predict work with a frozen model."
             )
         self.model = self.precision_plugin.convert_module(self.model)
-        self.engine = self._shard(self.lightning_module)
+        shard_group = self._split_pipeline(self.lightning_module) if self.pipeline_options.enabled else None
+        self.engine = self._shard(self.lightning_module, shard_group)
+        if self.pipeline is not None:
+            self.pipeline.engine = self.engine
         # SWA / EMA callbacks copied the model in their setup, full size: their average now keeps only this rank's rows.
         shard_averaged_models(trainer, self.engine)
         self.precision_plugin.engine = self.engine
@@ -373,7 +406,33 @@ class FSDPStrategy(ParallelStrategy):
             # With CPU offload the optimizer state belongs beside the shards, in host memory.
             _optimizers_to_device(self.optimizers, torch.device("cpu") if self._offloads else self.root_device)
 
-    def _shard(self, module: pl.LightningModule) -> ShardingEngine:
+    def _split_pipeline(self, module: pl.LightningModule) -> Any:
+        """Cut the model into stages, keep this rank's, and return the data-parallel group to shard them over."""
+        if self.pipeline is not None:  # fit, then validate/test on the same module
+            return self.pipeline.layout.dp_group
+        options = self.pipeline_options
+        model = getattr(module, options.module, None)
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                f"pipeline_module={options.module!r}: {type(module).__name__}.{options.module} is "
+                f"{type(model).__name__}, not an nn.Module; name the LightningModule attribute that holds the model."
+            )
+        options.check_world(self.world_size)
+        mp = self.mixed_precision_config
+        layout = pipeline_layout(options.size, self.world_size, self.global_rank, self.root_device.type, self._timeout)
+        self.pipeline = PipelineRuntime(
+            model, options, layout, self.root_device, compute_dtype=mp.param_dtype if mp is not None else None
+        )
+        self.pipeline.accumulation = self._loss_divisor
+        return layout.dp_group
+
+    def _loss_divisor(self) -> int:
+        trainer = self._trainer()
+        if trainer is None or not self.lightning_module.automatic_optimization:
+            return 1
+        return trainer.accumulate_grad_batches
+
+    def _shard(self, module: pl.LightningModule, shard_group: Any = None) -> ShardingEngine:
         engine = get_engine(module)
         if engine is not None:  # fit, then validate/test/predict on the same module
             return engine
@@ -381,9 +440,12 @@ class FSDPStrategy(ParallelStrategy):
             module.to(self.root_device)
         if self.activation_checkpointing_policy is not None:
             apply_activation_checkpointing(module, self.activation_checkpointing_policy)
-        shard_group, replicate_group = self._group_choice.resolve(
-            self.world_size, self.num_processes, self.global_rank, self._timeout
-        )
+        if shard_group is not None:
+            replicate_group = None
+        else:
+            shard_group, replicate_group = self._group_choice.resolve(
+                self.world_size, self.num_processes, self.global_rank, self._timeout
+            )
         # What the engine gets differs from the options as given in three ways known only now: names become the
         # modules / parameters they name, the Trainer's precision flag may imply the mixed precision, and there is
         # nothing to offload on a CPU run.
@@ -446,6 +508,10 @@ class FSDPStrategy(ParallelStrategy):
     # collective: the loops' batch counts are compared when each loop starts, and loaders without a length are
     # checked before each step, ahead of the engine's collectives (lightning_fsdp/even_batches.py).
     @cached_property
+    def _pipeline_gradients(self) -> PipelineGradients:
+        return PipelineGradients()
+
+    @cached_property
     def _even_batches(self) -> EvenBatches:
         return EvenBatches(self._collective_device)
 
@@ -488,9 +554,14 @@ class FSDPStrategy(ParallelStrategy):
         trainer = self._trainer()
         if trainer is not None:
             self._even_batches.before_step(trainer)
+        pipelined = self.pipeline is not None and self.lightning_module.automatic_optimization
+        if pipelined:
+            self._pipeline_gradients.before_step(trainer, self.lightning_module)
         # Route through the LightningModule's __call__ so the root unit's hooks see the step.
         with self.precision_plugin.train_step_context():
             out = self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+        if pipelined:
+            self._pipeline_gradients.after_step(self.lightning_module)
         if trainer is not None:
             self._even_batches.after_step(trainer)  # manual optimization: its optimizer steps are known now
         return out
@@ -527,6 +598,19 @@ class FSDPStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self.pipeline is not None and isinstance(closure_loss, Tensor) and closure_loss.grad_fn is None:
+            # pipelined_loss ran every microbatch's backward already (lightning_fsdp/pipeline/runtime.py): only
+            # Lightning's hooks around backward remain.
+            module = self.lightning_module
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            self._pipeline_gradients.restore()
+            return self.precision_plugin.post_backward(closure_loss, module)
+        if self.pipeline is not None:
+            raise RuntimeError(
+                "With pipeline_parallel_size > 1 the loss to backpropagate must be the one pipelined_loss returned, "
+                "unchanged: backward runs inside it, stage by stage. This loss has an autograd graph of its own "
+                "(a term added outside the pipeline?), which would not reach the stages' parameters."
+            )
         if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
             # Trainer(detect_anomaly=True): torch's own NaN check would raise on the rank that produced the NaN only,
             # leaving the others blocked in their next collective. The engine checks every gradient instead and

@@ -1,0 +1,292 @@
+"""Running a LightningModule's model as pipeline stages: the (pipeline, data) layout, the schedules, the loss.
+
+[Note: one step of a pipelined model]
+``pipelined_loss(model, inputs, target, loss_fn)`` is what a ``training_step`` calls. Without pipeline parallelism
+it is ``loss_fn(model(inputs), target)``. With it, the rank's ``PipelineRuntime`` cuts the rank's batch into M
+microbatches and runs torch.distributed.pipelining's schedule over this rank's stages: forwards, the P2P sends of
+activations and gradients, and each microbatch's backward, all inside the call. The gradients are then in the
+shards (the sharding engine reduced them over the data-parallel group during the backward passes, or on the last
+microbatch only with ``no_sync``), and the returned loss is the whole global batch's: the mean over microbatches on
+the last stage, averaged over the data-parallel ranks and broadcast to every pipeline rank, with no autograd graph.
+The strategy's ``backward`` therefore runs only Lightning's backward hooks for it.
+
+Scaling: the loss is a mean over a microbatch, so each microbatch's loss is divided by M (and, under automatic
+optimization, by ``accumulate_grad_batches``, as Lightning divides a plain step's loss) before its backward. torch's
+own ``scale_grads`` is off: it divides ``.grad`` after the step, which is wrong once gradients accumulate over
+several steps.
+
+Shapes: torch's stages are built with static shapes (no metadata inference, which would run a real forward and
+backward through the sharding engine's hooks and leave gradients behind). The shapes of every stage's input and
+output come from running the stage views of a meta-device copy of the model, on every rank, without communication,
+for each new batch shape; a schedule is built per batch shape and kept.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_fsdp.pipeline.options import SCHEDULES, PipelineOptions
+from lightning_fsdp.pipeline.split import keep_only, meta_copy, plan_stages, stage_view
+
+_RUNTIMES: weakref.WeakKeyDictionary[nn.Module, PipelineRuntime] = weakref.WeakKeyDictionary()
+
+
+class PipelineLayout(NamedTuple):
+    """Where this rank sits in the (pipeline, data) mesh: global rank = pp_rank * data_size + dp_rank."""
+
+    size: int
+    data_size: int
+    pp_rank: int
+    dp_rank: int
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    mesh: DeviceMesh
+
+
+def pipeline_layout(
+    size: int, world_size: int, rank: int, device_type: str, timeout: timedelta | None = None
+) -> PipelineLayout:
+    """Create the groups of the (pipeline, data) layout (every rank creates every group, in one order) and the
+    DeviceMesh over them. A stage's data-parallel ranks are consecutive (one node's when D divides the processes per
+    node), so the engine's all-gathers and reduce-scatters stay within a node and only P2P activations cross."""
+    data = world_size // size
+    pp_rank, dp_rank = divmod(rank, data)
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    dp_groups = [dist.new_group([p * data + d for d in range(data)], **kwargs) for p in range(size)]
+    pp_groups = [dist.new_group([p * data + d for p in range(size)], **kwargs) for d in range(data)]
+    dp_group, pp_group = dp_groups[pp_rank], pp_groups[dp_rank]
+    mesh = DeviceMesh.from_group(
+        [pp_group, dp_group],
+        device_type,
+        mesh=torch.arange(world_size).view(size, data),
+        mesh_dim_names=("pp", "dp"),
+    )
+    return PipelineLayout(size, data, pp_rank, dp_rank, pp_group, dp_group, mesh)
+
+
+class _Schedule(NamedTuple):
+    schedule: Any
+    first: bool  # this rank holds stage 0 (takes the inputs)
+    last: bool  # this rank holds the last stage (computes the losses)
+
+
+class PipelineRuntime:
+    """This rank's stages of one model and the schedules that run them (see [Note: one step of a pipelined model])."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        options: PipelineOptions,
+        layout: PipelineLayout,
+        device: torch.device,
+        *,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.options = options
+        self.layout = layout
+        self.device = device
+        self.stages = plan_stages(model, options.num_stages, options.split)
+        self.local_stages = [s for s in range(options.num_stages) if s % layout.size == layout.pp_rank]
+        self._meta_views = [stage_view(_cast(meta_copy(model), compute_dtype), s) for s in self.stages]
+        keep_only(model, [piece for s in self.local_stages for piece in self.stages[s]])
+        self._views = [stage_view(model, self.stages[s]) for s in self.local_stages]
+        self._schedules: dict[tuple, _Schedule] = {}
+        self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+        self._loss_scale = 1.0
+        self.engine: Any = None  # set by the strategy once the model is sharded (for no_sync between microbatches)
+        # The divisor Lightning applies to a plain step's loss (accumulate_grad_batches under automatic optimization).
+        self.accumulation: Callable[[], int] = lambda: 1
+        # The global rank of the last stage's holder in this rank's pipeline group (the loss's source).
+        self._last_rank = dist.get_global_rank(layout.pp_group, (options.num_stages - 1) % layout.size)
+        _RUNTIMES[model] = self
+
+    # ------------------------------------------------------------------------------------------ schedules
+    def _shapes(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[tuple, Any]]:
+        """Each stage's (input, output) on the meta device for one microbatch of ``inputs``."""
+        m = self.options.num_microbatches
+        x: Any = tuple(torch.empty((t.shape[0] // m, *t.shape[1:]), dtype=t.dtype, device="meta") for t in inputs)
+        shapes = []
+        with torch.no_grad():
+            for view in self._meta_views:
+                try:
+                    out = view(*x)
+                except Exception as exc:
+                    raise RuntimeError(
+                        "Working out the pipeline stages' shapes on the meta device failed. Each stage's forward must "
+                        "run on meta tensors (no .item(), no data-dependent shapes) and take the previous stage's "
+                        f"output: {type(exc).__name__}: {exc}"
+                    ) from exc
+                shapes.append((x, out))
+                x = out if isinstance(out, tuple) else (out,)
+        return shapes
+
+    def _schedule(self, inputs: tuple[torch.Tensor, ...], train: bool) -> _Schedule:
+        key = (tuple((tuple(t.shape), t.dtype) for t in inputs), train)
+        found = self._schedules.get(key)
+        if found is not None:
+            return found
+        shapes = self._shapes(inputs)
+        n = self.options.num_stages
+        stages = []
+        for index, view in zip(self.local_stages, self._views):
+            example_in, example_out = shapes[index]
+            stage = _ShardedStage(
+                view,
+                index,
+                n,
+                self.device,
+                input_args=tree_map(lambda t, grad=index > 0: self._example(t, grad), example_in),
+                output_args=tree_map(lambda t, grad=index < n - 1: self._example(t, grad), example_out),
+                group=self.layout.pp_group,
+            )
+            stage.runtime = self
+            stages.append(stage)
+        cls = getattr(torch_schedules, SCHEDULES[self.options.schedule][0])
+        several = SCHEDULES[self.options.schedule][1]
+        schedule = cls(
+            stages if several else stages[0],
+            n_microbatches=self.options.num_microbatches,
+            loss_fn=self._scaled_loss,
+            scale_grads=False,
+        )
+        found = _Schedule(schedule, 0 in self.local_stages, n - 1 in self.local_stages)
+        self._schedules[key] = found
+        return found
+
+    def _example(self, meta: Any, needs_grad: bool) -> Any:
+        if not isinstance(meta, torch.Tensor):
+            return meta
+        tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        return tensor.requires_grad_(needs_grad and tensor.is_floating_point())
+
+    def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(output, target) * self._loss_scale
+
+    # ----------------------------------------------------------------------------------------------- steps
+    def run(
+        self,
+        inputs: torch.Tensor | tuple[torch.Tensor, ...],
+        target: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
+        train: bool,
+        accumulation: int = 1,
+    ) -> torch.Tensor:
+        """One global batch through the pipeline (backward too when ``train``); returns the batch's loss."""
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        m = self.options.num_microbatches
+        for tensor in [*inputs, *[t for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor)]]:
+            if tensor.shape[0] % m:
+                raise ValueError(
+                    f"This rank's batch has {tensor.shape[0]} samples, which pipeline_microbatches={m} does not "
+                    f"divide; use a per-rank batch size that is a multiple of {m} (and drop_last=True)."
+                )
+        found = self._schedule(inputs, train)
+        self._loss_fn = loss_fn
+        self._loss_scale = 1.0 / (m * accumulation)
+        losses: list[torch.Tensor] = []
+        args = inputs if found.first else ()
+        if train:
+            found.schedule.step(*args, target=target, losses=losses)
+        else:
+            found.schedule.eval(*args, target=target, losses=losses)
+        return self._global_loss(losses if found.last else None)
+
+    def _global_loss(self, losses: list[torch.Tensor] | None) -> torch.Tensor:
+        device = self.device if dist.get_backend(self.layout.pp_group) != "gloo" else torch.device("cpu")
+        if losses is not None:
+            value = torch.stack([loss.detach().float() for loss in losses]).mean() / self._loss_scale
+            value = value.to(device)
+        else:
+            value = torch.zeros((), device=device)
+        dist.broadcast(value, src=self._last_rank, group=self.layout.pp_group)
+        dist.all_reduce(value, group=self.layout.dp_group)
+        return (value / self.layout.data_size).to(self.device)
+
+
+class _ShardedStage(PipelineStage):
+    """torch's stage, with the sharding engine's gradient reduction deferred to each stage's last microbatch."""
+
+    runtime: PipelineRuntime | None = None
+
+    def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        engine = self.runtime.engine if self.runtime is not None else None
+        if engine is None or last_backward or not hasattr(engine, "no_sync"):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        with engine.no_sync():
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+class PipelineGradients:
+    """Lightning's automatic optimization zeroes gradients *after* ``training_step`` (in its closure, before the
+    backward it expects to run next). A pipelined ``training_step`` has run its backward already, so:
+
+    * before the first ``training_step`` of an accumulation cycle, the gradients of the previous optimizer step are
+      dropped (``set_to_none``, Lightning's default), so the pipeline's backward does not add onto them;
+    * after it, the new gradients are set aside, Lightning's zeroing finds none, and the strategy's ``backward``
+      puts them back.
+    """
+
+    def __init__(self) -> None:
+        self._held: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    def before_step(self, trainer: Any, module: nn.Module) -> None:
+        if trainer is None or trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
+            for param in module.parameters():
+                param.grad = None
+
+    def after_step(self, module: nn.Module) -> None:
+        self._held = [(p, p.grad) for p in module.parameters() if p.grad is not None]
+        for param, _ in self._held:
+            param.grad = None
+
+    def restore(self) -> None:
+        for param, grad in self._held:
+            param.grad = grad
+        self._held = []
+
+
+def _cast(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    if dtype is not None:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(dtype)
+    return model
+
+
+def runtime_of(model: nn.Module) -> PipelineRuntime | None:
+    return _RUNTIMES.get(model)
+
+
+def pipelined_loss(
+    model: nn.Module,
+    inputs: torch.Tensor | tuple[torch.Tensor, ...],
+    target: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+) -> torch.Tensor:
+    """The loss of ``model`` on a batch, as ``training_step`` / ``validation_step`` return it.
+
+    Without pipeline parallelism (any strategy, one device, ``pipeline_parallel_size=1``): ``loss_fn(model(*inputs),
+    target)``, to be backpropagated as usual. With it: the whole batch runs through the pipeline, backward included
+    when training, and the returned loss is the global batch's, without an autograd graph (see
+    lightning_fsdp/pipeline/runtime.py). ``loss_fn`` must return the mean over the samples it is given.
+    """
+    runtime = runtime_of(model)
+    if runtime is None:
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        return loss_fn(model(*args), target)
+    train = torch.is_grad_enabled() and model.training
+    accumulation = runtime.accumulation() if train else 1
+    return runtime.run(inputs, target, loss_fn, train=train, accumulation=accumulation)
