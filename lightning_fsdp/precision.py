@@ -63,6 +63,7 @@ class FSDPPrecision(Precision):
             )
         self.precision = precision
         self.engine: Any = None  # set by the strategy once the model is sharded
+        self.stage_group: Any = None  # the pipeline group, with pipeline parallelism: clipping sees every stage
         self.device_type = "cpu"  # set by the strategy from its root device
         self.scaler = _grad_scaler("cpu") if precision == "16-mixed" else None
 
@@ -108,7 +109,7 @@ class FSDPPrecision(Precision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self.engine is None:
             return super().clip_grad_by_norm(optimizer, clip_val)
-        self.engine.clip_grad_norm_(self.main_params(optimizer), clip_val)
+        self.engine.clip_grad_norm_(self.main_params(optimizer), clip_val, stage_group=self.stage_group)
 
     @override
     def state_dict(self) -> dict[str, Any]:

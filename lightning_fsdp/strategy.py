@@ -54,7 +54,7 @@ from lightning_fsdp.checkpoint.paths import remove_checkpoint_path
 from lightning_fsdp.config import MixedPrecision, ShardingStrategy, WrapPolicy, parse_state_dict_type
 from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
 from lightning_fsdp.engine.sharding import has_meta_tensors
-from lightning_fsdp.pipeline.options import PipelineOptions, check_pipeline_composition
+from lightning_fsdp.pipeline.options import PipelineOptions, check_pipeline_composition, check_pipeline_precision
 from lightning_fsdp.pipeline.runtime import PipelineGradients, PipelineRuntime, pipeline_layout
 from lightning_fsdp.even_batches import EvenBatches
 from lightning_fsdp.launcher import check_start_method, choose_launcher, stop_launched_processes
@@ -397,6 +397,7 @@ class FSDPStrategy(ParallelStrategy):
         # SWA / EMA callbacks copied the model in their setup, full size: their average now keeps only this rank's rows.
         shard_averaged_models(trainer, self.engine)
         self.precision_plugin.engine = self.engine
+        self.precision_plugin.stage_group = self.pipeline.layout.pp_group if self.pipeline is not None else None
         self.precision_plugin.set_device_type(self.root_device.type)
         if fitting:
             self.setup_optimizers(trainer)
@@ -418,6 +419,7 @@ class FSDPStrategy(ParallelStrategy):
                 f"{type(model).__name__}, not an nn.Module; name the LightningModule attribute that holds the model."
             )
         options.check_world(self.world_size)
+        check_pipeline_precision(options, self.precision_plugin.precision)
         mp = self.mixed_precision_config
         layout = pipeline_layout(options.size, self.world_size, self.global_rank, self.root_device.type, self._timeout)
         self.pipeline = PipelineRuntime(

@@ -1,0 +1,211 @@
+"""Pipeline parallelism composed with sharding (docs/pipeline.md).
+
+The parity tests run tests/scripts/pipeline_run.py as users run their scripts: P=2 pipeline ranks x D=2 data ranks
+on 4 gloo processes against the same LightningModule on one device, on the same global batches (the data rank d
+takes samples d, d+2, ...). The reference does not pipeline at all: ``pipelined_loss`` is then the plain
+``loss_fn(model(x), y)``. The other tests check the options and the cutting of a model, without processes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fsdp import FSDPStrategy
+from lightning_fsdp.pipeline import PipelineOptions, pipeline_pieces, plan_stages
+from lightning_fsdp.pipeline.split import AbsentPiece, keep_only, meta_copy, stage_view
+from tests.processes import ROOT, clean_env
+
+SCRIPT = ROOT / "tests" / "scripts" / "pipeline_run.py"
+
+
+def run_script(out: Path, *args: str) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), *args],
+        env=clean_env(),
+        cwd=out.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    files = sorted(out.glob("rank*.pt"), key=lambda f: int(f.stem[4:]))
+    return [torch.load(f, weights_only=False) for f in files]
+
+
+_references: dict = {}
+
+
+def reference(tmp_path_factory, *args: str) -> dict:
+    if args not in _references:
+        out = tmp_path_factory.mktemp("ref") / "ref"
+        (_references[args],) = run_script(out, "--devices", "1", "--pp", "1", *args)
+    return _references[args]
+
+
+CASES = [
+    # (schedule, training flags): each schedule with SGD+momentum (a wrong gradient scale shows) and clipping by the
+    # global norm (binding: the unclipped gradient norm is larger), accumulation and AdamW across the cases.
+    ("GPipe", ("--optimizer", "sgd", "--accumulate", "2", "--clip", "0.3")),
+    ("1F1B", ("--optimizer", "adamw", "--accumulate", "2", "--clip", "0.3")),
+    ("1F1B", ("--optimizer", "sgd", "--clip", "0.3", "--micro", "4")),
+    ("Interleaved1F1B", ("--optimizer", "sgd", "--accumulate", "2", "--clip", "0.3")),
+]
+
+
+@pytest.mark.parametrize("schedule,training", CASES, ids=lambda v: "-".join(v) if isinstance(v, tuple) else v)
+@pytest.mark.parametrize("wrap", [False, True], ids=["root-unit", "block-units"])
+def test_p2_d2_ends_where_one_device_ends(tmp_path, tmp_path_factory, schedule, training, wrap):
+    if wrap and schedule != "1F1B":
+        pytest.skip("units per block: covered by 1F1B")
+    ref = reference(tmp_path_factory, *training)
+    ranks = run_script(tmp_path / "pp", "--devices", "4", "--pp", "2", "--schedule", schedule, *training,
+                       *(["--wrap"] if wrap else []))
+    assert len(ranks) == 4
+    compared = 0
+    covered: set[str] = set()
+    for rank, got in enumerate(ranks):
+        # The loss every rank's step returned and Lightning logged is the global batch's.
+        assert len(got["losses"]) == len(ref["losses"]) == 4
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(got["val_losses"]), torch.tensor(ref["val_losses"]), rtol=1e-5, atol=1e-6
+        )
+        for name in ("train_loss", "val_loss"):
+            assert got["metrics"][name] == pytest.approx(ref["metrics"][name], rel=1e-5), (rank, name)
+        # Each rank holds its stage's pieces under the unsplit model's names, with the reference's values.
+        assert got["state"], rank
+        for key, value in got["state"].items():
+            torch.testing.assert_close(value, ref["state"][key], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {key}")
+            compared += 1
+            covered.add(key)
+    assert covered == set(ref["state"]), set(ref["state"]) - covered  # every parameter was on some stage
+    assert compared == 2 * len(ref["state"])  # each stage on its two data-parallel ranks
+
+
+# ------------------------------------------------------------------------------------------- cutting a model
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.big = nn.Linear(4, 40)
+        self.head = nn.Linear(40, 5)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.big(h))
+
+
+def test_pieces_expand_containers_in_forward_order():
+    assert pipeline_pieces(Chain()) == ["emb", "blocks.0", "blocks.1", "blocks.2", "big", "head"]
+
+
+def test_explicit_and_balanced_cuts():
+    model = Chain()
+    assert plan_stages(model, 2, ["blocks.2"]) == [["emb", "blocks.0", "blocks.1"], ["blocks.2", "big", "head"]]
+    # Parameters: emb 20, blocks 20 each, big 200, head 205: the balanced cut isolates the two large pieces.
+    sizes = {n: sum(p.numel() for p in model.get_submodule(n).parameters()) for n in pipeline_pieces(model)}
+    assert sizes == {"emb": 20, "blocks.0": 20, "blocks.1": 20, "blocks.2": 20, "big": 200, "head": 205}
+    assert plan_stages(model, 3, None) == [["emb", "blocks.0", "blocks.1", "blocks.2"], ["big"], ["head"]]
+    assert plan_stages(model, 2, None) == [["emb", "blocks.0", "blocks.1", "blocks.2", "big"], ["head"]]
+
+
+def test_views_share_pieces_and_keep_names():
+    model = Chain()
+    stages = plan_stages(model, 2, ["blocks.2"])
+    view = stage_view(model, stages[1])
+    assert view.head is model.head and isinstance(view.emb, AbsentPiece) and not isinstance(model.emb, AbsentPiece)
+    meta = meta_copy(model)
+    assert all(p.is_meta for p in meta.parameters()) and not any(p.is_meta for p in model.parameters())
+    keep_only(model, stages[1])
+    assert [n for n, _ in model.named_parameters()] == [
+        "blocks.2.weight", "blocks.2.bias", "big.weight", "big.bias", "head.weight", "head.bias"
+    ]
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(stage_view(model, stages[1])(x), model.head(model.big(model.blocks[2](x))))
+
+
+# -------------------------------------------------------------------------------------------------- bad input
+def test_cut_point_that_names_no_module():
+    with pytest.raises(ValueError, match=r"\['blocks\.7'\].*not pieces of Chain.*'blocks\.0'"):
+        plan_stages(Chain(), 2, ["blocks.7"])
+
+
+def test_cut_points_out_of_order_or_at_the_start():
+    with pytest.raises(ValueError, match="forward order"):
+        plan_stages(Chain(), 3, ["big", "blocks.1"])
+    with pytest.raises(ValueError, match="without the first piece 'emb'"):
+        plan_stages(Chain(), 2, ["emb"])
+
+
+def test_more_stages_than_pieces():
+    with pytest.raises(ValueError, match="6 pieces .* but 8 pipeline stages"):
+        plan_stages(Chain(), 8, None)
+
+
+def test_tied_weights_across_stages():
+    model = Chain()
+    model.head.weight = nn.Parameter(model.big.weight.t().contiguous())  # untied: fine
+    plan_stages(model, 2, ["head"])
+    model.blocks[2].weight = model.blocks[0].weight
+    with pytest.raises(ValueError, match=r"'blocks\.0\.weight' \(stage 0\) and 'blocks\.2\.weight' \(stage 1\)"):
+        plan_stages(model, 2, ["blocks.2"])
+
+
+def test_parameter_outside_any_piece():
+    model = Chain()
+    model.scale = nn.Parameter(torch.ones(1))
+    with pytest.raises(ValueError, match=r"\['scale'\] sit on the model itself"):
+        pipeline_pieces(model)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"pipeline_parallel_size": 0}, r"pipeline_parallel_size=0 must be a positive int"),
+        ({"pipeline_parallel_size": 2, "pipeline_schedule": "ZBV"}, r"pipeline_schedule='ZBV'.*'1F1B', 'GPipe'"),
+        ({"pipeline_parallel_size": 4, "pipeline_microbatches": 2}, r"pipeline_microbatches=2 .*'1F1B' and 4 stages"),
+        (
+            {"pipeline_parallel_size": 2, "pipeline_schedule": "Interleaved1F1B", "pipeline_microbatches": 5},
+            r"multiple of the number of rounds \(2",
+        ),
+        (
+            {"pipeline_parallel_size": 2, "pipeline_schedule": "1F1B", "pipeline_stages_per_rank": 2},
+            "one stage per pipeline rank",
+        ),
+        ({"pipeline_parallel_size": 2, "pipeline_split": ["a", "b"]}, r"names 2 cut points; 2 stages .* need 1"),
+        ({"pipeline_parallel_size": 2, "sharding_strategy": "HYBRID_SHARD"}, "hybrid sharding inside a stage"),
+    ],
+)
+def test_bad_options_raise_when_the_strategy_is_built(kwargs, message):
+    # Raised in FSDPStrategy.__init__, on every rank alike, before any process group exists.
+    with pytest.raises(ValueError, match=message):
+        FSDPStrategy(**kwargs)
+
+
+def test_pipeline_size_must_divide_the_world():
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2 does not divide the 3 processes.*\[1, 3\]"):
+        PipelineOptions.parse(2).check_world(3)
+
+
+def test_world_not_divisible_fails_on_every_rank_before_any_collective(tmp_path):
+    # 3 processes, P=2: each rank raises in setup, before the strategy creates a group; none is left waiting.
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "x"), "--devices", "3", "--pp", "2"],
+        env=clean_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode != 0
+    assert "pipeline_parallel_size=2 does not divide the 3 processes" in proc.stderr
