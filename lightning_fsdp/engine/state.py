@@ -557,11 +557,18 @@ class ShardingEngine:
 
     @torch.no_grad()
     def clip_grad_norm_(
-        self, parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0
+        self,
+        parameters: Iterable[nn.Parameter],
+        max_norm: float,
+        norm_type: float = 2.0,
+        *,
+        stage_group: dist.ProcessGroup | None = None,
     ) -> torch.Tensor:
         """Clip gradients by the global norm over all shards: the value an unsharded run computes.
 
         Must be called on every rank of the shard group with the same parameters (it all-reduces one scalar).
+        ``stage_group``: the ranks holding the other pipeline stages (different parameters): the norm is combined
+        over it too, so every stage clips by the whole model's norm.
         """
         norm_type = float(norm_type)
         params = [p for p in parameters if p.grad is not None]
@@ -573,9 +580,14 @@ class ShardingEngine:
         if math.isinf(norm_type):
             self.shard_comm.all_reduce(local, op=dist.ReduceOp.MAX)
             total = torch.maximum(local, _norm_term(replicated, norm_type, device))
+            if stage_group is not None:
+                _all_reduce_on(total, stage_group, dist.ReduceOp.MAX)
         else:
             self.shard_comm.all_reduce(local)
-            total = (local + _norm_term(replicated, norm_type, device)) ** (1.0 / norm_type)
+            total = local + _norm_term(replicated, norm_type, device)
+            if stage_group is not None:
+                _all_reduce_on(total, stage_group, dist.ReduceOp.SUM)
+            total = total ** (1.0 / norm_type)
         # torch's own scaling by a given total norm groups the gradients by device and dtype: with cpu_offload the
         # sharded ones live in host memory, the replicated ones (ignored parameters) and the norm on the accelerator.
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
@@ -648,6 +660,16 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 # gradients), and its inf norm raises on an empty tensor, which a rank past the last row of a parameter holds.
 # The per-tensor norms are torch's (``_foreach_norm``, the kernel ``get_total_norm`` uses too), combined in
 # float32; the scaling by the total is torch's ``clip_grads_with_norm_``.
+def _all_reduce_on(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp) -> None:
+    """In place, on ``group``; through host memory where the group is gloo's and the tensor is not."""
+    if dist.get_backend(group) == "gloo" and tensor.device.type != "cpu":
+        host = tensor.cpu()
+        dist.all_reduce(host, op=op, group=group)
+        tensor.copy_(host)
+    else:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
 def _norm_term(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """This rank's part of the total ``norm_type``-norm of ``grads``: the sum of the per-tensor norms' p-th powers,
     or their maximum for the inf norm; zero for none (float32, on ``device``)."""
