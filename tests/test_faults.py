@@ -178,6 +178,36 @@ def test_default_launcher_job_ends(job, fault, rank, where, sharding):
     assert group_members(proc.pid) == [], f"processes left behind:\n{job.report()}"
 
 
+PIPELINE_CASES = [
+    # (fault, faulty rank, where) on 4 ranks as 2 stages x 2 data-parallel ranks: rank 2 holds stage 1, the last.
+    ("kill", 2, "backward"),  # mid-backward: its pipeline peer waits in P2P, its data peer in a reduce-scatter
+    ("hang", 1, "step"),  # stage 0: nothing fails, only the timeout can end the others' waits
+    ("exit", 3, "step"),
+]
+
+
+@pytest.mark.parametrize("fault,rank,where", PIPELINE_CASES, ids=lambda v: str(v))
+def test_pipeline_stage_rank_fault_ends_every_rank(job, fault, rank, where):
+    """pipeline_parallel_size=2 on 4 ranks: a stage rank that dies or hangs ends the whole job, in time."""
+    proc = job.start([*_fault_args(fault, rank, where), "--pp", "2"], clean_env())
+    ended = job.wait_for_exit(proc, TIMEOUT_S + MARGIN_S)
+    assert ended is not None, f"the job did not end in time:\n{job.report()}"
+    fault_at = job.fault_time()
+    assert fault_at is not None, f"the fault was never injected:\n{job.report()}"
+    elapsed = ended - fault_at
+    print(f"\n[faults] pipeline {fault}@rank{rank}/{where}: job ended {elapsed:.1f}s after the fault")
+    output = job.output()
+    assert proc.returncode != 0, job.report()
+    assert output.count("event=train-start") == 4, job.report()  # all four ranks were training
+    assert "event=train-end" not in output, job.report()
+    _check_names_failure(output, fault, rank)
+    _check_elapsed(fault, elapsed)
+    deadline = time.monotonic() + 5
+    while group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert group_members(proc.pid) == [], f"processes left behind:\n{job.report()}"
+
+
 TORCHRUN_CASES = [
     # (fault, where); the faulty rank is 1, the survivor rank 0 must fail by itself.
     ("raise", "step"),

@@ -8,7 +8,6 @@ takes samples d, d+2, ...). The reference does not pipeline at all: ``pipelined_
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,8 +64,9 @@ def test_p2_d2_ends_where_one_device_ends(tmp_path, tmp_path_factory, schedule, 
     if wrap and schedule != "1F1B":
         pytest.skip("units per block: covered by 1F1B")
     ref = reference(tmp_path_factory, *training)
-    ranks = run_script(tmp_path / "pp", "--devices", "4", "--pp", "2", "--schedule", schedule, *training,
-                       *(["--wrap"] if wrap else []))
+    ranks = run_script(
+        tmp_path / "pp", "--devices", "4", "--pp", "2", "--schedule", schedule, *training, *(["--wrap"] if wrap else [])
+    )
     assert len(ranks) == 4
     compared = 0
     covered: set[str] = set()
@@ -87,6 +87,28 @@ def test_p2_d2_ends_where_one_device_ends(tmp_path, tmp_path_factory, schedule, 
             covered.add(key)
     assert covered == set(ref["state"]), set(ref["state"]) - covered  # every parameter was on some stage
     assert compared == 2 * len(ref["state"])  # each stage on its two data-parallel ranks
+
+
+COMPOSED = [
+    # (strategy flags, training flags, tolerance): the other options compose with pipelining.
+    (("--sharding", "SHARD_GRAD_OP", "--wrap", "--checkpointing"), ("--optimizer", "sgd", "--clip", "0.3"), 1e-5),
+    (("--sharding", "NO_SHARD"), ("--optimizer", "sgd"), 1e-5),
+    # bf16 parameters and autocast against the one-device bf16-mixed run (autocast only there): bf16 rounding.
+    (("--wrap",), ("--optimizer", "sgd", "--precision", "bf16-mixed"), 5e-3),
+]
+
+
+@pytest.mark.parametrize("strategy,training,tol", COMPOSED, ids=lambda v: "-".join(v) if isinstance(v, tuple) else "")
+def test_sharding_strategies_checkpointing_and_bf16_compose(tmp_path, tmp_path_factory, strategy, training, tol):
+    ref = reference(tmp_path_factory, *training)
+    ranks = run_script(tmp_path / "pp", "--devices", "4", "--pp", "2", *strategy, *training)
+    compared = 0
+    for got in ranks:
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=tol, atol=tol)
+        for key, value in got["state"].items():
+            torch.testing.assert_close(value, ref["state"][key], rtol=tol, atol=tol, msg=key)
+            compared += 1
+    assert compared == 2 * len(ref["state"])
 
 
 # ------------------------------------------------------------------------------------------- cutting a model
@@ -128,7 +150,12 @@ def test_views_share_pieces_and_keep_names():
     assert all(p.is_meta for p in meta.parameters()) and not any(p.is_meta for p in model.parameters())
     keep_only(model, stages[1])
     assert [n for n, _ in model.named_parameters()] == [
-        "blocks.2.weight", "blocks.2.bias", "big.weight", "big.bias", "head.weight", "head.bias"
+        "blocks.2.weight",
+        "blocks.2.bias",
+        "big.weight",
+        "big.bias",
+        "head.weight",
+        "head.bias",
     ]
     x = torch.randn(3, 4)
     torch.testing.assert_close(stage_view(model, stages[1])(x), model.head(model.big(model.blocks[2](x))))

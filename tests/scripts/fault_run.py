@@ -14,6 +14,9 @@ at global step ``--fault-step`` the rank ``--fault-rank`` does ``--fault``:
 blocked in the forward's all-gathers; ``--where backward`` does it from a gradient hook on the logits, i.e. in the
 middle of backward, after the forward's all-gathers and before the units' reduce-scatters.
 
+``--pp 2`` runs ChainLM pipelined over 4 ranks (2 stages x 2 data-parallel ranks, 1F1B, 3 microbatches) instead: the
+faulty rank holds one stage; ``--where backward`` fires from the gradient of that rank's block output.
+
 Started plainly (``python fault_run.py ...``) Lightning's launcher re-runs the script for rank 1; started with
 ``LOCAL_RANK``/``NODE_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` in the environment (torchrun style)
 each process is one rank and nothing is launched.
@@ -36,8 +39,10 @@ from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
-from lightning_fsdp import FSDPStrategy  # noqa: E402
+from lightning_fsdp import FSDPStrategy, pipelined_loss  # noqa: E402
+from lightning_fsdp.pipeline import AbsentPiece  # noqa: E402
 from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
+from tests.scripts.pipeline_run import ChainLM  # noqa: E402
 
 GLOBAL_BATCH = 6
 
@@ -92,6 +97,39 @@ class Module(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class PipelinedModule(L.LightningModule):
+    """ChainLM cut into 2 stages over 4 ranks (``--pp 2``): the fault happens on one stage's rank, at the start of
+    the step (the others wait in P2P or in the stage's all-gathers) or in the middle of the pipeline's backward."""
+
+    def __init__(self, args) -> None:
+        super().__init__()
+        self.args = args
+        torch.manual_seed(0)
+        self.model = ChainLM()
+
+    def _faulty(self) -> bool:
+        return self.global_rank == self.args.fault_rank and self.global_step == self.args.fault_step
+
+    def on_fit_start(self) -> None:
+        # A hook on whichever block this rank holds: its output's gradient arrives mid-backward.
+        held = [b for b in self.model.blocks if not isinstance(b, AbsentPiece)]
+
+        def arm(_module, _args, output):
+            if self._faulty() and self.args.where == "backward" and output.requires_grad:
+                output.register_hook(lambda grad: inject(self.args.fault, self.global_rank, self.global_step))
+
+        held[-1].register_forward_hook(arm)
+
+    def training_step(self, b, i):
+        if self._faulty() and self.args.where == "step":
+            inject(self.args.fault, self.global_rank, self.global_step)
+        x, y = b
+        return pipelined_loss(self.model, x, y, loss_fn)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
 class Started(L.Callback):
     def on_train_start(self, trainer, module):
         say(trainer.global_rank, "train-start")
@@ -107,15 +145,20 @@ def main() -> None:
     parser.add_argument("--sharding", default="FULL_SHARD")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--detect-anomaly", action="store_true", help="Trainer(detect_anomaly=True)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size (2: ChainLM on 4 ranks)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
+    pipeline = {"pipeline_parallel_size": args.pp, "pipeline_microbatches": 3} if args.pp > 1 else {}
     strategy = FSDPStrategy(
-        auto_wrap_policy={Block}, sharding_strategy=args.sharding, timeout=timedelta(seconds=args.timeout)
+        auto_wrap_policy={Block},
+        sharding_strategy=args.sharding,
+        timeout=timedelta(seconds=args.timeout),
+        **pipeline,
     )
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=2 * args.pp,
         strategy=strategy,
         max_steps=args.steps,
         logger=False,
@@ -128,10 +171,11 @@ def main() -> None:
         detect_anomaly=args.detect_anomaly,
     )
     with trainer.init_module():
-        module = Module(args)
+        module = Module(args) if args.pp == 1 else PipelinedModule(args)
     data = samples(GLOBAL_BATCH * args.steps)
-    sampler = DistributedSampler(data, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
-    trainer.fit(module, DataLoader(data, batch_size=GLOBAL_BATCH // trainer.world_size, sampler=sampler))
+    replicas = trainer.world_size // args.pp  # the data-parallel ranks
+    sampler = DistributedSampler(data, num_replicas=replicas, rank=trainer.global_rank % replicas, shuffle=False)
+    trainer.fit(module, DataLoader(data, batch_size=GLOBAL_BATCH // replicas, sampler=sampler))
     say(trainer.global_rank, "train-end")
 
 

@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--wrap", action="store_true")
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--sharding", default="FULL_SHARD")
+    parser.add_argument("--checkpointing", action="store_true")  # activation checkpointing of every Block
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -96,6 +98,8 @@ def main() -> None:
             pipeline_schedule=args.schedule,
             pipeline_microbatches=args.micro,
             auto_wrap_policy={Block} if args.wrap else None,
+            sharding_strategy=args.sharding,
+            activation_checkpointing_policy={Block} if args.checkpointing else None,
         )
     clip = {"gradient_clip_val": args.clip, "gradient_clip_algorithm": "norm"} if args.clip else {}
     trainer = L.Trainer(
