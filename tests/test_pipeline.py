@@ -236,3 +236,17 @@ def test_world_not_divisible_fails_on_every_rank_before_any_collective(tmp_path)
     )
     assert proc.returncode != 0
     assert "pipeline_parallel_size=2 does not divide the 3 processes" in proc.stderr
+
+
+def test_calling_the_split_model_directly_is_refused(tmp_path):
+    # A training_step that calls self.model(x) would compute only this rank's stages: every rank must refuse it.
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "x"), "--devices", "4", "--pp", "2", "--direct"],
+        env=clean_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode != 0
+    assert "ChainLM is cut into pipeline stages" in proc.stderr, proc.stderr[-3000:]

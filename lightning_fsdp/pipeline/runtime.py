@@ -110,6 +110,9 @@ class PipelineRuntime:
         # The global rank of the last stage's holder in this rank's pipeline group (the loss's source).
         self._last_rank = dist.get_global_rank(layout.pp_group, (options.num_stages - 1) % layout.size)
         _RUNTIMES[model] = self
+        # On this rank the model is only its stages: called directly it would compute a part of the model, silently.
+        name = type(model).__name__
+        model.register_forward_pre_hook(lambda _m, _a: _refuse_direct_call(name))
 
     # ------------------------------------------------------------------------------------------ schedules
     def _shapes(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[tuple, Any]]:
@@ -264,6 +267,15 @@ def _cast(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
             if tensor.is_floating_point():
                 tensor.data = tensor.data.to(dtype)
     return model
+
+
+def _refuse_direct_call(name: str) -> None:
+    raise RuntimeError(
+        f"{name} is cut into pipeline stages (pipeline_parallel_size > 1): this rank holds only some of its pieces, "
+        f"so calling it directly would compute a part of the model. Call lightning_fsdp.pipelined_loss(model, "
+        "inputs, target, loss_fn) in training_step / validation_step / test_step instead; predict_step is not "
+        "supported with pipelining."
+    )
 
 
 def runtime_of(model: nn.Module) -> PipelineRuntime | None:

@@ -148,6 +148,10 @@ def stage_view(model: nn.Module, stage: Sequence[str]) -> nn.Module:
     """A shallow copy of ``model``'s tree that shares ``stage``'s pieces and has ``AbsentPiece`` elsewhere."""
     view = copy.copy(model)
     view._modules = dict(model._modules)
+    # Hooks of its own: the model's (such as the guard against calling the split model directly) are not the view's.
+    for name, value in vars(model).items():
+        if "hooks" in name and isinstance(value, dict):
+            setattr(view, name, type(value)())
     for name, child in model.named_children():
         if isinstance(child, _CONTAINERS):
             inner = copy.copy(child)

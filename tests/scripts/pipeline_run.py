@@ -51,11 +51,14 @@ class Module(L.LightningModule):
         torch.manual_seed(0)
         self.model = ChainLM()
         self.optimizer_name = optimizer
+        self.direct = False
         self.step_losses: list[float] = []
         self.val_losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.direct:  # a user's mistake: the split model called as if it were whole
+            return loss_fn(self.model(x), y)
         loss = pipelined_loss(self.model, x, y, loss_fn)
         self.step_losses.append(loss.item())
         self.log("train_loss", loss)
@@ -87,6 +90,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--sharding", default="FULL_SHARD")
     parser.add_argument("--checkpointing", action="store_true")  # activation checkpointing of every Block
+    parser.add_argument("--direct", action="store_true")  # training_step calls self.model(x) (must be refused)
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -120,6 +124,7 @@ def main() -> None:
         **clip,
     )
     module = Module(args.optimizer)
+    module.direct = args.direct
     data = args.devices // args.pp
     dp_rank = trainer.global_rank % data
     sampler = DistributedSampler(samples(SAMPLES), num_replicas=data, rank=dp_rank, shuffle=False)
