@@ -161,6 +161,82 @@ def test_views_share_pieces_and_keep_names():
     torch.testing.assert_close(stage_view(model, stages[1])(x), model.head(model.big(model.blocks[2](x))))
 
 
+# -------------------------------------------------------------------------------------- the chain contract
+class _Pieces(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.pos = nn.Embedding(3, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.head = nn.Linear(4, 5)
+
+
+class TwoEmbeddings(_Pieces):  # GPT-2's wte(idx) + wpe(pos)
+    def forward(self, x):
+        h = self.emb(x) + self.pos(torch.arange(x.shape[1]))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class SkipAcross(_Pieces):
+    def forward(self, x):
+        h0 = h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h + h0)
+
+
+class ScaledBeforeHead(_Pieces):
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h * 2)
+
+
+def _run_stages(model: nn.Module, split: list[str]) -> int:
+    """Every stage view of ``model``'s meta copy under the chain check, as the runtime runs them; the stages run."""
+    from lightning_fsdp.pipeline.contract import chain_checked
+
+    stages = plan_stages(model, len(split) + 1, split)
+    pieces = [p for stage in stages for p in stage]
+    meta = meta_copy(model)
+    x = (torch.zeros(2, 3, dtype=torch.long, device="meta"),)
+    for index, stage in enumerate(stages):
+        view = stage_view(meta, stage)
+        with torch.no_grad(), chain_checked(view, pieces, index, x):
+            out = view(*x)
+        x = (out,)
+    return len(stages)
+
+
+def test_chain_models_pass_the_check():
+    from tests.scripts.pipeline_run import ChainLM
+
+    assert _run_stages(ChainLM(), ["blocks.2"]) == 2
+    assert _run_stages(ChainLM(), ["blocks.1", "blocks.2", "blocks.3"]) == 4
+
+
+@pytest.mark.parametrize(
+    "model,split,message",
+    [
+        (TwoEmbeddings, ["blocks.0"], r"stage 1: piece 'pos' \(on another stage\) is given something other"),
+        (TwoEmbeddings, ["blocks.1"], r"stage 1: piece 'pos'"),
+        (SkipAcross, ["blocks.1"], r"stage 0: after the stage's last piece the forward's own code computes add"),
+        (ScaledBeforeHead, ["head"], r"stage 1: the forward's own code computes mul with the values the earlier"),
+        (ScaledBeforeHead, ["blocks.1"], r"stage 0: after the stage's last piece .* computes mul"),
+    ],
+    ids=["wte+wpe-a", "wte+wpe-b", "skip", "scale-head", "scale-blocks"],
+)
+def test_forwards_that_are_not_chains_are_refused(model, split, message):
+    # Each of these would compute a different model once cut, without any error: refused instead.
+    from lightning_fsdp.pipeline.contract import BrokenChainError
+
+    with pytest.raises(BrokenChainError, match=message):
+        _run_stages(model(), split)
+
+
 # -------------------------------------------------------------------------------------------------- bad input
 def test_cut_point_that_names_no_module():
     with pytest.raises(ValueError, match=r"\['blocks\.7'\].*not pieces of Chain.*'blocks\.0'"):

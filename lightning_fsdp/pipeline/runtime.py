@@ -36,6 +36,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_fsdp.pipeline.contract import BrokenChainError, chain_checked
 from lightning_fsdp.pipeline.options import SCHEDULES, PipelineOptions
 from lightning_fsdp.pipeline.split import keep_only, meta_copy, plan_stages, stage_view
 
@@ -97,6 +98,7 @@ class PipelineRuntime:
         self.layout = layout
         self.device = device
         self.stages = plan_stages(model, options.num_stages, options.split)
+        self._pieces = [piece for stage in self.stages for piece in stage]
         self.local_stages = [s for s in range(options.num_stages) if s % layout.size == layout.pp_rank]
         self._meta_views = [stage_view(_cast(meta_copy(model), compute_dtype), s) for s in self.stages]
         keep_only(model, [piece for s in self.local_stages for piece in self.stages[s]])
@@ -121,9 +123,12 @@ class PipelineRuntime:
         x: Any = tuple(torch.empty((t.shape[0] // m, *t.shape[1:]), dtype=t.dtype, device="meta") for t in inputs)
         shapes = []
         with torch.no_grad():
-            for view in self._meta_views:
+            for index, view in enumerate(self._meta_views):
                 try:
-                    out = view(*x)
+                    with chain_checked(view, self._pieces, index, x):
+                        out = view(*x)
+                except BrokenChainError:
+                    raise
                 except Exception as exc:
                     raise RuntimeError(
                         "Working out the pipeline stages' shapes on the meta device failed. Each stage's forward must "
