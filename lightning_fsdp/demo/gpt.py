@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT"]
+__all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT", "Embeddings", "PipelineGPT", "next_token_loss"]
 
 # GPT-2's initialisation scale for linear and embedding weights.
 _INIT_STD = 0.02
@@ -240,3 +240,50 @@ def _residual_std(config: GPTConfig) -> float:
     # Two residual branches (attention, MLP) per block add to the stream: GPT-2 scales their output
     # projections by 1/sqrt(2 * n_layer).
     return _INIT_STD / math.sqrt(2 * config.n_layer)
+
+
+class Embeddings(nn.Module):
+    """Token plus position embeddings and dropout, as one module: the first piece of :class:`PipelineGPT`."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = _Embedding(config.vocab_size, config.n_embd)
+        self.wpe = _Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        return self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+
+
+class PipelineGPT(nn.Module):
+    """:class:`GPT` written as a chain over its pieces (``embed``, ``blocks.<i>``, ``ln_f``, ``lm_head``), so that
+    pipeline parallelism can cut it anywhere (docs/pipeline.md): ``GPT.forward`` adds two pieces' outputs
+    (``wte(idx) + wpe(pos)``), which only one module may do. Returns the logits only; ``tie_weights`` is refused,
+    since stages on different ranks cannot share the embedding with the head."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if config.tie_weights:
+            raise ValueError(
+                "PipelineGPT needs GPTConfig(tie_weights=False): the embedding and head are on two stages."
+            )
+        self.config = config
+        self.embed = Embeddings(config)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = _Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for block in self.blocks:
+            h = block(h)
+        return self.lm_head(self.ln_f(h))
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over every position, in float32 (as ``GPT.forward`` computes it)."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
