@@ -211,7 +211,8 @@ def _gathered_bytes(engine: ShardingEngine) -> int:
 
 
 def _comm_totals(engine: ShardingEngine) -> dict[str, int]:
-    comms = [engine.shard_comm] + ([engine.replicate_comm] if engine.replicate_comm is not None else [])
+    # The secondary group's gathers (reshard_after_forward=N) are bytes this rank sent too.
+    comms = [c for c in (engine.shard_comm, engine.replicate_comm, engine.secondary_comm) if c is not None]
     return {field: sum(getattr(c.stats, field) for c in comms) for field in _COMM_FIELDS}
 
 

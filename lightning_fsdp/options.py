@@ -58,6 +58,7 @@ class ShardingOptions:
     param_init_fn: Callable[[nn.Module], None] | None = None
     ignored_modules: tuple[Any, ...] = ()
     ignored_states: tuple[Any, ...] = ()
+    reshard_after_forward: bool | int | None = None  # None: the sharding strategy's default
 
     @classmethod
     def parse(
@@ -74,6 +75,7 @@ class ShardingOptions:
         param_init_fn: Any = None,
         ignored_modules: Any = None,
         ignored_states: Any = None,
+        reshard_after_forward: Any = None,
         names: bool = False,
     ) -> ShardingOptions:
         """Check and normalise the user's values; raises ``TypeError`` / ``ValueError`` naming the bad one.
@@ -94,6 +96,7 @@ class ShardingOptions:
             if not callable(param_init_fn):
                 raise TypeError(f"param_init_fn={param_init_fn!r} is not callable.")
             check_call_signature(param_init_fn, "param_init_fn", "(module)")
+        check_reshard_after_forward(reshard_after_forward)
         name_kind = (str,) if names else ()
         return cls(
             sharding_strategy=parse_sharding_strategy(sharding_strategy),
@@ -107,14 +110,17 @@ class ShardingOptions:
             param_init_fn=param_init_fn,
             ignored_modules=item_list(ignored_modules, "ignored_modules", (nn.Module, *name_kind)),
             ignored_states=item_list(ignored_states, "ignored_states", (nn.Parameter, nn.Module, *name_kind)),
+            reshard_after_forward=reshard_after_forward,
         )
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any], *, names: bool = False) -> ShardingOptions:
         """``parse`` over the entries of ``arguments`` named like the fields. ``FSDPStrategy.__init__`` and
         ``fully_shard`` pass their ``locals()``: their option parameters carry the fields' names, so the list of
-        options is written once, here."""
-        return cls.parse(**{field.name: arguments[field.name] for field in dataclasses.fields(cls)}, names=names)
+        options is written once, here. A field the caller does not take gets ``parse``'s default (the strategy does
+        not take ``reshard_after_forward`` yet: its sharding strategy decides)."""
+        fields = [field.name for field in dataclasses.fields(cls)]
+        return cls.parse(**{name: arguments[name] for name in fields if name in arguments}, names=names)
 
     def as_kwargs(self) -> dict[str, Any]:
         """The options as ``fully_shard`` keyword arguments (a shallow copy: modules stay the same objects)."""
@@ -125,6 +131,34 @@ def check_flag(value: Any, option: str) -> None:
     """A boolean option: ``True`` or ``False`` only (not 1, "yes" or None, which YAML configs produce by mistake)."""
     if not isinstance(value, bool):
         raise TypeError(f"{option}={value!r} is not valid; expected True or False.")
+
+
+def check_reshard_after_forward(value: Any, shard_group_size: int | None = None) -> None:
+    """``reshard_after_forward``: None (the sharding strategy decides), True, False, or an int N, the size of the
+    smaller group each unit reshards to after forward (ZeRO++ hpZ), with 1 < N < the shard group's size, dividing it.
+
+    Without ``shard_group_size`` (options given before any process group exists) only what does not depend on it is
+    checked; ``fully_shard`` and ``ShardingEngine.set_reshard_after_forward`` check the rest, before any collective.
+    """
+    if value is None or isinstance(value, bool):
+        return
+    expected = "True, False, None (the sharding strategy decides) or an int N"
+    if not isinstance(value, int):
+        raise TypeError(f"reshard_after_forward={value!r} is not valid; expected {expected}.")
+    if shard_group_size is None:
+        if value < 2:
+            raise ValueError(
+                f"reshard_after_forward={value!r} is not valid; expected {expected} with 1 < N < the shard group's "
+                "size, dividing it (the size of the smaller group each unit reshards to after forward)."
+            )
+        return
+    valid = [n for n in range(2, shard_group_size) if shard_group_size % n == 0]
+    if value not in valid:
+        choices = ", ".join(map(str, valid)) if valid else f"none for a shard group of {shard_group_size}"
+        raise ValueError(
+            f"reshard_after_forward={value!r} is not valid for a shard group of {shard_group_size} rank(s); expected "
+            f"{expected} with 1 < N < {shard_group_size} dividing {shard_group_size} (valid ints: {choices})."
+        )
 
 
 def item_list(value: Any, option: str, kinds: tuple[type, ...]) -> tuple:

@@ -61,6 +61,7 @@ from lightning_fsdp.launcher import check_start_method, choose_launcher, stop_la
 from lightning_fsdp.options import (
     ShardingOptions,
     check_device_id,
+    check_flag,
     check_lightning_arguments,
     check_use_orig_params,
     resolve_names,
@@ -122,6 +123,10 @@ class FSDPStrategy(ParallelStrategy):
         pipeline_stages_per_rank: stages on each pipeline rank (2 or more for the interleaved schedule; default 2).
         pipeline_split: piece names (``"blocks.4"``) where stages 1, 2, ... start; default: balanced by parameters.
         pipeline_module: the LightningModule's attribute holding the model to cut (default ``"model"``).
+        sync_gradients_while_accumulating: ``False`` reduces gradients only on the batch before each optimizer step
+            under ``accumulate_grad_batches`` (and where manual optimization asks for it with
+            ``toggle_model(sync_grad=False)``): the other batches add full-size gradients locally, so each unit
+            holds its full gradient until then (memory) and the reduce-scatters of those batches are saved.
 
     The engine's options, validated, are ``strategy.options`` (a :class:`~lightning_fsdp.options.ShardingOptions`);
     the sharded model's engine is ``strategy.engine`` after setup.
@@ -163,6 +168,7 @@ class FSDPStrategy(ParallelStrategy):
         pipeline_stages_per_rank: int | None = None,
         pipeline_split: list[str] | None = None,
         pipeline_module: str = "model",
+        sync_gradients_while_accumulating: bool = True,
     ) -> None:
         # Validate everything first: this runs on every rank before any process group exists, so a bad value
         # raises the same error everywhere instead of leaving a rank waiting in a collective (options.py).
@@ -182,6 +188,8 @@ class FSDPStrategy(ParallelStrategy):
             pipeline_module,
         )
         check_pipeline_composition(self.pipeline_options, self.options, process_group, device_mesh)
+        check_flag(sync_gradients_while_accumulating, "sync_gradients_while_accumulating")
+        self.sync_gradients_while_accumulating = sync_gradients_while_accumulating
         check_start_method(start_method)
         check_lightning_arguments(
             accelerator,
@@ -393,7 +401,7 @@ class FSDPStrategy(ParallelStrategy):
         shard_group = self._split_pipeline(self.lightning_module) if self.pipeline_options.enabled else None
         self.engine = self._shard(self.lightning_module, shard_group)
         if self.pipeline is not None:
-            self.pipeline.engine = self.engine
+            self.pipeline.attach_engine(self.engine)
         # SWA / EMA callbacks copied the model in their setup, full size: their average now keeps only this rank's rows.
         shard_averaged_models(trainer, self.engine)
         self.precision_plugin.engine = self.engine
@@ -620,6 +628,16 @@ class FSDPStrategy(ParallelStrategy):
             with torch.autograd.set_detect_anomaly(True, check_nan=False):
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning enters this for the batches that accumulate (and for toggle_model(sync_grad=False)).
+        if self.sync_gradients_while_accumulating or self.engine is None:
+            yield
+            return
+        with self.engine.no_sync():
+            yield
 
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:

@@ -42,6 +42,44 @@ def reference(tmp_path_factory, *args: str) -> dict:
     return _references[args]
 
 
+def test_deferred_gradient_sync_under_accumulation(tmp_path, tmp_path_factory):
+    # sync_gradients_while_accumulating=False: the accumulating batch reduces nothing, the next one reduces the sum.
+    ref = reference(tmp_path_factory, "--optimizer", "sgd", "--accumulate", "2")
+    every = run_script(
+        tmp_path / "every.pt",
+        "--devices",
+        "2",
+        "--strategy",
+        "fsdp_custom_blocks",
+        "--optimizer",
+        "sgd",
+        "--accumulate",
+        "2",
+    )
+    deferred = run_script(
+        tmp_path / "deferred.pt",
+        "--devices",
+        "2",
+        "--strategy",
+        "fsdp_custom_deferred_sync",
+        "--optimizer",
+        "sgd",
+        "--accumulate",
+        "2",
+    )
+    assert got_all_close(deferred["state"], ref["state"]) == len(ref["state"]) > 0
+    torch.testing.assert_close(torch.tensor(deferred["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+    # 6 training batches, 3 optimizer steps: 3 of the 6 backwards reduce. Validation/test/predict reduce nothing.
+    assert every["reduce_scatter_calls"] == 2 * deferred["reduce_scatter_calls"] > 0
+
+
+def got_all_close(got: dict, ref: dict) -> int:
+    assert got.keys() == ref.keys()
+    for key, value in ref.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    return len(ref)
+
+
 CASES = [
     # (devices, strategy flags, training flags)
     (2, ("--strategy", "fsdp_custom_blocks"), ("--optimizer", "sgd")),

@@ -15,7 +15,7 @@ from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.state import ShardingEngine, live_engines
 from lightning_fsdp.engine.unit import FlatUnit, ParamSlot
 from lightning_fsdp.engine.wrap import assign_owners, enclosing_units, ignored_module_set, select_unit_modules
-from lightning_fsdp.options import ShardingOptions, split_ignored
+from lightning_fsdp.options import ShardingOptions, check_reshard_after_forward, split_ignored
 from lightning_fsdp.process_groups import check_engine_groups
 
 _ENGINE_ATTR = "_lightning_fsdp_engine"
@@ -56,6 +56,7 @@ def fully_shard(
     forward_prefetch: bool = False,
     backward_prefetch: Any = "BACKWARD_PRE",
     limit_all_gathers: bool = True,
+    reshard_after_forward: bool | int | None = None,
 ) -> ShardingEngine:
     """Shard ``module``'s parameters in place across ``process_group`` (default: the whole world).
 
@@ -68,6 +69,9 @@ def fully_shard(
     their gradients are averaged across ranks as they arrive (one all-reduce per parameter per backward).
     ``cpu_offload``: shards, their gradients and so the optimizer state live in host memory; a unit's shard is
     copied to ``device`` only to be gathered, and reduced gradients are copied back.
+    ``reshard_after_forward``: None follows ``sharding_strategy``; True, False or an int N (reshard to N consecutive
+    ranks of the shard group after forward, ZeRO++ hpZ): see ``ShardingEngine.set_reshard_after_forward``. With an
+    int, call on every rank of the world (it creates process groups).
     """
     # Every argument is checked before the first collective (sync_module_states' broadcasts, the gathers), so a
     # bad one raises the same error on every rank instead of leaving the others waiting (lightning_fsdp/options.py).
@@ -95,6 +99,7 @@ def fully_shard(
     replicate_comm = Communicator(replicate_group, device) if replicate_group is not None else None
     sharded = strategy is not ShardingStrategy.NO_SHARD
     world, rank = (shard_comm.world_size, shard_comm.rank) if sharded else (1, 0)
+    check_reshard_after_forward(options.reshard_after_forward, world)  # needs the group's size; before any collective
 
     unit_modules = select_unit_modules(module, options.auto_wrap_policy, ignored)
     owners = assign_owners(module, unit_modules, ignored_ids, ignored_param_ids)
@@ -148,6 +153,7 @@ def fully_shard(
         backward_prefetch=options.backward_prefetch,
         limit_all_gathers=options.limit_all_gathers,
     )
+    engine.set_reshard_after_forward(options.reshard_after_forward)
     module.__dict__[_ENGINE_ATTR] = engine
     return engine
 

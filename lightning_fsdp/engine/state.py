@@ -17,6 +17,36 @@ and activation checkpointing recomputes forwards inside BACKWARD (the state stay
 raised leaves the state at BACKWARD; the next root forward outside any backward abandons that step. Counts that
 really are counts stay counters: the forward depth of the engine and of each unit, and each unit's calls per step
 (``UnitStepState``).
+
+[Note: engine controls]
+The controls (named as torch FSDP2's, for pipeline schedules and gradient accumulation) are per-unit state, not
+arguments of a call: each is read by the unit's hook at the moment that hook acts, so setting one between
+microbatches changes what the next hook does, and what a unit holds (kept parameters, a secondary shard, gradients)
+stays until a later hook or call releases it. The engine's setters set every unit alike; every rank must set the
+same values at the same points, as the collectives depend on them.
+
+* ``requires_gradient_sync`` is read when a unit's backward ends. True: its gradients, plus any it holds, are reduced
+  into the shards' ``.grad`` (one reduction, as always). False: they are added to the full-size gradients it holds
+  (``FlatUnit.hold_grads``), with no communication; the next backward with sync on reduces the sum once (DDP's and
+  FSDP2's ``no_sync``). An optimizer step over a unit that holds gradients raises before stepping: its shards'
+  ``.grad`` lacks them. ``zero_grad`` does not see held gradients (they are not ``.grad``). Parameters the engine
+  keeps whole (ignored ones) are still averaged at every backward: the result is the same, only the traffic is not.
+* ``reshard_after_backward`` is read when a unit's backward ends. False: the unit stays unsharded and ``kept``.
+* ``unshard()`` unshards every unit now and keeps it; ``reshard()`` reshards every unit now.
+* A ``kept`` unit is left alone by every reshard the engine does on its own: after its forward (whatever
+  ``reshard_after_forward`` says), after its backward, at the next root forward, and to make room for prefetches. So
+  the next microbatches' forwards and backwards gather nothing. (torch's FSDP2 still reshards such a unit after its
+  next forward when ``reshard_after_forward`` is True, and gathers it again in backward.) It never computes with
+  stale weights: every optimizer step reshards every unit, kept ones too, so the next use gathers the updated
+  shards; so do ``reshard()``, ``reshard_idle()`` (checkpoints) and ``restore_unsharded()``.
+* ``reshard_after_forward`` is read when a unit's forward ends (never for the root, whose parameters backward needs
+  first, nor for a kept unit). False: the unit stays unsharded until its backward ends. True: it is resharded. An int
+  N: it is resharded, but first keeps this rank's 1/N of the full parameters (``SecondaryShard``), so its backward's
+  unshard all-gathers over the N consecutive ranks of the shard group this rank belongs to (ZeRO++ hpZ) instead of
+  the whole group. The secondary shard is used up by that unshard and dropped by any other reshard (an optimizer step
+  between a forward and its backward would have made it stale); the unshard then gathers from the shard group.
+* The flags are independent of one another: no_sync with reshard_after_backward off is gradient accumulation that
+  neither communicates gradients nor gathers parameters again until the last microbatch and the optimizer step.
 """
 
 from __future__ import annotations
@@ -31,13 +61,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_fsdp.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from lightning_fsdp.engine.comm import Communicator
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.unit import CollectiveKind, FlatUnit
+from lightning_fsdp.options import check_flag, check_reshard_after_forward
 
 
 class TrainingState(Enum):
@@ -53,13 +84,24 @@ def _current_graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
-# Engines whose root may be unsharded inside its own forward when an optimizer steps (manual optimization). torch
-# offers only a global optimizer hook: one is registered for all engines, and holds them weakly.
+# Engines whose units may be unsharded when an optimizer steps (the root inside its own forward under manual
+# optimization, kept units), or hold gradients no step may use yet. torch offers only global optimizer hooks: one
+# pair is registered for all engines, and holds them weakly.
 _LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
-_optimizer_hook_handle: Any = None
+_optimizer_hook_handles: list[Any] = []
 
 
-def _after_any_optimizer_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+def _before_any_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    # A closure (Lightning always passes one) runs the step's forward and backward inside step(), after this hook:
+    # the gradients it holds may be reduced by then, so they are checked once the step is over instead.
+    closure = bool(args) or kwargs.get("closure") is not None
+    for engine in list(_LIVE_ENGINES):
+        engine._before_optimizer_step(optimizer, after_closure=closure)
+
+
+def _after_any_optimizer_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    for engine in list(_LIVE_ENGINES):
+        engine._check_held_gradients(optimizer, late=True)
     for engine in list(_LIVE_ENGINES):
         engine._after_optimizer_step()
 
@@ -70,10 +112,10 @@ def live_engines() -> list[ShardingEngine]:
 
 
 def _watch_optimizer_steps(engine: ShardingEngine) -> None:
-    global _optimizer_hook_handle
     _LIVE_ENGINES.add(engine)
-    if _optimizer_hook_handle is None:
-        _optimizer_hook_handle = register_optimizer_step_post_hook(_after_any_optimizer_step)
+    if not _optimizer_hook_handles:
+        _optimizer_hook_handles.append(register_optimizer_step_pre_hook(_before_any_optimizer_step))
+        _optimizer_hook_handles.append(register_optimizer_step_post_hook(_after_any_optimizer_step))
 
 
 # ``Communicator.agree`` tags of collectives that belong to no unit (unit tags are non-negative).
@@ -94,6 +136,20 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.callback()
         return (None, *grads)
+
+
+class UnshardHandle:
+    """What ``ShardingEngine.unshard(async_op=True)`` returns: ``wait()`` completes the all-gathers it issued."""
+
+    def __init__(self, engine: ShardingEngine, units: list[FlatUnit]) -> None:
+        self._engine = engine
+        self._units = units
+
+    def wait(self) -> None:
+        for unit in self._units:
+            if unit.is_prefetched:  # not yet waited for by its forward, nor resharded since
+                unit.unshard()
+        self._engine._update_peak()
 
 
 class ShardingEngine:
@@ -130,6 +186,8 @@ class ShardingEngine:
         self.limit_all_gathers = limit_all_gathers
         self._order: list[FlatUnit] = []
         self._order_frozen = False
+        self._prefetch_group: dict[int, int] = {}  # set_prefetch_groups: unit id -> group (none: one group)
+        self._backward_scope: set[int] | None = None  # backward_scope: the units a backward concerns (None: all)
         self._position: dict[int, int] = {}
         self._slot_by_param = {id(s.param): s for u in units for s in u.slots}
         self.ignored_params = list(ignored_params or [])
@@ -138,6 +196,10 @@ class ShardingEngine:
         self._reduced_units: list[FlatUnit] = []
         self._nonfinite_ignored: list[str] = []
         self._forward_depth = 0  # unit forwards open right now (outermost call of each, nested ones included)
+        # reshard_after_forward=N: the Communicator over this rank's N consecutive ranks of the shard group, in use now
+        # (``secondary_comm``) and by group size (torch's groups are created once, by every rank).
+        self.secondary_comm: Communicator | None = None
+        self._secondary_comms: dict[int, Communicator] = {}
         for index, unit in enumerate(units):
             unit.index = index
             self._register_hooks(unit)
@@ -157,9 +219,10 @@ class ShardingEngine:
     # * A backward that raised never reaches ``_finish_backward``. The next root forward outside any backward
     #   sees that and abandons the step (``_abandon_step``) before starting a new one.
     # * A forward always computes with the current weights: every root forward starts by resharding whatever an
-    #   earlier forward left unsharded (the root, SHARD_GRAD_OP units, a forward whose backward never came),
-    #   prefetches never outlive the forward or backward that issued them, and an optimizer step inside the root's
-    #   forward (manual optimization) reshards the root, which the next module using it unshards again.
+    #   earlier forward left unsharded (the root, SHARD_GRAD_OP units, a forward whose backward never came), except
+    #   kept units, prefetches never outlive the forward or backward that issued them, and every optimizer step
+    #   reshards every unit (the root inside its own forward under manual optimization, kept units), which the next
+    #   module using it unshards again (see [Note: engine controls]).
     # * ``requires_grad`` is read at each unit's forward (``FlatUnit.sync_requires_grad``), so freezing and
     #   unfreezing at any time trains as in a single process.
     def _register_hooks(self, unit: FlatUnit) -> None:
@@ -270,8 +333,9 @@ class ShardingEngine:
             if _current_graph_task_id() != -1:
                 return  # the root recomputed inside backward (activation checkpointing): the step goes on
             self._abandon_step()
-        # Whatever an earlier forward left unsharded may predate an optimizer step: reshard it, unshard afresh.
-        self._reshard_all()
+        # Whatever an earlier forward left unsharded may predate an optimizer step: reshard it, unshard afresh. Kept
+        # units do not (an optimizer step reshards them).
+        self._reshard_all(spare_kept=True)
         self._hook_ignored_params()
 
     def _post_forward(self, unit: FlatUnit, output: Any) -> None:
@@ -288,7 +352,7 @@ class ShardingEngine:
                 # A prefetch the forward did not use would otherwise be completed later, with the weights of now.
                 # (Backward prefetches end with their backward, in _finish_backward.)
                 for other in self.units:
-                    if other.is_prefetched:
+                    if other.is_prefetched and not other.kept:
                         other.reshard()
 
     def _end_forward(self, unit: FlatUnit, output: Any) -> None:
@@ -297,15 +361,16 @@ class ShardingEngine:
         if torch.is_grad_enabled() and tensors:
             for tensor in tensors:
                 tensor.register_hook(lambda _grad: self._pre_backward(unit))
-            if unit.reshard_after_forward and unit is not self.root_unit:
-                unit.reshard()
+            if unit.reshard_after_forward and unit is not self.root_unit and not unit.kept:
+                unit.reshard(secondary=unit.secondary_comm)
             return
         if marked:
             # The forward raised (its output is None then) or returned nothing that needs a gradient: no backward
             # will signal the end of this call, so the end of backward reduces the unit.
             unit.step_state.untrack_call(was_tracked=True)
         # No backward will come through this forward (eval, no_grad, nothing requires grad, or it raised).
-        unit.reshard()
+        if not unit.kept:
+            unit.reshard()
 
     def _sync_root_slots(self, slots: list) -> None:
         if self._training_state is TrainingState.BACKWARD:
@@ -328,26 +393,50 @@ class ShardingEngine:
             self._training_state = TrainingState.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _after_optimizer_step(self) -> None:
-        # Manual optimization steps inside the root's forward (training_step): full parameters unsharded before
-        # the step are stale. Resharded, the modules show the user's updated parameters (weight clipping after a
-        # step edits them), and the next module using them unshards them again.
+    def _before_optimizer_step(self, optimizer: Any, *, after_closure: bool = False) -> None:
+        # Gradients held with sync off are not in the shards' .grad yet: a step now would use partial gradients.
+        if not after_closure:
+            self._check_held_gradients(optimizer, late=False)
+
+    def _check_held_gradients(self, optimizer: Any, *, late: bool) -> None:
         if self.closed or self._training_state is TrainingState.BACKWARD:
             return
-        if self.root_unit.forward_depth > 0:
-            self.root_unit.reshard()
+        holding = [u for u in self.units if u.grads_unsynced]
+        if not holding:
+            return
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        names = [u.name for u in holding if any(id(s.param) in stepped for s in u.slots)]
+        if names:
+            when = "updated" if late else "would update"
+            raise RuntimeError(
+                f"optimizer.step() {when} parameters of units {names} whose gradients were accumulated with "
+                "gradient sync off (ShardingEngine.no_sync() / set_requires_gradient_sync(False)) and never reduced "
+                "across ranks: the shards' .grad does not contain them yet. Run the last micro-batch's backward with "
+                "gradient sync on (outside no_sync()), which reduces the accumulated sum once, then step."
+            )
+
+    def _after_optimizer_step(self) -> None:
+        # Full parameters unsharded before a step are stale: kept units, and the root when manual optimization steps
+        # inside its forward (training_step). Resharded, the modules show the user's updated parameters (weight
+        # clipping after a step edits them), and the next module using them unshards them again.
+        if self.closed or self._training_state is TrainingState.BACKWARD:
+            return
+        self._reshard_all()
 
     def reshard_idle(self) -> None:
         """Between forwards: reshard whatever an earlier forward left unsharded (the root, SHARD_GRAD_OP units, a
-        forward whose backward never came), so that the modules hold the user's parameters again. Checkpoint
-        functions call it before reading parameters by name. Safe while a backward is still to come: backward
-        unshards again."""
+        forward whose backward never came, kept units), so that the modules hold the user's parameters again.
+        Checkpoint functions call it before reading parameters by name. Safe while a backward is still to come:
+        backward unshards again."""
         if not self.closed and self._training_state is TrainingState.IDLE:
             self._reshard_all()
 
-    def _reshard_all(self) -> None:
+    def _reshard_all(self, *, spare_kept: bool = False) -> None:
+        """Reshard every unit whose forward is not running (the root's is when the step is its forward), except kept
+        ones with ``spare_kept``."""
         for unit in self.units:
-            unit.reshard()
+            if (unit is self.root_unit or unit.forward_depth == 0) and not (spare_kept and unit.kept):
+                unit.reshard()
 
     def _abandon_step(self) -> None:
         """A backward raised (on every rank) before it ended: drop what it left in flight and start clean."""
@@ -370,12 +459,26 @@ class ShardingEngine:
         if not unit.step_state.backward_ended():
             return  # not every call's backward has ended (or one cannot signal it: then _finish_backward reduces)
         # Reshard before the reduction allocates its buffers (the gradients do not need the full parameters).
-        unit.reshard()
+        self._reshard_after_backward(unit)
         self._reduce(unit)
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch(self._neighbour(unit, -1))
 
+    def _reshard_after_backward(self, unit: FlatUnit) -> None:
+        if unit.kept:
+            return
+        if not unit.reshard_after_backward and unit.is_unsharded:
+            unit.kept = True
+            return
+        unit.reshard()
+
     def _reduce(self, unit: FlatUnit) -> None:
+        """The unit's gradients of this backward are complete: reduce them (with any it holds), or hold them when
+        its gradient sync is off (see [Note: engine controls])."""
+        if not unit.requires_gradient_sync:
+            unit.hold_grads()
+            unit.step_state.reduced = True
+            return
         # One reduction in flight at a time: the previous unit's had this unit's whole backward to complete, and
         # waiting for it here bounds the full-size gradient buffers kept alive to two units'.
         self._finish_reductions()
@@ -393,7 +496,10 @@ class ShardingEngine:
         if not self._order_frozen or id(unit) not in self._position:
             return None
         index = self._position[id(unit)] + step
-        return self._order[index] if 0 <= index < len(self._order) else None
+        found = self._order[index] if 0 <= index < len(self._order) else None
+        if found is not None and self._prefetch_group.get(id(found)) != self._prefetch_group.get(id(unit)):
+            return None
+        return found
 
     def _prefetch(self, unit: FlatUnit | None) -> None:
         if unit is None or unit.is_alive or not unit.sharded:
@@ -410,7 +516,7 @@ class ShardingEngine:
         for other in self.units:
             if self._alive_units() < 2:
                 return
-            if other is not unit and other.is_prefetched:
+            if other is not unit and other.is_prefetched and not other.kept:
                 other.reshard()
 
     def _alive_units(self) -> int:
@@ -419,9 +525,11 @@ class ShardingEngine:
     def _finish_backward(self) -> None:
         try:
             for unit in reversed(self.units):
+                if not self._in_scope(unit):
+                    continue
                 # Inside the root's forward too (manual optimization): the modules then show the user's parameters
                 # (weight clipping after the step edits the shards), and the next module using the root unshards it.
-                unit.reshard()
+                self._reshard_after_backward(unit)
                 if unit.trainable_slots and not unit.step_state.reduced:
                     self._reduce(unit)
             self._finish_reductions()
@@ -441,11 +549,28 @@ class ShardingEngine:
 
     def _begin_step(self) -> None:
         for unit in self.units:
-            unit.begin_step()
+            if self._in_scope(unit):
+                unit.begin_step()
+
+    def _in_scope(self, unit: FlatUnit) -> bool:
+        return self._backward_scope is None or id(unit) in self._backward_scope
+
+    @contextmanager
+    def backward_scope(self, units: Iterable[FlatUnit]) -> Iterator[None]:
+        """Backwards run inside this block concern ``units`` only: their end reduces (or holds) and forgets the step
+        of these units and leaves every other unit as it is. For parts of a model whose backwards run separately,
+        such as two pipeline stages on one rank: a backward of one must neither reduce the other's units early nor
+        drop the records of their forwards, whose backwards are still to come."""
+        previous = self._backward_scope
+        self._backward_scope = {id(unit) for unit in units}
+        try:
+            yield
+        finally:
+            self._backward_scope = previous
 
     def _check_no_late_gradients(self) -> None:
         # A gradient that arrived after its unit was reduced would silently join the next step's reduction.
-        late = [s.fqn for u in self.units for s in u.slots if s.full.grad is not None]
+        late = [s.fqn for u in self.units if self._in_scope(u) for s in u.slots if s.full.grad is not None]
         if late:
             raise RuntimeError(
                 f"Gradients for {late} arrived after their unit had been reduced. This happens when a sharded "
@@ -521,6 +646,105 @@ class ShardingEngine:
             for unit, keep in zip(units, was):
                 if not keep:
                     unit.reshard()
+
+    # ------------------------------------------------------------------------------------------- controls
+    # Per-unit state read by the hooks; see [Note: engine controls]. Call each on every rank at the same point.
+    def set_requires_gradient_sync(self, requires: bool, units: Iterable[FlatUnit] | None = None) -> None:
+        """Whether each unit's backward reduces its gradients across ranks (default True; torch FSDP2's name).
+
+        With False, a unit's backward only adds its full-size gradients to the ones it holds (memory: one full
+        gradient per unit, until reduced); the next backward with True reduces the accumulated sum once, as
+        syncing every backward would have (gradient accumulation without communication on all but the last
+        micro-batch). An optimizer step while gradients are held raises ``RuntimeError``. ``units``: only these
+        (default: all; pipeline stages on one rank reduce at different backwards).
+        """
+        check_flag(requires, "requires")
+        for unit in self.units if units is None else units:
+            unit.requires_gradient_sync = requires
+
+    @contextmanager
+    def no_sync(self, units: Iterable[FlatUnit] | None = None) -> Iterator[None]:
+        """``set_requires_gradient_sync(False, units)`` inside the block; each unit's previous value is restored on
+        exit."""
+        chosen = list(self.units if units is None else units)
+        previous = [unit.requires_gradient_sync for unit in chosen]
+        self.set_requires_gradient_sync(False, chosen)
+        try:
+            yield
+        finally:
+            for unit, requires in zip(chosen, previous):
+                unit.requires_gradient_sync = requires
+
+    def set_prefetch_groups(self, groups: Iterable[Iterable[FlatUnit]]) -> None:
+        """Prefetching never crosses from one group of units to another. The order units are prefetched in is the
+        forward order of the first step; where separate parts of the model run in an order that does not predict
+        (pipeline stages on one rank, driven by a schedule), each part is a group and prefetches only within it."""
+        self._prefetch_group = {id(unit): index for index, group in enumerate(groups) for unit in group}
+
+    def set_reshard_after_backward(self, flag: bool) -> None:
+        """Whether each unit frees its full parameters when its backward ends (default True; torch FSDP2's name).
+
+        With False a unit stays unsharded after its backward, so the next micro-batches' forwards and backwards
+        all-gather nothing; the next optimizer step (or ``reshard()``) frees it, so it never computes with stale
+        weights. Costs the unit's full parameters in memory from its backward to that step.
+        """
+        check_flag(flag, "flag")
+        for unit in self.units:
+            unit.reshard_after_backward = flag
+
+    def set_reshard_after_forward(self, value: bool | int | None) -> None:
+        """What each unit (except the root) does with its full parameters when its forward ends.
+
+        True frees them (backward all-gathers them again over the shard group); False keeps them until backward;
+        an int N (1 < N < shard group size, dividing it) frees them but keeps this rank's 1/N of them, so
+        backward's all-gather runs over N consecutive ranks of the shard group only (ZeRO++ hpZ: less traffic
+        across nodes, 1/N of the unit in memory meanwhile). None: the sharding strategy's default (FULL_SHARD and
+        HYBRID_SHARD True, the others False). A bad value raises ``ValueError`` before any collective. The first
+        use of an N creates torch process groups: call on every rank of the world, with the same value.
+        """
+        check_reshard_after_forward(value, self.root_unit.world_size)
+        if value is None:
+            value = self.sharding_strategy.reshard_after_forward
+        secondary = None if isinstance(value, bool) else self._secondary_group(value)
+        self.secondary_comm = secondary
+        for unit in self.units:
+            unit.reshard_after_forward = bool(value)
+            unit.secondary_comm = secondary
+
+    def _secondary_group(self, size: int) -> Communicator:
+        comm = self._secondary_comms.get(size)
+        if comm is None:
+            comm = Communicator(_consecutive_subgroup(self.shard_comm, size), self.shard_comm.device)
+            comm.describe_tag = self._describe_tag
+            self._secondary_comms[size] = comm
+        return comm
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather every unit now and keep it unsharded (torch FSDP2's ``unshard``, for the whole model).
+
+        Forwards and backwards then gather nothing and free nothing until ``reshard()`` or the next optimizer step
+        frees the units. With ``async_op`` the all-gathers are only issued and the returned handle's ``wait()``
+        completes them (a unit's forward also completes its own). Call on every rank of the shard group.
+        """
+        check_flag(async_op, "async_op")
+        for unit in self.units:
+            if async_op:
+                unit.start_unshard(async_op=True)
+            else:
+                unit.unshard()
+            unit.kept = True
+        self._update_peak()
+        return UnshardHandle(self, list(self.units)) if async_op else None
+
+    def reshard(self) -> None:
+        """Free every unit's full parameters now, kept ones included (torch FSDP2's ``reshard``, for the whole
+        model); a prefetch or an ``unshard(async_op=True)`` in flight is completed first. Not during a backward."""
+        if self._training_state is TrainingState.BACKWARD:
+            raise RuntimeError(
+                "ShardingEngine.reshard() was called during a backward: the units still computing their gradients "
+                "need their full parameters. Call it between steps."
+            )
+        self._reshard_all()
 
     def _average_ignored_grad(self, grad: torch.Tensor, name: str) -> torch.Tensor:
         # An ignored parameter is whole on every rank; its incoming gradient (this backward's contribution, before
@@ -637,6 +861,10 @@ class ShardingEngine:
         """Bytes of the unsharded model's managed parameters."""
         return sum(u.full_param_bytes() for u in self.units)
 
+    def held_grad_bytes(self) -> int:
+        """Bytes of the full-size gradients units hold for a later reduction (gradient sync off)."""
+        return sum(u.held_grad_bytes() for u in self.units)
+
     def local_grad_bytes(self) -> int:
         return sum(
             s.param.grad.numel() * s.param.grad.element_size()
@@ -644,6 +872,29 @@ class ShardingEngine:
             for s in u.slots
             if s.param.grad is not None
         )
+
+
+def _consecutive_subgroup(shard_comm: Communicator, size: int) -> dist.ProcessGroup:
+    """This rank's group of ``size`` consecutive ranks of its shard group. torch's ``new_group`` must be called by
+    every process for every group, in the same order: when shard groups are smaller than the world (hybrid
+    sharding, a user's group), every rank first learns every shard group's ranks (one ``all_gather_object``)."""
+    group = shard_comm.group if shard_comm.group is not None else dist.group.WORLD
+    mine = tuple(dist.get_global_rank(group, i) for i in range(shard_comm.world_size))
+    world = dist.get_world_size()
+    if len(mine) == world:
+        every = [mine]
+    else:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        every = sorted(set(gathered))
+    me, found = dist.get_rank(), None
+    for ranks in every:
+        for start in range(0, len(ranks), size):
+            members = sorted(ranks[start : start + size])
+            subgroup = dist.new_group(members)
+            if me in members:
+                found = subgroup
+    return found
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:

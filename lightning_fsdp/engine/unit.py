@@ -12,7 +12,17 @@ re-unshard.
 [Note: a unit's states]
 ``ShardedState`` says where the unit's parameters are (SHARDED, UNSHARDING: an all-gather issued ahead of need,
 UNSHARDED); ``UnitStepState`` counts the unit's calls in the current training step, which decide when its
-gradients can be reduced (see ``ShardingEngine``). Both are declared here; the engine only drives them.
+gradients can be reduced (see ``ShardingEngine``). Both are declared here; the engine only drives them. Three more
+pieces of state outlive a step; the engine's controls set them (see [Note: engine controls] in ``state.py``):
+
+* ``kept``: the unit stays unsharded (an explicit ``ShardingEngine.unshard``, or the end of a backward with
+  ``reshard_after_backward`` off) until ``reshard()`` is called on it; the engine's own reshards leave it alone.
+* the secondary shard (``reshard(secondary=comm)`` after a forward, ZeRO++ hpZ): this rank's 1/N of the full
+  parameters, enough for the next unshard to all-gather over the N ranks of ``comm`` instead of the shard group.
+  The next unshard consumes it; any other reshard drops it (the shards may have changed since).
+* held gradients (``hold_grads``, gradient sync off): each parameter's full-size gradient summed over the backwards
+  since the last reduction (``ParamSlot.unsynced_grad``), added to the next backward's before it is reduced; and
+  ``grads_unsynced``, the same on every rank, which keeps the held parameters in the next reduction's plan.
 """
 
 from __future__ import annotations
@@ -56,7 +66,7 @@ class UnitStepState:
     forward_calls: int = 0  # outermost calls this step that will signal the end of their backward
     backward_calls: int = 0  # of those, how many have signalled
     untracked_calls: int = 0  # calls whose inputs need no gradient: no signal when their backward ends
-    reduced: bool = False  # this step's gradient reduction was issued
+    reduced: bool = False  # this step's gradient reduction was issued (or, gradient sync off, its gradients held)
 
     def track_call(self) -> None:
         self.forward_calls += 1
@@ -91,6 +101,8 @@ class ParamSlot:
     # The requires_grad the engine last gave ``full``: if ``full`` differs at the next sync, the user flipped it
     # through the module while it was installed there (after a forward whose backward never came).
     synced_requires_grad: bool = True
+    # Gradient sync off: the full-size gradient of the backwards since the last reduction (``FlatUnit.hold_grads``).
+    unsynced_grad: torch.Tensor | None = None
 
     @property
     def trainable(self) -> bool:
@@ -118,6 +130,17 @@ class PendingGather(NamedTuple):
     works: list[Any]
     inputs: list[torch.Tensor]  # kept alive until the collectives complete
     staged_out: torch.Tensor | None  # the staging buffer's output, copied into the full buffer when done
+    ranks: int  # the ranks gathered over: the shard group's, or a secondary group's (each sent 1/ranks of the unit)
+
+
+class SecondaryShard(NamedTuple):
+    """After a forward resharded to a smaller group (``FlatUnit.reshard(secondary=...)``): this rank's part of the
+    full parameters for an all-gather over ``comm``. Laid out as the full buffer is (parameter after parameter), each
+    parameter's piece being the padded chunks of the ``world_size / comm.world_size`` consecutive shard-group ranks
+    whose rows this rank keeps: the pieces of ``comm``'s ranks, end to end, are the whole parameter."""
+
+    comm: Communicator
+    buffer: torch.Tensor
 
 
 class PendingReduce(NamedTuple):
@@ -168,6 +191,13 @@ class FlatUnit:
         self._last_plan: ReducePlan | None = None
         self.sharded_state = ShardedState.SHARDED
         self._pending_unshard: PendingGather | None = None  # UNSHARDING with collectives to wait for
+        # The engine's controls (see [Note: a unit's states]); the engine sets them, the unit only applies them.
+        self.requires_gradient_sync = True  # read when the unit's backward ends: reduce, or hold the gradients
+        self.reshard_after_backward = True  # read when the unit's backward ends: reshard, or stay (``kept``)
+        self.secondary_comm: Communicator | None = None  # reshard after forward to this smaller group (hpZ)
+        self.kept = False
+        self.grads_unsynced = False
+        self._secondary: SecondaryShard | None = None
         self._check_uniform_dtype()
         # Fixed now: once sharded, the parameters may live elsewhere (CPU offload).
         self.dtype = self.slots[0].param.dtype if self.slots else torch.float32
@@ -267,10 +297,12 @@ class FlatUnit:
                 slot.in_graph = True
 
     def begin_step(self) -> None:
-        """Forget the current training step: its calls, its reduction, which parameters took part."""
+        """Forget the current training step: its calls, its reduction, which parameters took part (unless their
+        gradients are held for a later reduction: they take part in it)."""
         self.step_state = UnitStepState()
-        for slot in self.slots:
-            slot.in_graph = False
+        if not self.grads_unsynced:
+            for slot in self.slots:
+                slot.in_graph = False
 
     @property
     def trainable_slots(self) -> list[ParamSlot]:
@@ -331,47 +363,58 @@ class FlatUnit:
         self._finish_unshard()
 
     def start_unshard(self, *, async_op: bool = True) -> None:
-        """Issue this unit's all-gather; with ``async_op`` it overlaps whatever runs until ``unshard()``."""
+        """Issue this unit's all-gather; with ``async_op`` it overlaps whatever runs until ``unshard()``.
+
+        From the shard group, or, when a forward left a secondary shard, over that smaller group (which uses it up).
+        """
         if self.is_alive:
             return
         self.sharded_state = ShardedState.UNSHARDING
+        secondary, self._secondary = self._secondary, None
         if self._aliases_shard or not self.slots:
             return
-        shard = self.flat_shard.to(self.device, self.compute_dtype)  # no copy in full precision on one device
-        if not self.sharded:
-            self._allocate_full()
-            with torch.no_grad():
-                self.full_flat.copy_(shard)
-            return
-        n = self.world_size
-        self.shard_comm.agree(self.tag(CollectiveKind.ALL_GATHER))
+        if secondary is not None:
+            comm, source = secondary.comm, secondary.buffer
+        else:
+            comm, source = self.shard_comm, self.flat_shard.to(self.device, self.compute_dtype)  # no copy in fp32
+            if not self.sharded:
+                self._allocate_full()
+                with torch.no_grad():
+                    self.full_flat.copy_(source)
+                return
+        # Each of the ``ranks`` ranks sends ``k`` consecutive padded chunks per parameter (k = 1 from the shards).
+        ranks = comm.world_size
+        k = self.world_size // ranks
+        comm.agree(self.tag(CollectiveKind.ALL_GATHER))
         if len(self.slots) == 1:
             # One parameter: rank-major and parameter-major layouts coincide, so gather in place.
             self._allocate_full()
-            work = self.shard_comm.all_gather(self.full_flat, shard, async_op=async_op)
-            self._pending_unshard = PendingGather([work], [shard], None)
+            work = comm.all_gather(self.full_flat, source, async_op=async_op)
+            self._pending_unshard = PendingGather([work], [source], None, ranks)
             return
         works = []
         if self._direct:
             self._allocate_full()
             for i in self._direct:
-                slot = self.slots[i]
-                chunk = shard[slot.offset : slot.offset + slot.layout.padded_numel]
-                works.append(self.shard_comm.all_gather(self._full_regions[i].view(-1), chunk, async_op=async_op))
-        inputs, gathered = [shard], None
+                piece = source[k * self.slots[i].offset : k * (self.slots[i].offset + self._split_sizes[i])]
+                works.append(comm.all_gather(self._full_regions[i].view(-1), piece, async_op=async_op))
+        inputs, gathered = [source], None
         if self._staged:
             # The full buffer is allocated at copy-out, not now (unless a parameter is gathered in place): a
             # prefetched unit in flight then holds one unit-sized buffer (this staging one), not two.
             if self._direct:
                 staged_in = torch.cat(
-                    [shard[self.slots[i].offset : self.slots[i].offset + self._split_sizes[i]] for i in self._staged]
+                    [
+                        source[k * self.slots[i].offset : k * (self.slots[i].offset + self._split_sizes[i])]
+                        for i in self._staged
+                    ]
                 )
             else:
-                staged_in = shard
-            gathered = torch.empty(n * staged_in.numel(), dtype=self.compute_dtype, device=self.device)
-            works.append(self.shard_comm.all_gather(gathered, staged_in, async_op=async_op))
+                staged_in = source
+            gathered = torch.empty(ranks * staged_in.numel(), dtype=self.compute_dtype, device=self.device)
+            works.append(comm.all_gather(gathered, staged_in, async_op=async_op))
             inputs.append(staged_in)
-        self._pending_unshard = PendingGather(works, inputs, gathered)
+        self._pending_unshard = PendingGather(works, inputs, gathered, ranks)
 
     def _allocate_full(self) -> None:
         storage = self.full_flat.untyped_storage()
@@ -382,12 +425,16 @@ class FlatUnit:
         pending, self._pending_unshard = self._pending_unshard, None
         if pending is not None:
             _wait(pending.works)
-            gathered = pending.staged_out
+            gathered, ranks = pending.staged_out, pending.ranks
             if gathered is not None:
                 self._allocate_full()
+                k = self.world_size // ranks  # chunks per parameter each rank sent
                 with torch.no_grad():
                     torch.split_with_sizes_copy(
-                        gathered.view(self.world_size, -1), self._staged_sizes, dim=1, out=self._staged_regions
+                        gathered.view(ranks, -1),
+                        [k * size for size in self._staged_sizes],
+                        dim=1,
+                        out=[region.view(ranks, -1) for region in self._staged_regions],
                     )
         self._install(full=True)
         self.sharded_state = ShardedState.UNSHARDED
@@ -414,17 +461,39 @@ class FlatUnit:
             for slot, piece in zip(self.slots, pieces)
         ]
 
-    def reshard(self) -> None:
-        """Put the shards back into the modules and release the full parameters' memory."""
+    def reshard(self, *, secondary: Communicator | None = None) -> None:
+        """Put the shards back into the modules and release the full parameters' memory; ends ``kept``.
+
+        ``secondary`` (after a forward, ZeRO++ hpZ): first keep this rank's part of the full parameters for an
+        all-gather over that smaller group of ranks (see ``SecondaryShard``), which the next unshard uses. Any other
+        reshard drops a secondary shard: the shards it was taken from may have changed since (an optimizer step).
+        """
+        self.kept = False
         if self.is_prefetched:
             # A prefetch that was not used (the execution order changed): complete it, then drop it.
             self._finish_unshard()
         if not self.is_unsharded:
+            self._secondary = None
             return
+        self._secondary = self._take_secondary(secondary) if secondary is not None else None
         self._install(full=False)
         if not self._aliases_shard:
             self._free_full()
         self.sharded_state = ShardedState.SHARDED
+
+    @torch.no_grad()
+    def _take_secondary(self, comm: Communicator) -> SecondaryShard | None:
+        if not self.sharded or self._aliases_shard or not self.slots or comm.world_size >= self.world_size:
+            return None
+        k = self.world_size // comm.world_size
+        rows = slice(comm.rank * k, (comm.rank + 1) * k)  # this rank's position in its group: its block of chunks
+        buffer = torch.empty(k * self.shard_numel, dtype=self.compute_dtype, device=self.device)
+        torch.cat([region[rows].reshape(-1) for region in self._full_regions], out=buffer)
+        return SecondaryShard(comm, buffer)
+
+    def secondary_numel(self) -> int:
+        """Elements of the secondary shard held now (0 when none)."""
+        return self._secondary.buffer.numel() if self._secondary is not None else 0
 
     def release_buffers(self) -> None:
         """Free the flat buffers once the parameters own their full values again (``restore_unsharded``)."""
@@ -432,6 +501,10 @@ class FlatUnit:
         self.full_flat = torch.empty(0, dtype=self.compute_dtype, device=self.device)
         self._full_regions, self._staged_regions = [], []
         self._plans.clear()
+        self._secondary = None
+        self.grads_unsynced = False
+        for slot in self.slots:
+            slot.unsynced_grad = None
 
     def _install(self, *, full: bool) -> None:
         for slot in self.slots:
@@ -457,14 +530,14 @@ class FlatUnit:
             return
         grads = []
         used = []
+        self.grads_unsynced = False
         for slot in plan.slots:
-            grad = slot.full.grad
+            grad = self._take_grad(slot)
             used.append(grad is not None)
             if grad is None:
                 # Unused in this step on this rank; another rank may have used it, so it still takes part.
                 grad = torch.zeros(slot.layout.shape, dtype=self.compute_dtype, device=self.device)
             grads.append(grad.reshape(slot.layout.rows, -1) if grad.dim() == 0 else grad)
-            slot.full.grad = None
         if torch.is_anomaly_enabled():
             finite = torch.stack([torch.isfinite(g).all() for g in grads]).tolist()
             self.nonfinite = [s.fqn for s, ok in zip(plan.slots, finite) if not ok]
@@ -508,6 +581,40 @@ class FlatUnit:
             self.shard_comm.agree(self.tag(CollectiveKind.REDUCE))
             works, inputs = [self.shard_comm.all_reduce(reduced, async_op=True)], []
         self._pending_reduce = PendingReduce(works, reduced, inputs, staged_out, pre_divide, ranks, plan)
+
+    def _take_grad(self, slot: ParamSlot) -> torch.Tensor | None:
+        """``slot``'s full gradient to reduce: this backward's plus what earlier ones held (gradient sync off)."""
+        grad, held = slot.full.grad, slot.unsynced_grad
+        slot.full.grad = slot.unsynced_grad = None
+        if held is None:
+            return grad
+        if grad is not None:
+            held.add_(grad)
+        return held.to(self.compute_dtype)
+
+    def hold_grads(self) -> None:
+        """Gradient sync off: instead of reducing, add this backward's full gradients to the ones held (no
+        communication); the next ``reduce_grads`` reduces the sum once. Held in the reduction's dtype when that is
+        the wider one (mixed precision), as torch's FSDP2 accumulates unsharded gradients."""
+        plan = self.reduce_plan()
+        if not plan.slots:
+            return
+        self.grads_unsynced = True
+        for slot in plan.slots:
+            grad, slot.full.grad = slot.full.grad, None
+            if grad is None:
+                continue
+            if slot.unsynced_grad is None:
+                # The gradient autograd accumulated belongs to this unit alone: kept as it is unless widened.
+                slot.unsynced_grad = grad.to(torch.promote_types(grad.dtype, self.reduce_dtype))
+            else:
+                slot.unsynced_grad.add_(grad)
+
+    def held_grad_bytes(self) -> int:
+        """Bytes of the full-size gradients held for a later reduction (gradient sync off)."""
+        return sum(
+            s.unsynced_grad.numel() * s.unsynced_grad.element_size() for s in self.slots if s.unsynced_grad is not None
+        )
 
     def finish_reduce(self) -> None:
         """Wait for the reduction ``reduce_grads`` started and add its result to the shards' ``.grad``."""

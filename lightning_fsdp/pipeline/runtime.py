@@ -106,7 +106,11 @@ class PipelineRuntime:
         self._schedules: dict[tuple, _Schedule] = {}
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
         self._loss_scale = 1.0
-        self.engine: Any = None  # set by the strategy once the model is sharded (for no_sync between microbatches)
+        self.engine: Any = None  # attach_engine, once the model is sharded
+        self._model = model
+        self._stage_units: dict[int, list[Any]] = {}  # this rank's stages' units, by stage
+        self._shared_units: list[Any] = []  # units of no single stage (the root unit): reduced after the last backward
+        self._stages_done = 0  # stages whose last microbatch's backward ran in this step
         # The divisor Lightning applies to a plain step's loss (accumulate_grad_batches under automatic optimization).
         self.accumulation: Callable[[], int] = lambda: 1
         # The global rank of the last stage's holder in this rank's pipeline group (the loss's source).
@@ -115,6 +119,39 @@ class PipelineRuntime:
         # On this rank the model is only its stages: called directly it would compute a part of the model, silently.
         name = type(model).__name__
         model.register_forward_pre_hook(lambda _m, _a: _refuse_direct_call(name))
+
+    def attach_engine(self, engine: Any) -> None:
+        """The sharding engine of this rank's stages: which of its units belong to which stage (see
+        [Note: gradient reduction per stage])."""
+        self.engine = engine
+        stage_of: dict[int, int] = {}
+        for stage in self.local_stages:
+            for piece in self.stages[stage]:
+                for module in self._model.get_submodule(piece).modules():
+                    stage_of[id(module)] = stage
+        self._stage_units = {stage: [] for stage in self.local_stages}
+        self._shared_units = []
+        for unit in engine.units:
+            stage = stage_of.get(id(unit.module))
+            if stage is None:
+                self._shared_units.append(unit)
+            else:
+                self._stage_units[stage].append(unit)
+        # Backward prefetching follows the forward order recorded on the first step; with several stages on a rank
+        # that order runs from one stage into the next, which the schedule does not follow.
+        engine.set_prefetch_groups(list(self._stage_units.values()))
+
+    def _backward_units(self, stage: int, last_backward: bool) -> tuple[list[Any], list[Any]]:
+        """``(scope, reduced)`` of a backward of ``stage``: the units it concerns, and those of them it reduces.
+        It concerns the stage's own units, and in the last backward of the step on this rank also the shared ones
+        (their gradients accumulate in place until then, and they stay unsharded, gathered once). It reduces
+        nothing before the stage's last microbatch, then everything it concerns."""
+        own = self._stage_units.get(stage, [])
+        if not last_backward:
+            return own, []
+        self._stages_done += 1
+        scope = own + (self._shared_units if self._stages_done == len(self.local_stages) else [])
+        return scope, scope
 
     # ------------------------------------------------------------------------------------------ schedules
     def _shapes(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[tuple, Any]]:
@@ -202,6 +239,7 @@ class PipelineRuntime:
                     f"divide; use a per-rank batch size that is a multiple of {m} (and drop_last=True)."
                 )
         found = self._schedule(inputs, train)
+        self._stages_done = 0
         self._loss_fn = loss_fn
         self._loss_scale = 1.0 / (m * accumulation)
         losses: list[torch.Tensor] = []
@@ -225,15 +263,30 @@ class PipelineRuntime:
 
 
 class _ShardedStage(PipelineStage):
-    """torch's stage, with the sharding engine's gradient reduction deferred to each stage's last microbatch."""
+    """torch's stage, with the sharding engine's gradient reduction deferred to each stage's last microbatch.
+
+    [Note: gradient reduction per stage]
+    Every microbatch's backward but a stage's last one runs with gradient sync off for all of this rank's units:
+    they add full-size gradients locally (torch FSDP2's ``set_requires_gradient_sync(False)``, which torch's stage
+    sets for its own FSDP modules). The stage's last backward reduces the sum once, for the stage's own units only:
+    with several stages per rank, another stage still has microbatches to come, and reducing its units now would
+    reduce them twice. Each backward is also scoped to the stage's units (``ShardingEngine.backward_scope``), so its
+    end leaves the other stage's units, and the records of their forwards, alone. The units of no single stage (the
+    root unit: parameters outside any wrapped module) take gradients from every local stage: they enter the scope
+    only in the step's last backward on this rank, so until then their gradients accumulate in place and they stay
+    unsharded (gathered once per step), and that backward reduces them.
+    """
 
     runtime: PipelineRuntime | None = None
 
     def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False) -> Any:
-        engine = self.runtime.engine if self.runtime is not None else None
-        if engine is None or last_backward or not hasattr(engine, "no_sync"):
+        runtime = self.runtime
+        if runtime is None or runtime.engine is None:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        with engine.no_sync():
+        engine = runtime.engine
+        scope, reduce = runtime._backward_units(self.stage_index, last_backward)
+        held = [unit for unit in scope if all(unit is not other for other in reduce)]
+        with engine.backward_scope(scope), engine.no_sync(held):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
 

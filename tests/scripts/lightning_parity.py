@@ -45,6 +45,11 @@ class Module(L.LightningModule):
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
+    def on_train_end(self):
+        # The fit's engine (validate, test and predict shard the model afresh, with counters of their own).
+        engine = getattr(self.trainer.strategy, "engine", None)
+        self.fit_reduce_scatter_calls = engine.shard_comm.stats.reduce_scatter_calls if engine is not None else 0
+
     def validation_step(self, b, i):
         x, y = b
         logits = self.model(x)
@@ -91,6 +96,8 @@ def main() -> None:
         strategy = FSDPStrategy(sharding_strategy=args.sharding, auto_wrap_policy={Block})
     elif strategy == "fsdp_custom_blocks":
         strategy = FSDPStrategy(auto_wrap_policy={Block})
+    elif strategy == "fsdp_custom_deferred_sync":
+        strategy = FSDPStrategy(auto_wrap_policy={Block}, sync_gradients_while_accumulating=False)
     elif strategy == "fsdp_custom_checkpointed":
         # Class paths, as a YAML config would give them.
         strategy = FSDPStrategy(
@@ -155,6 +162,7 @@ def main() -> None:
                 "collectives": collectives,
                 "placement": placement,
                 "all_gather_bytes": gathered,
+                "reduce_scatter_calls": module.fit_reduce_scatter_calls,
                 "losses": module.step_losses,
                 "state": full,
                 "val": val,
