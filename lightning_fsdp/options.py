@@ -117,10 +117,9 @@ class ShardingOptions:
     def from_arguments(cls, arguments: Mapping[str, Any], *, names: bool = False) -> ShardingOptions:
         """``parse`` over the entries of ``arguments`` named like the fields. ``FSDPStrategy.__init__`` and
         ``fully_shard`` pass their ``locals()``: their option parameters carry the fields' names, so the list of
-        options is written once, here. A field the caller does not take gets ``parse``'s default (the strategy does
-        not take ``reshard_after_forward`` yet: its sharding strategy decides)."""
+        options is written once, here (a caller missing one raises ``KeyError``: it must take every option)."""
         fields = [field.name for field in dataclasses.fields(cls)]
-        return cls.parse(**{name: arguments[name] for name in fields if name in arguments}, names=names)
+        return cls.parse(**{name: arguments[name] for name in fields}, names=names)
 
     def as_kwargs(self) -> dict[str, Any]:
         """The options as ``fully_shard`` keyword arguments (a shallow copy: modules stay the same objects)."""

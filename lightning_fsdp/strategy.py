@@ -54,8 +54,6 @@ from lightning_fsdp.checkpoint.paths import remove_checkpoint_path
 from lightning_fsdp.config import MixedPrecision, ShardingStrategy, WrapPolicy, parse_state_dict_type
 from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
 from lightning_fsdp.engine.sharding import has_meta_tensors
-from lightning_fsdp.pipeline.options import PipelineOptions, check_pipeline_composition, check_pipeline_precision
-from lightning_fsdp.pipeline.runtime import PipelineGradients, PipelineRuntime, pipeline_layout
 from lightning_fsdp.even_batches import EvenBatches
 from lightning_fsdp.launcher import check_start_method, choose_launcher, stop_launched_processes
 from lightning_fsdp.options import (
@@ -66,6 +64,14 @@ from lightning_fsdp.options import (
     check_use_orig_params,
     resolve_names,
 )
+from lightning_fsdp.pipeline.checkpoint import (
+    PipelineCheckpoint,
+    check_pipeline_format,
+    pipeline_model_state_dict,
+    pipeline_optimizer_state,
+)
+from lightning_fsdp.pipeline.options import PipelineOptions, check_pipeline_composition, check_pipeline_precision
+from lightning_fsdp.pipeline.runtime import PipelineGradients, PipelineRuntime, pipeline_layout
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
 from lightning_fsdp.process_groups import GroupChoice
 from lightning_fsdp.shutdown import settle_at_exit
@@ -123,6 +129,8 @@ class FSDPStrategy(ParallelStrategy):
         pipeline_stages_per_rank: stages on each pipeline rank (2 or more for the interleaved schedule; default 2).
         pipeline_split: piece names (``"blocks.4"``) where stages 1, 2, ... start; default: balanced by parameters.
         pipeline_module: the LightningModule's attribute holding the model to cut (default ``"model"``).
+        reshard_after_forward: ``None`` (the sharding strategy's choice), ``True``, ``False``, or an int N that keeps
+            1/N of each unit after forward so backward gathers within N consecutive ranks (ZeRO++ hpZ).
         sync_gradients_while_accumulating: ``False`` reduces gradients only on the batch before each optimizer step
             under ``accumulate_grad_batches`` (and where manual optimization asks for it with
             ``toggle_model(sync_grad=False)``): the other batches add full-size gradients locally, so each unit
@@ -169,6 +177,7 @@ class FSDPStrategy(ParallelStrategy):
         pipeline_split: list[str] | None = None,
         pipeline_module: str = "model",
         sync_gradients_while_accumulating: bool = True,
+        reshard_after_forward: bool | int | None = None,
     ) -> None:
         # Validate everything first: this runs on every rank before any process group exists, so a bad value
         # raises the same error everywhere instead of leaving a rank waiting in a collective (options.py).
@@ -188,6 +197,8 @@ class FSDPStrategy(ParallelStrategy):
             pipeline_module,
         )
         check_pipeline_composition(self.pipeline_options, self.options, process_group, device_mesh)
+        if self.pipeline_options.enabled:
+            check_pipeline_format(self.state_dict_type.value)
         check_flag(sync_gradients_while_accumulating, "sync_gradients_while_accumulating")
         self.sync_gradients_while_accumulating = sync_gradients_while_accumulating
         check_start_method(start_method)
@@ -669,14 +680,24 @@ class FSDPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------------------------ checkpoints
     # The format a save writes is the one state_dict_type names; a load reads the one on disk, whatever
     # state_dict_type is (a full file or a sharded directory at any world size, a local one at its own). See
-    # [Note: checkpoint formats] in lightning_fsdp/checkpoint/common.py.
+    # [Note: checkpoint formats] in lightning_fsdp/checkpoint/common.py. With pipeline parallelism every format
+    # describes the unsplit model: [Note: checkpoints across pipeline layouts] in lightning_fsdp/pipeline/checkpoint.py.
     @property
     def _checkpoint_format(self) -> CheckpointFormat:
         return format_for_saving(self.state_dict_type)
 
+    def _pipeline_checkpoint(self, optimizers: list[Optimizer] | None = None) -> PipelineCheckpoint | None:
+        """Under pipeline parallelism, the other stages' keys and the unsplit optimizers (a collective)."""
+        if self.pipeline is None:
+            return None
+        assert self.engine is not None
+        return PipelineCheckpoint.gather(self.pipeline, self.engine, optimizers or [])
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.engine is not None
+        if self.pipeline is not None:
+            return pipeline_model_state_dict(self._checkpoint_format.kind, self.pipeline, self.engine)
         return self._checkpoint_format.model_state_dict(self.engine)
 
     @override
@@ -689,9 +710,19 @@ class FSDPStrategy(ParallelStrategy):
                 f"The checkpoint holds {what} (its entries: {sorted(map(str, checkpoint))}); a Lightning checkpoint "
                 "keeps the model's weights there."
             )
+        if self.pipeline is not None:
+            # Each stage finds its own missing keys: every rank raises if one does.
+            info = self._pipeline_checkpoint()
+            Collective().run_agreed(lambda: self._load_model_state(state, strict, info))
+        else:
+            self._load_model_state(state, strict, None)
+
+    def _load_model_state(self, state: Mapping[str, Any], strict: bool, info: PipelineCheckpoint | None) -> None:
+        assert self.engine is not None
         if isinstance(state, ShardedStateDict):  # read from a sharded/local directory: already this rank's rows
             load_sharded_model_state_dict(self.engine, state, strict=strict)
-        else:
+        else:  # a full state dict; under pipeline parallelism the unsplit model's, of which this rank takes its part
+            state = info.local_model_state(state) if info is not None else state
             load_full_model_state_dict(self.engine, state, strict=strict)
 
     @override
@@ -699,6 +730,8 @@ class FSDPStrategy(ParallelStrategy):
         assert self.engine is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if self.pipeline is not None:
+            return pipeline_optimizer_state(self._checkpoint_format.kind, self.pipeline, self.engine, optimizer)
         return self._checkpoint_format.optimizer_state(self.engine, optimizer)
 
     @override
@@ -710,16 +743,31 @@ class FSDPStrategy(ParallelStrategy):
                 f"The checkpoint holds the state of {len(states)} optimizer(s), but this run configured "
                 f"{len(self.optimizers)}; resume with the same optimizers."
             )
-        for optimizer, state in zip(self.optimizers, states):
-            if isinstance(state, ShardedOptimizerState):  # from a sharded/local directory: already this rank's rows
-                optimizer.load_state_dict(state)
-            else:  # plain torch.optim layout, or keyed by parameter name (Lightning's consolidate_checkpoint)
-                load_full_optimizer_state_dict(self.engine, optimizer, to_index_keyed(state))
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        info = self._pipeline_checkpoint(optimizers)
+        for index, (optimizer, state) in enumerate(zip(optimizers, states)):
+            if info is None:
+                self._load_optimizer_state(optimizer, state, None, index)
+            else:  # a problem one stage finds raises on every rank
+                Collective().run_agreed(lambda o=optimizer, s=state, i=index: self._load_optimizer_state(o, s, info, i))
+
+    def _load_optimizer_state(
+        self, optimizer: Optimizer, state: Any, info: PipelineCheckpoint | None, index: int
+    ) -> None:
+        assert self.engine is not None
+        if isinstance(state, ShardedOptimizerState):  # from a sharded/local directory: already this rank's rows
+            optimizer.load_state_dict(state)
+            return
+        state = to_index_keyed(state)  # plain torch.optim layout, or keyed by parameter name (consolidate_checkpoint)
+        if info is not None:  # the unsplit optimizer's state: this rank's positions of it
+            state = info.local_optimizer_state(index, state, optimizer, "The checkpoint")
+        load_full_optimizer_state_dict(self.engine, optimizer, state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         gather_averages_for_save(self, checkpoint)  # SWA / EMA averages: full tensors, not rank 0's rows only
-        run = CheckpointRun(self.engine, self.optimizers, self.checkpoint_io)
+        pipeline = self._pipeline_checkpoint() if self._checkpoint_format.kind != FULL_FORMAT.kind else None
+        run = CheckpointRun(self.engine, self.optimizers, self.checkpoint_io, pipeline)
         self._checkpoint_format.save(checkpoint, filepath, run, storage_options)
 
     @override
@@ -736,7 +784,8 @@ class FSDPStrategy(ParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else None
-        run = CheckpointRun(self.engine, optimizers, self.checkpoint_io)
+        pipeline = self._pipeline_checkpoint(optimizers) if fmt is not FULL_FORMAT else None
+        run = CheckpointRun(self.engine, optimizers, self.checkpoint_io, pipeline)
         checkpoint = fmt.load(path, run, weights_only=weights_only, coll=coll)
         # Each rank takes its rows of the SWA / EMA averages before the callbacks load them.
         return slice_loaded_averages(self, checkpoint)
@@ -748,6 +797,8 @@ class FSDPStrategy(ParallelStrategy):
                 f"Cannot load the {fmt.kind} checkpoint directory {path!r} before the model is sharded; the Trainer "
                 "loads it after setup (ckpt_path=...)."
             )
+        if self.pipeline is not None:
+            check_pipeline_format(fmt.kind)
         return fmt
 
     @override

@@ -287,6 +287,7 @@ def test_parameter_outside_any_piece():
         ),
         ({"pipeline_parallel_size": 2, "pipeline_split": ["a", "b"]}, r"names 2 cut points; 2 stages .* need 1"),
         ({"pipeline_parallel_size": 2, "sharding_strategy": "HYBRID_SHARD"}, "hybrid sharding inside a stage"),
+        ({"pipeline_parallel_size": 2, "state_dict_type": "local"}, "state_dict_type='local' with pipeline_paral"),
     ],
 )
 def test_bad_options_raise_when_the_strategy_is_built(kwargs, message):

@@ -22,7 +22,7 @@ TINY = [
     *("--global-batch", str(BATCH), "--microbatches", str(MICRO)),
     *("--steps", "2", "--warmup", "1", "--mem-steps", "1"),
 ]
-KEYS = ["pp_gpipe", "pp_1f1b", "pp_interleaved", "fsdp_x4", "ddp_x4"]
+KEYS = ["pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_1f1b_kept", "fsdp_x4", "ddp_x4"]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def _model() -> PipelineGPT:
         return PipelineGPT(cfg.gpt_config())
 
 
-def _theory(pieces: list[str], ranks: int, micro: int) -> tuple[int, int]:
+def _theory(pieces: list[str], ranks: int, micro: int, kept: bool = False) -> tuple[int, int]:
     """(all-gather, reduce-scatter) bytes per step: every Block a unit, the rest of the held pieces the root unit;
     a parameter sends ceil(rows / ranks) rows; blocks gathered twice per microbatch, the root once per step; each unit
     reduce-scattered once per step, its full padded gradient plus one float flag per parameter per rank."""
@@ -53,7 +53,8 @@ def _theory(pieces: list[str], ranks: int, micro: int) -> tuple[int, int]:
     def elements(shapes):
         return sum(math.ceil(s[0] / ranks) * math.prod(s[1:]) for s in shapes)
 
-    gather = 4 * (elements(root) + 2 * micro * sum(elements(u) for u in units))
+    # Kept gathered (reshard_after_forward and reshard_after_backward off): each block gathered once per step.
+    gather = 4 * (elements(root) + (1 if kept else 2 * micro) * sum(elements(u) for u in units))
     reduce = 4 * ranks * sum(elements(u) + len(u) for u in ([root] if root else []) + units)
     return gather, reduce
 
@@ -104,12 +105,12 @@ def test_losses_of_every_variant_agree(run):
         assert row["memory_run_losses"][0] == pytest.approx(reference[0], rel=1e-5)
 
 
-@pytest.mark.parametrize("key", ["pp_gpipe", "pp_1f1b", "pp_interleaved", "fsdp_x4"])
+@pytest.mark.parametrize("key", ["pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_1f1b_kept", "fsdp_x4"])
 def test_collective_bytes_equal_theory(run, key):
     _, results = run
     row = next(r for r in results["variants"] if r["key"] == key)
     for rank in row["ranks"]:
-        gather, reduce = _theory(rank["pieces"], row["data_size"], row["microbatches"])
+        gather, reduce = _theory(rank["pieces"], row["data_size"], row["microbatches"], kept=key.endswith("kept"))
         measured = rank["measured_per_step"]
         assert measured["all_gather"] == gather, rank["rank"]
         assert measured["reduce_scatter"] == reduce, rank["rank"]
@@ -117,7 +118,7 @@ def test_collective_bytes_equal_theory(run, key):
         assert rank["matches_theory"]
 
 
-@pytest.mark.parametrize("key", ["pp_gpipe", "pp_1f1b", "pp_interleaved", "fsdp_x4", "ddp_x4"])
+@pytest.mark.parametrize("key", KEYS)
 def test_p2p_bytes_equal_activation_formula(run, key):
     _, results = run
     row = next(r for r in results["variants"] if r["key"] == key)

@@ -133,6 +133,9 @@ class VariantSpec:
     pipeline: bool  # P=2 x D=2; else P=1 over all ranks
     schedule: str | None = None  # the pipeline schedule
     ddp: bool = False
+    # Units stay gathered from the step's first forward to the optimizer step (reshard_after_forward=False and
+    # reshard_after_backward=False): each is gathered once per step instead of twice per microbatch.
+    kept: bool = False
 
 
 VARIANTS: dict[str, VariantSpec] = {
@@ -141,6 +144,7 @@ VARIANTS: dict[str, VariantSpec] = {
         VariantSpec("pp_gpipe", "P=2 x D=2 GPipe", True, "GPipe"),
         VariantSpec("pp_1f1b", "P=2 x D=2 1F1B", True, "1F1B"),
         VariantSpec("pp_interleaved", "P=2 x D=2 Interleaved1F1B", True, "Interleaved1F1B"),
+        VariantSpec("pp_1f1b_kept", "P=2 x D=2 1F1B, units kept gathered", True, "1F1B", kept=True),
         VariantSpec("fsdp_x4", "fsdp_custom FULL_SHARD x4", False),
         VariantSpec("ddp_x4", "torch DDP x4", False, ddp=True),
     )
@@ -222,7 +226,9 @@ def shard_numel(shape: tuple[int, ...] | torch.Size, ranks: int) -> int:
     return -(-rows // ranks) * row
 
 
-def engine_theory(model: nn.Module, pieces: list[str], ranks: int, microbatches: int) -> dict[str, int]:
+def engine_theory(
+    model: nn.Module, pieces: list[str], ranks: int, microbatches: int, *, kept: bool = False
+) -> dict[str, int]:
     """Bytes this rank passes into all-gathers and reduce-scatters per FULL_SHARD step (see the module docstring):
     ``pieces`` are the model's pieces this rank holds; every ``Block`` among them is a unit, the rest the root's."""
     root: list[torch.Size] = []
@@ -244,7 +250,7 @@ def engine_theory(model: nn.Module, pieces: list[str], ranks: int, microbatches:
     units = ([root] if root else []) + blocks
     m = microbatches
     return {
-        "all_gather": gather(root) + 2 * m * sum(gather(b) for b in blocks),
+        "all_gather": gather(root) + (1 if kept else 2 * m) * sum(gather(b) for b in blocks),
         "reduce_scatter": sum(reduce(u) for u in units),
     }
 
@@ -380,6 +386,9 @@ class Built:
                 self.root, process_group=layout.dp_group, sharding_strategy="FULL_SHARD", auto_wrap_policy={Block}
             )
             self.runtime.attach_engine(self.engine)
+            if spec.kept:
+                self.engine.set_reshard_after_forward(False)
+                self.engine.set_reshard_after_backward(False)
             self.batch_index, self.batch_parts = layout.dp_rank, layout.data_size
             self.local_stages = list(self.runtime.local_stages)
             self.stages = [list(s) for s in self.runtime.stages]
@@ -635,7 +644,7 @@ def _summarise(key: str, ranks: list[dict[str, Any]], cfg: PipelineBenchmarkConf
             measured = {k: v for k, v in measured.items() if k.startswith("p2p")}
             source = "all-reduce: theory only (DDP's C++ reducer); P2P: counted (none)"
         else:
-            theory = dict(engine_theory(meta, t["pieces"], t["data_size"], row["microbatches"]))
+            theory = dict(engine_theory(meta, t["pieces"], t["data_size"], row["microbatches"], kept=spec.kept))
             source = "engine CommStats; P2P: counted isend"
         if spec.pipeline:
             theory.update(p2p_theory(cfg, t["local_stages"], num_stages, t["data_size"]))
@@ -743,6 +752,7 @@ THEORY_TEXT = [
     "shard(p) = ceil(rows(p) / D) * numel(p) / rows(p)   (elements a parameter puts into a flat collective over D)",
     "AG(unit) = 4 * sum_p shard(p);  RS(unit) = 4 * D * (sum_p shard(p) + k)   (k parameters: one used-flag each)",
     "all-gather / step = AG(root) + 2 * M * sum_blocks AG(block)   (M = 1 without pipelining)",
+    "  with units kept gathered (1F1B, kept): AG(root) + sum_blocks AG(block)   (once per step)",
     "reduce-scatter / step = sum_units RS(unit)   (the pipeline reduces on each stage's last microbatch only)",
     "a = 4 * (G / D / M) * seq * width   (one microbatch's activation, = its input gradient)",
     "P2P activations / step = a * M * (local stages that are not last); gradients = a * M * (not first)",

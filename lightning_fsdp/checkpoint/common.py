@@ -295,6 +295,9 @@ class CheckpointRun(NamedTuple):
     engine: ShardingEngine | None  # None before the model is sharded (only a full file can be read then)
     optimizers: Sequence[Optimizer] | None = None  # a load restores optimizer state only where these are given
     checkpoint_io: CheckpointIO | None = None  # Lightning's: the full format's file goes through it
+    # Under pipeline parallelism: the other stages' keys and the unsplit optimizers' param groups, a
+    # lightning_fsdp.pipeline.checkpoint.PipelineCheckpoint (see [Note: checkpoints across pipeline layouts] there).
+    pipeline: Any = None
 
 
 class CheckpointFormat:

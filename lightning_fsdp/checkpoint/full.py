@@ -47,11 +47,15 @@ def _param_keys(module: nn.Module) -> dict[int, list[str]]:
 
 
 @torch.no_grad()
-def full_model_state_dict(engine: ShardingEngine, *, rank0_only: bool = True) -> dict[str, Any]:
-    """The unwrapped model's ``state_dict()`` with full tensors on CPU (empty on other ranks if ``rank0_only``)."""
+def full_model_state_dict(
+    engine: ShardingEngine, *, rank0_only: bool = True, keep: bool | None = None
+) -> dict[str, Any]:
+    """The unwrapped model's ``state_dict()`` with full tensors on CPU (empty on other ranks if ``rank0_only``).
+    ``keep`` overrides which ranks keep it (under pipeline parallelism: each stage's data-parallel rank 0)."""
     engine.reshard_idle()  # a forward whose backward never came may have left full-size stand-ins in the modules
     module = engine.root
-    keep = not rank0_only or _global_rank() == 0
+    if keep is None:
+        keep = not rank0_only or _global_rank() == 0
     state = module.state_dict()  # shards for managed parameters; buffers and unmanaged parameters as they are
     if engine.closed:
         # The stage has ended and the module holds its full parameters again (ShardingEngine.restore_unsharded).
@@ -147,10 +151,14 @@ def _sharded_state_tensor(value: Any, layout: ShardLayout) -> bool:
 
 
 @torch.no_grad()
-def full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer, *, rank0_only: bool = True) -> dict:
-    """``optimizer.state_dict()`` in plain ``torch.optim`` layout for the unwrapped model (full tensors, CPU)."""
+def full_optimizer_state_dict(
+    engine: ShardingEngine, optimizer: Optimizer, *, rank0_only: bool = True, keep: bool | None = None
+) -> dict:
+    """``optimizer.state_dict()`` in plain ``torch.optim`` layout for the unwrapped model (full tensors, CPU);
+    ``keep`` as for :func:`full_model_state_dict`."""
     state_dict = optimizer.state_dict()
-    keep = not rank0_only or _global_rank() == 0
+    if keep is None:
+        keep = not rank0_only or _global_rank() == 0
     params = [p for group in optimizer.param_groups for p in group["params"]]
     full_state: dict[int, dict[str, Any]] = {}
     # Parameter order is the same on every rank, so every rank issues the same gathers in the same order.

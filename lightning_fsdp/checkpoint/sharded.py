@@ -121,8 +121,14 @@ def sharded_model_state_dict(engine: ShardingEngine) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def sharded_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
-    """``optimizer.state_dict()`` keyed by parameter name, state shaped like a shard as DTensors."""
+def sharded_optimizer_state_dict(
+    engine: ShardingEngine, optimizer: Optimizer, *, unsplit_groups: Sequence[Sequence[str]] | None = None
+) -> dict[str, Any]:
+    """``optimizer.state_dict()`` keyed by parameter name, state shaped like a shard as DTensors.
+
+    ``unsplit_groups`` (pipeline parallelism, a collective then): the unsplit optimizer's param groups by name,
+    written in place of this rank's own, so that the checkpoint describes every stage's parameters (see [Note:
+    checkpoints across pipeline layouts] in lightning_fsdp/pipeline/checkpoint.py)."""
     state_dict = optimizer.state_dict()
     names = engine_param_names(engine)
     params = optimizer_params(optimizer)
@@ -144,6 +150,12 @@ def sharded_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer) -
             new_entry[name] = value
         state[fqns[index]] = new_entry
     groups = [{**group, "params": [fqns[i] for i in group["params"]]} for group in state_dict["param_groups"]]
+    if unsplit_groups is not None:
+        groups = [{**group, "params": list(unsplit)} for group, unsplit in zip(groups, unsplit_groups)]
+        # meta.pt is rank 0's: it must record every stage's 0-dim parameters.
+        for rows in Collective().all_gather(scalar_rows):
+            for fqn, entries in rows.items():
+                scalar_rows.setdefault(fqn, entries)
     out: dict[str, Any] = {"state": state, "param_groups": groups}
     if scalar_rows:
         # A 0-dim parameter's per-element state (exp_avg) and its step counter both save as 0-dim tensors; loading
@@ -166,7 +178,11 @@ def _split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], di
 
 
 def _format_info(
-    world_size: int, num_optimizers: int | None, optimizer_keys: str, scalar_rows: list | None = None
+    world_size: int,
+    num_optimizers: int | None,
+    optimizer_keys: str,
+    scalar_rows: list | None = None,
+    pipeline: Any = None,
 ) -> dict[str, Any]:
     info = {
         "format": "sharded",
@@ -177,6 +193,8 @@ def _format_info(
     }
     if scalar_rows and any(scalar_rows):
         info["scalar_param_rows"] = scalar_rows
+    if pipeline is not None:  # written under pipeline parallelism: the stages, and the unsplit model's key order
+        info["pipeline"] = pipeline.describe()
     return info
 
 
@@ -191,13 +209,16 @@ def _write(tensors: dict[str, Any], meta: dict[str, Any], path: str, coll: Colle
     write_directory(path, write_part, lambda: meta, coll)
 
 
-def save_sharded_checkpoint(checkpoint: Mapping[str, Any], path: str, coll: Collective | None = None) -> None:
+def save_sharded_checkpoint(
+    checkpoint: Mapping[str, Any], path: str, coll: Collective | None = None, pipeline: Any = None
+) -> None:
     """Write a checkpoint built from :func:`sharded_model_state_dict` / :func:`sharded_optimizer_state_dict` to the
-    directory ``path``, atomically. Call on every rank."""
+    directory ``path``, atomically. Call on every rank. ``pipeline``: the run's ``PipelineCheckpoint``, if pipelined
+    (recorded in ``meta.pt``)."""
     coll = coll or Collective()
     tensors, meta, scalar_rows = _split_checkpoint(checkpoint)
     num_optimizers = len(checkpoint["optimizer_states"]) if "optimizer_states" in checkpoint else None
-    meta[FORMAT_KEY] = _format_info(coll.world_size, num_optimizers, "fqn", scalar_rows)
+    meta[FORMAT_KEY] = _format_info(coll.world_size, num_optimizers, "fqn", scalar_rows, pipeline)
     _write(tensors, meta, path, coll)
 
 
@@ -340,10 +361,13 @@ class _ShardedLoad:
         optimizers: Sequence[Optimizer] | None,
         coll: Collective,
         weights_only: bool | None,
+        pipeline: Any = None,
     ) -> None:
         self.path = path
         self.engine = engine
         self.coll = coll
+        # Under pipeline parallelism (a PipelineCheckpoint): the other stages' keys, the unsplit optimizers' groups.
+        self.pipeline = pipeline
         self.metadata = read_dcp_metadata(path)
         check_shard_files(path, self.metadata)
         self.meta = read_meta(path, weights_only)
@@ -408,7 +432,9 @@ class _ShardedLoad:
             if layout is not None:
                 self.layouts[flat] = layout
             self.model_keys[key] = flat
-        self.unexpected = tuple(k for k in stored if k not in own)
+        # A key of another pipeline stage is the unsplit model's, not unexpected: that stage's ranks load it.
+        others = self.pipeline.model_key_set if self.pipeline is not None else ()
+        self.unexpected = tuple(k for k in stored if k not in own and k not in others)
 
     # --------------------------------------------------------------------------------------------- optimizers
     def _groups(self, prefix: str) -> list[dict[str, Any]]:
@@ -428,25 +454,36 @@ class _ShardedLoad:
             here = optimizer.param_groups
             sizes = [len(g.get("params", [])) for g in groups]
             here_sizes = [len(g["params"]) for g in here]
-            if sizes != here_sizes:
+            params = optimizer_params(optimizer)
+            # The optimizer the checkpoint is compared with: this run's, or under pipeline parallelism the unsplit
+            # one (every stage's parameters; see lightning_fsdp/pipeline/checkpoint.py), of which this rank holds
+            # the positions mapping.local.
+            mapping = self.pipeline.optimizers[index] if self.pipeline is not None else None
+            expected_sizes = mapping.sizes if mapping is not None else here_sizes
+            expected_names = mapping.names if mapping is not None else [names.get(id(p)) for p in params]
+            if sizes != expected_sizes:
+                over = " over all pipeline stages" if mapping is not None else ""
                 raise CheckpointMismatchError(
                     f"Sharded checkpoint {self.path!r}: optimizer {index} has parameter groups of sizes {sizes} in "
-                    f"the checkpoint but {here_sizes} in this run; resume with the same optimizer configuration."
+                    f"the checkpoint but {expected_sizes} in this run{over}; resume with the same optimizer "
+                    "configuration."
                 )
-            params = optimizer_params(optimizer)
             saved_ids = [str(p) for g in groups for p in g["params"]]
             keyed = self.info.get("optimizer_keys")
             if keyed is None:  # not written by this project: names if they are this model's names
-                keyed = "fqn" if all(pid in names.values() for pid in saved_ids) else "index"
+                keyed = "fqn" if all(pid in expected_names for pid in saved_ids) else "index"
             if keyed == "fqn":
-                for position, (saved, param) in enumerate(zip(saved_ids, params)):
-                    current = names.get(id(param))
+                for position, (saved, current) in enumerate(zip(saved_ids, expected_names)):
                     if saved != current:
                         raise CheckpointMismatchError(
                             f"Sharded checkpoint {self.path!r}: optimizer {index}'s parameter {position} is {saved!r} "
                             f"in the checkpoint but {current!r} in this run; it is a checkpoint of another model."
                         )
-            position_of = {saved: i for i, saved in enumerate(saved_ids)}
+            if mapping is None:
+                position_of = {saved: i for i, saved in enumerate(saved_ids)}
+            else:  # saved position (the unsplit index) -> this rank's position; other stages' entries are skipped
+                local_of = {unsplit: i for i, unsplit in enumerate(mapping.local)}
+                position_of = {saved: local_of[u] for u, saved in enumerate(saved_ids) if u in local_of}
             recorded = (self.info.get("scalar_param_rows") or [{}] * len(self.optimizer_prefixes))[index]
             state_targets: dict[str, tuple[int, tuple, str]] = {}  # flat -> (param index, path under the entry)
             for flat, (p, storage) in self.entries.items():
@@ -466,13 +503,13 @@ class _ShardedLoad:
                 if rows and len(full) == 0:
                     # A 0-dim parameter: which 0-dim entries are per-element state was recorded at save time;
                     # without a record (a converted full file), every entry but a step counter is.
-                    names = recorded.get(str(p[2])) if recorded else None
-                    rows = p[3] in names if names is not None else p[3] != "step"
+                    row_names = recorded.get(str(p[2])) if recorded else None
+                    rows = p[3] in row_names if row_names is not None else p[3] != "step"
                 self.tensor_targets[flat] = self._target(full, storage.properties.dtype, layout if rows else None)
                 if rows:
                     self.layouts[flat] = layout
                 state_targets[flat] = (position, tuple(p[3:]), "tensor")
-            self.optimizer_plans.append((groups, state_targets))
+            self.optimizer_plans.append((groups, state_targets, here_sizes))
 
     # --------------------------------------------------------------------------------------------- loading
     def _local(self, flat: str, value: Any) -> Any:
@@ -517,15 +554,16 @@ class _ShardedLoad:
             checkpoint["optimizer_states"] = [self._optimizer_state(*plan) for plan in self.optimizer_plans]
         return checkpoint
 
-    def _optimizer_state(self, groups: list[dict[str, Any]], state_targets: dict) -> ShardedOptimizerState:
+    def _optimizer_state(
+        self, groups: list[dict[str, Any]], state_targets: dict, sizes: list[int]
+    ) -> ShardedOptimizerState:
         loaded = {**self.tensor_targets, **self.loaded_bytes}
         state: dict[int, dict[str, Any]] = {}
         for flat, (position, sub, _kind) in state_targets.items():
             entry = state.setdefault(position, {})
             _set(entry, sub, self._local(flat, loaded[flat]))
         new_groups, start = [], 0
-        for group in groups:
-            n = len(group["params"])
+        for group, n in zip(groups, sizes):  # this run's group sizes (fewer under pipeline parallelism)
             new_groups.append({**group, "params": list(range(start, start + n))})
             start += n
         return ShardedOptimizerState({"state": state, "param_groups": new_groups})
@@ -541,7 +579,7 @@ def load_sharded_checkpoint(
     assert engine is not None
     coll = coll or Collective()
     # Every rank checks the directory and plans its reads; a problem on one raises on all before any DCP collective.
-    loader = coll.run_agreed(lambda: _ShardedLoad(path, engine, optimizers, coll, weights_only))
+    loader = coll.run_agreed(lambda: _ShardedLoad(path, engine, optimizers, coll, weights_only, run.pipeline))
     return loader.run()
 
 
@@ -554,7 +592,7 @@ def read_sharded_checkpoint_full(path: str, weights_only: bool | None = None) ->
     metadata = read_dcp_metadata(path)
     check_shard_files(path, metadata)
     meta = read_meta(path, weights_only)
-    meta.pop(FORMAT_KEY, None)
+    info = meta.pop(FORMAT_KEY, None) or {}
     entries = _entries(metadata)
     targets = {
         flat: torch.empty(tuple(storage.size), dtype=storage.properties.dtype)
@@ -569,6 +607,11 @@ def read_sharded_checkpoint_full(path: str, weights_only: bool | None = None) ->
         _set(tensors, entries[flat][0], targets[flat])
     checkpoint = dict(meta)
     checkpoint["state_dict"] = tensors.pop("model", {})
+    unsplit = (info.get("pipeline") or {}).get("model_keys") if isinstance(info, Mapping) else None
+    if unsplit:  # written by pipeline stages, whose keys DCP lists stage by stage: the unsplit model's order
+        state = checkpoint["state_dict"]
+        ordered = {k: state[k] for k in unsplit if k in state}
+        checkpoint["state_dict"] = {**ordered, **{k: v for k, v in state.items() if k not in ordered}}
     prefixes = sorted((k for k in tensors if _OPTIMIZER_KEY.fullmatch(k)), key=lambda s: int(s.split("_")[1]))
     if prefixes:
         checkpoint["optimizer_states"] = [to_index_keyed(tensors.pop(k)) for k in prefixes]
@@ -586,7 +629,7 @@ class ShardedFormat(DirectoryFormat):
     optimizer_state = staticmethod(sharded_optimizer_state_dict)
 
     def write(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun) -> None:
-        save_sharded_checkpoint(checkpoint, path)
+        save_sharded_checkpoint(checkpoint, path, pipeline=run.pipeline)
 
     read = staticmethod(load_sharded_checkpoint)
 

@@ -1,0 +1,310 @@
+"""Checkpoints of a pipelined model: whatever the (pipeline, data) layout, a checkpoint describes the unsplit model.
+
+[Note: checkpoints across pipeline layouts]
+Each pipeline rank holds only its stages' pieces (lightning_fsdp/pipeline/split.py), under the unsplit model's
+names, and its optimizer holds only those pieces' parameters. A checkpoint written under P=2 x D=2 must load under
+P=1 (plain fsdp_custom, DDP, one device) and the reverse, so every format is written as the unsplit model's:
+
+* ``"sharded"``: every rank writes its stages' rows (DCP merges the ranks' plans, so the metadata lists every
+  parameter of every stage). The one thing a rank cannot write alone is an optimizer's ``param_groups``: under P=1
+  each group lists the names of all its parameters, so here every rank writes the *unsplit* groups (the same on
+  every rank; DCP keeps one copy). Loading a checkpoint of any layout, each rank reads its stages' rows;
+  ``_ShardedLoad`` (checkpoint/sharded.py) takes the unsplit groups and keys from :class:`PipelineCheckpoint`.
+* ``"full"``: each stage's full state is gathered on its data-parallel rank 0 (the P=1 code, over the stage's
+  data-parallel group), then sent to global rank 0 over the pipeline group, which merges the stages in the unsplit
+  model's order and writes the file a DDP run writes. Loading, every rank reads the file and keeps its stages' part.
+* ``"local"``: refused. Its ``meta.pt`` describes one shard group's layout and it loads only at the layout that
+  wrote it, so it cannot describe a pipeline; ``"sharded"`` writes about as fast and loads anywhere.
+
+The unsplit order. ``nn.Module.state_dict`` and ``named_parameters`` walk the LightningModule's own tensors first,
+then its children in registration order; the pipelined model is one child, and its pieces (its children, containers
+expanded) come in forward order. So a key's place in the unsplit model is (its top-level child, its piece, its place
+on the rank that holds it), which every rank can work out from the key lists of all pipeline ranks.
+
+Optimizer state in the full format is keyed by parameter index, so the index a parameter would have in the unsplit
+run's optimizer must be known. The rule: the unsplit optimizer has the same param groups, in the same order, and
+each group lists its parameters (the union over the pipeline ranks) in the unsplit model's ``named_parameters``
+order; indices run over the groups one after another, as ``torch.optim`` numbers them. That is exactly the
+optimizer ``configure_optimizers`` builds over ``self.parameters()``, and over groups filtered from
+``self.named_parameters()``. An optimizer whose group lists its parameters in another order, or whose pipeline ranks
+disagree on the number of groups or their settings, is refused with an error that says so (raised on every rank:
+each rank checks every rank's lists).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from lightning_fsdp.checkpoint.common import CheckpointMismatchError, Collective
+from lightning_fsdp.checkpoint.full import full_model_state_dict, full_optimizer_state_dict
+from lightning_fsdp.checkpoint.paths import FULL, LOCAL, SHARDED
+from lightning_fsdp.checkpoint.sharded import sharded_model_state_dict, sharded_optimizer_state_dict
+from lightning_fsdp.engine import ShardingEngine
+
+__all__ = [
+    "OptimizerMap",
+    "PipelineCheckpoint",
+    "check_pipeline_format",
+    "pipeline_model_state_dict",
+    "pipeline_optimizer_state",
+    "unsplit_order",
+]
+
+
+def check_pipeline_format(kind: str) -> None:
+    """Refuse the local format under pipeline parallelism (see [Note: checkpoints across pipeline layouts])."""
+    if kind == LOCAL:
+        raise ValueError(
+            "state_dict_type='local' with pipeline_parallel_size > 1: a local checkpoint holds raw shards and loads "
+            "only at the layout that wrote it, and its metadata describes one shard group, not the pipeline's "
+            "stages. Use state_dict_type='sharded' (each rank writes its own rows too, and it loads under any "
+            "pipeline and data-parallel size) or 'full'."
+        )
+
+
+def unsplit_order(
+    lists: Sequence[Sequence[str]], children: Sequence[str], attribute: str, pieces: Sequence[str]
+) -> list[str]:
+    """The union of ``lists`` (each pipeline rank's keys or parameter names, in its own order) in the unsplit
+    model's order: the LightningModule's own tensors, then its children in ``children`` order, the pipelined child
+    ``attribute`` expanded piece by piece in ``pieces`` order (see [Note: checkpoints across pipeline layouts])."""
+    child_index = {name: i for i, name in enumerate(children)}
+    prefixes = [f"{attribute}.{piece}." for piece in pieces]
+    place: dict[str, tuple[int, int, int]] = {}
+    for names in lists:
+        for position, name in enumerate(names):
+            if name in place:
+                continue
+            head = name.split(".", 1)[0] if "." in name else None
+            child = child_index.get(head, -1) if head is not None else -1
+            piece = 0
+            if head == attribute:
+                piece = next((i for i, p in enumerate(prefixes) if name.startswith(p)), len(prefixes))
+            place[name] = (child, piece, position)
+    return sorted(place, key=place.__getitem__)
+
+
+@dataclass(frozen=True)
+class OptimizerMap:
+    """One optimizer's unsplit param groups (parameter names) and where this rank's parameters sit in them."""
+
+    groups: tuple[tuple[str, ...], ...]  # the unsplit optimizer's param groups, by parameter name
+    local: tuple[int, ...]  # this rank's optimizer position -> the unsplit optimizer's index
+    by_rank: tuple[tuple[int, ...], ...]  # the same for every pipeline rank (the merge on global rank 0 needs it)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [len(g) for g in self.groups]
+
+    @property
+    def names(self) -> list[str]:
+        return [name for group in self.groups for name in group]
+
+
+class PipelineCheckpoint:
+    """What the checkpoint formats need to know about the other pipeline ranks: the unsplit model's state-dict keys
+    in order, and an :class:`OptimizerMap` per optimizer. Built by :meth:`gather` (a collective: call on every rank)."""
+
+    def __init__(
+        self,
+        layout: Any,
+        stages: Sequence[Sequence[str]],
+        model_keys: list[str],
+        local_keys: set[str],
+        optimizers: list[OptimizerMap],
+    ) -> None:
+        self.layout = layout
+        self.stages = [list(s) for s in stages]
+        self.model_keys = model_keys
+        self.model_key_set = set(model_keys)
+        self.local_keys = local_keys
+        self.optimizers = optimizers
+
+    # ------------------------------------------------------------------------------------------------ gather
+    @classmethod
+    def gather(cls, runtime: Any, engine: ShardingEngine, optimizers: Sequence[Optimizer] = ()) -> PipelineCheckpoint:
+        """Every rank's state-dict keys and optimizer parameter names, all-gathered; call on every rank."""
+        layout = runtime.layout
+        engine.reshard_idle()  # a forward whose backward never came leaves stand-ins: names are read past them
+        module = engine.root
+        keys = list(module.state_dict(keep_vars=True))
+        names = {id(p): n for n, p in module.named_parameters()}
+        parameters = list(names.values())
+        groups = [[[names.get(id(p), "?") for p in g["params"]] for g in opt.param_groups] for opt in optimizers]
+        settings = [[_settings(g) for g in opt.param_groups] for opt in optimizers]
+        mine = (layout.pp_rank, keys, parameters, groups, settings)
+        every = Collective().all_gather(mine)
+        # One entry per pipeline rank: its data-parallel rank 0's (the stage's other ranks hold the same pieces).
+        by_stage = {entry[0]: entry for entry in reversed(every)}
+        ranks = [by_stage[p] for p in range(layout.size)]
+        children = list(module._modules)
+        attribute = runtime.options.module
+        pieces = [piece for stage in runtime.stages for piece in stage]
+        model_keys = unsplit_order([r[1] for r in ranks], children, attribute, pieces)
+        parameter_order = unsplit_order([r[2] for r in ranks], children, attribute, pieces)
+        maps = [
+            _optimizer_map(index, [r[3][index] for r in ranks], [r[4][index] for r in ranks], parameter_order, layout)
+            for index in range(len(optimizers))
+        ]
+        return cls(layout, runtime.stages, model_keys, set(keys), maps)
+
+    def describe(self) -> dict[str, Any]:
+        """The ``"pipeline"`` entry of a sharded checkpoint's format info (read back by the offline readers)."""
+        return {
+            "size": self.layout.size,
+            "data_size": self.layout.data_size,
+            "stages": self.stages,
+            "model_keys": list(self.model_keys),
+        }
+
+    # ------------------------------------------------------------------------------------------ full format
+    def _to_global_rank0(self, obj: Any) -> list[Any] | None:
+        """Every pipeline rank's ``obj`` (sent by its data-parallel rank 0) on global rank 0, in pipeline-rank
+        order; ``None`` elsewhere. Call on every rank."""
+        layout = self.layout
+        if layout.dp_rank != 0:
+            return None
+        first = dist.get_global_rank(layout.pp_group, 0)
+        out: list[Any] | None = [None] * layout.size if dist.get_rank() == first else None
+        dist.gather_object(obj, out, dst=first, group=layout.pp_group)
+        return out
+
+    def merge_full_model(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The unsplit model's full state dict on global rank 0 (``{}`` elsewhere), from each stage's full state
+        dict on its data-parallel rank 0 (``state``; empty on the other ranks)."""
+        parts = self._to_global_rank0(dict(state))
+        if parts is None:
+            return {}
+        merged: dict[str, Any] = {}
+        for part in parts:
+            merged.update(part)
+        ordered = {key: merged[key] for key in self.model_keys if key in merged}
+        ordered.update({k: v for k, v in merged.items() if k not in ordered})
+        return ordered
+
+    def merge_full_optimizer(self, index: int, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Optimizer ``index``'s full state in plain ``torch.optim`` layout for the unsplit model on global rank 0
+        (``{}`` elsewhere), from each stage's (this rank's optimizer positions) on its data-parallel rank 0."""
+        parts = self._to_global_rank0(dict(state))
+        if parts is None:
+            return {}
+        mapping = self.optimizers[index]
+        entries: dict[int, Any] = {}
+        for rank, part in enumerate(parts):
+            positions = mapping.by_rank[rank]
+            for position, entry in part.get("state", {}).items():
+                entries[positions[int(position)]] = entry
+        groups, start = [], 0
+        for group, size in zip(parts[0]["param_groups"], mapping.sizes):
+            settings = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**settings, "params": list(range(start, start + size))})
+            start += size
+        return {"state": dict(sorted(entries.items())), "param_groups": groups}
+
+    def local_model_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """A full state dict of the unsplit model narrowed to this rank's stages. Keys the unsplit model does not
+        have stay, so that strict loading reports them as unexpected."""
+        return {k: v for k, v in state.items() if k in self.local_keys or k not in self.model_key_set}
+
+    def local_optimizer_state(self, index: int, state: Mapping[str, Any], here: Optimizer, source: str) -> dict:
+        """A plain ``torch.optim`` state dict of the unsplit optimizer (index-keyed) narrowed to this rank's
+        parameters, renumbered by this rank's optimizer positions."""
+        mapping = self.optimizers[index]
+        groups = state["param_groups"]
+        sizes = [len(g.get("params", ())) if isinstance(g, Mapping) else None for g in groups]
+        if sizes != mapping.sizes:
+            raise CheckpointMismatchError(
+                f"{source}: the {type(here).__name__} state has parameter groups of sizes {sizes}, but this run's "
+                f"has {mapping.sizes} over all pipeline stages; resume with the same optimizer configuration."
+            )
+        saved = state["state"]
+        local_state = {}
+        for position, unsplit in enumerate(mapping.local):
+            entry = saved.get(unsplit, saved.get(str(unsplit)))
+            if entry is not None:
+                local_state[position] = entry
+        local_groups, start = [], 0
+        for group, size in zip(groups, [len(g["params"]) for g in here.param_groups]):
+            local_groups.append({**group, "params": list(range(start, start + size))})
+            start += size
+        return {"state": local_state, "param_groups": local_groups}
+
+
+def _settings(group: Mapping[str, Any]) -> str:
+    return repr({k: v for k, v in group.items() if k != "params"})
+
+
+def _optimizer_map(
+    index: int,
+    rank_groups: list[list[list[str]]],
+    rank_settings: list[list[str]],
+    parameter_order: list[str],
+    layout: Any,
+) -> OptimizerMap:
+    counts = [len(g) for g in rank_groups]
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"Optimizer {index} has {counts} param groups on pipeline ranks {list(range(len(counts)))}; a "
+            "checkpoint of a pipelined run numbers its state as the unsplit model's optimizer, which needs the same "
+            "groups on every pipeline rank (configure_optimizers builds them alike on every rank)."
+        )
+    for group in range(counts[0]):
+        settings = {s[group] for s in rank_settings}
+        if len(settings) > 1:
+            raise ValueError(
+                f"Optimizer {index}'s param group {group} has different settings on the pipeline ranks "
+                f"({sorted(settings)}); a checkpoint records one setting per group of the unsplit optimizer."
+            )
+    place = {name: i for i, name in enumerate(parameter_order)}
+    unsplit: list[list[str]] = []
+    for group in range(counts[0]):
+        names = [name for groups in rank_groups for name in groups[group]]
+        for rank, groups in enumerate(rank_groups):
+            own = groups[group]
+            if any(name not in place for name in own) or own != sorted(own, key=place.__getitem__):
+                raise ValueError(
+                    f"Optimizer {index}'s param group {group} on pipeline rank {rank} lists its parameters in another "
+                    f"order than the model's named_parameters ({own}). A checkpoint of a pipelined run numbers "
+                    "optimizer state as the unsplit model's optimizer would, each group in the model's parameter "
+                    "order; build each group from self.parameters() / self.named_parameters() in their order."
+                )
+        unsplit.append(sorted(set(names), key=place.__getitem__))
+    index_of: dict[tuple[int, str], int] = {}
+    start = 0
+    for group, names in enumerate(unsplit):
+        for offset, name in enumerate(names):
+            index_of[(group, name)] = start + offset
+        start += len(names)
+    by_rank = tuple(
+        tuple(index_of[(g, name)] for g, names in enumerate(groups) for name in names) for groups in rank_groups
+    )
+    return OptimizerMap(tuple(tuple(g) for g in unsplit), by_rank[layout.pp_rank], by_rank)
+
+
+# --------------------------------------------------------------------------------------- the strategy's hooks
+def pipeline_model_state_dict(kind: str, runtime: Any, engine: ShardingEngine) -> dict[str, Any]:
+    """``lightning_module_state_dict`` under pipeline parallelism: the unsplit model's full state on global rank 0
+    (full), or this rank's stages' rows as DTensors (sharded). Call on every rank."""
+    check_pipeline_format(kind)
+    if kind == SHARDED:
+        return sharded_model_state_dict(engine)
+    assert kind == FULL
+    info = PipelineCheckpoint.gather(runtime, engine)
+    return info.merge_full_model(full_model_state_dict(engine, keep=runtime.layout.dp_rank == 0))
+
+
+def pipeline_optimizer_state(kind: str, runtime: Any, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
+    """``optimizer_state`` under pipeline parallelism: the unsplit optimizer's full state on global rank 0 (full), or
+    this rank's state keyed by name with the unsplit param groups (sharded). Call on every rank."""
+    check_pipeline_format(kind)
+    info = PipelineCheckpoint.gather(runtime, engine, [optimizer])
+    if kind == SHARDED:
+        return sharded_optimizer_state_dict(engine, optimizer, unsplit_groups=info.optimizers[0].groups)
+    assert kind == FULL
+    state = full_optimizer_state_dict(engine, optimizer, keep=runtime.layout.dp_rank == 0)
+    return info.merge_full_optimizer(0, state)
