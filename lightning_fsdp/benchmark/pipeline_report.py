@@ -204,6 +204,7 @@ _SHORT = {
     "pp_gpipe": "P2xD2\nGPipe",
     "pp_1f1b": "P2xD2\n1F1B",
     "pp_interleaved": "P2xD2\nInterleaved",
+    "pp_1f1b_kept": "P2xD2 1F1B\nkept gathered",
     "fsdp_x4": "fsdp_custom\nx4",
     "ddp_x4": "DDP\nx4",
 }
