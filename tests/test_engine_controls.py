@@ -130,12 +130,41 @@ def two_rank_cases(rank, world_size):
     held_after_sync = engine.held_grad_bytes()
     optimizer.step()  # gradients reduced now: steps
     moved = not all(torch.equal(a, b) for a, b in zip(shards, model.parameters()))
+    # With a closure (as Lightning steps) the check waits for the step to end: a closure whose backward syncs the
+    # held gradients steps normally; one whose backward keeps them held is refused once the step is over.
+    optimizer.zero_grad()
+    with engine.no_sync():
+        loss_fn(model(x), y).backward()
+
+    def synced_closure():
+        loss = loss_fn(model(x2), y2)
+        loss.backward()
+        return loss
+
+    optimizer.step(synced_closure)
+    closure_synced = engine.held_grad_bytes() == 0
+
+    def held_closure():
+        with engine.no_sync():
+            loss = loss_fn(model(x2), y2)
+            loss.backward()
+        return loss
+
+    optimizer.zero_grad()
+    try:
+        optimizer.step(held_closure)
+        closure_error = None
+    except RuntimeError as err:
+        closure_error = str(err)
+    loss_fn(model(x2), y2).backward()  # reduce what the refused step left held, so the engine ends clean
     out["held"] = {
         "bytes": held,
         "after_sync": held_after_sync,
         "step_error": step_error,
         "unchanged": unchanged,
         "moved": moved,
+        "closure_synced": closure_synced,
+        "closure_error": closure_error,
     }
 
     # A parameter frozen after its gradient was held still gets it, as in one process.
@@ -260,6 +289,8 @@ def test_held_gradients_are_full_size_and_an_optimizer_step_refuses_them(two):
         assert "no_sync()" in held["step_error"] and "'block1'" in held["step_error"]
         assert held["unchanged"]  # refused before stepping
         assert held["moved"]  # and steps once the last backward reduced them
+        assert held["closure_synced"]  # a closure that syncs them inside step() is fine
+        assert held["closure_error"] is not None and "optimizer.step() updated parameters" in held["closure_error"]
 
 
 def test_parameter_frozen_after_its_gradient_was_held_still_gets_it(two):
