@@ -72,6 +72,7 @@ from lightning_fsdp.pipeline.checkpoint import (
 )
 from lightning_fsdp.pipeline.options import PipelineOptions, check_pipeline_composition, check_pipeline_precision
 from lightning_fsdp.pipeline.runtime import PipelineGradients, PipelineRuntime, pipeline_layout
+from lightning_fsdp.pipeline.split import plan_stages
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
 from lightning_fsdp.process_groups import GroupChoice
 from lightning_fsdp.shutdown import settle_at_exit
@@ -439,6 +440,7 @@ class FSDPStrategy(ParallelStrategy):
             )
         options.check_world(self.world_size)
         check_pipeline_precision(options, self.precision_plugin.precision)
+        plan_stages(model, options.num_stages, options.split)  # a bad cut raises here, before the groups exist
         mp = self.mixed_precision_config
         layout = pipeline_layout(options.size, self.world_size, self.global_rank, self.root_device.type, self._timeout)
         self.pipeline = PipelineRuntime(

@@ -327,3 +327,30 @@ def test_calling_the_split_model_directly_is_refused(tmp_path):
     )
     assert proc.returncode != 0
     assert "ChainLM is cut into pipeline stages" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_cut_point_naming_no_module_fails_on_every_rank_before_any_group(tmp_path):
+    # Each of the 4 ranks raises in setup, before the strategy creates the (pipeline, data) groups: none waits.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--out",
+            str(tmp_path / "x"),
+            "--devices",
+            "4",
+            "--pp",
+            "2",
+            "--split",
+            "blocks.9",
+        ],
+        env=clean_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.count("pipeline_split names ['blocks.9'], which are not pieces of ChainLM") >= 4, proc.stderr[
+        -3000:
+    ]

@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--sharding", default="FULL_SHARD")
     parser.add_argument("--checkpointing", action="store_true")  # activation checkpointing of every Block
     parser.add_argument("--direct", action="store_true")  # training_step calls self.model(x) (must be refused)
+    parser.add_argument("--split", nargs="*", default=None)  # pipeline_split
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -101,6 +102,7 @@ def main() -> None:
             pipeline_parallel_size=args.pp,
             pipeline_schedule=args.schedule,
             pipeline_microbatches=args.micro,
+            pipeline_split=args.split,
             auto_wrap_policy={Block} if args.wrap else None,
             sharding_strategy=args.sharding,
             activation_checkpointing_policy={Block} if args.checkpointing else None,
