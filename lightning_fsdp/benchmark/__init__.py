@@ -315,21 +315,26 @@ def _write_json(path: Path, payload: dict[str, Any]) -> None:
     os.replace(partial, path)
 
 
-def _worker(rank: int, world: int, folder: str, keys: list[str], cfg_dict: dict[str, Any], timing: bool) -> None:
-    cfg = BenchmarkConfig(**cfg_dict)
-    torch.set_num_threads(cfg.threads)
+def join_worker_group(folder: str, rank: int, world: int, threads: int, collective_timeout: float) -> None:
+    """A benchmark process's set-up: its thread counts, then the gloo group of all ranks (``file://`` rendezvous)."""
+    torch.set_num_threads(threads)
     try:
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass
-    tokens = _token_stream(cfg.vocab)
     dist.init_process_group(
         "gloo",
         init_method=f"file://{folder}/rendezvous",
         rank=rank,
         world_size=world,
-        timeout=timedelta(seconds=cfg.collective_timeout),
+        timeout=timedelta(seconds=collective_timeout),
     )
+
+
+def _worker(rank: int, world: int, folder: str, keys: list[str], cfg_dict: dict[str, Any], timing: bool) -> None:
+    cfg = BenchmarkConfig(**cfg_dict)
+    join_worker_group(folder, rank, world, cfg.threads, cfg.collective_timeout)
+    tokens = _token_stream(cfg.vocab)
     try:
         if timing:
             _mark(folder, rank, "timing", cfg.variant_timeout * len(keys))

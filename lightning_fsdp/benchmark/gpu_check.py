@@ -130,14 +130,22 @@ def check_bf16(config: GPTConfig, device: torch.device, steps: int) -> dict[str,
     return {"max_loss_diff": worst}
 
 
+def _trained_sharded(config: GPTConfig, device: torch.device, batches: list, **options: Any) -> GPT:
+    """The GPT from the usual seed, one unit per Block (``options``: more fully_shard options), trained."""
+    from lightning_fsdp.engine import fully_shard
+
+    model = _fresh(config, device)
+    fully_shard(model, auto_wrap_policy={Block}, device=device, **options)
+    _train(model, batches)
+    return model
+
+
 def check_checkpointing(config: GPTConfig, device: torch.device, steps: int) -> dict[str, Any]:
     from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
     from lightning_fsdp.engine import fully_shard
 
     batches = _batches(config, steps, 4, device)
-    plain = _fresh(config, device)
-    fully_shard(plain, auto_wrap_policy={Block}, device=device)
-    _train(plain, batches)
+    plain = _trained_sharded(config, device, batches)
     model = _fresh(config, device)
     apply_activation_checkpointing(model, parse_checkpointing_policy({Block}))
     fully_shard(model, auto_wrap_policy={Block}, device=device)
@@ -147,18 +155,13 @@ def check_checkpointing(config: GPTConfig, device: torch.device, steps: int) -> 
 
 
 def check_cpu_offload(config: GPTConfig, device: torch.device, steps: int) -> dict[str, Any]:
-    from lightning_fsdp.engine import fully_shard
-
     batches = _batches(config, steps, 4, device)
-    plain = _fresh(config, device)
-    fully_shard(plain, auto_wrap_policy={Block}, device=device)
-    _train(plain, batches)
-    model = _fresh(config, device)
-    fully_shard(model, auto_wrap_policy={Block}, device=device, cpu_offload=True)
-    _train(model, batches)
-    on_host = sum(1 for p in model.parameters() if p.device.type == "cpu")
-    if on_host != len(list(model.parameters())):
-        raise AssertionError(f"{on_host} of {len(list(model.parameters()))} shards in host memory")
+    plain = _trained_sharded(config, device, batches)
+    model = _trained_sharded(config, device, batches, cpu_offload=True)
+    params = list(model.parameters())
+    on_host = sum(1 for p in params if p.device.type == "cpu")
+    if on_host != len(params):
+        raise AssertionError(f"{on_host} of {len(params)} shards in host memory")
     compared, worst = _close(_full_state(model), _full_state(plain), 1e-5)
     return {"compared": compared, "max_param_diff": worst, "shards_on_host": on_host}
 

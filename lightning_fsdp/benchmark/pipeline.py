@@ -519,25 +519,14 @@ def _memory(rank: int, key: str, cfg: PipelineBenchmarkConfig, tokens: torch.Ten
 
 
 def _worker(rank: int, folder: str, cfg_dict: dict[str, Any]) -> None:
-    from lightning_fsdp.benchmark import _token_stream
+    from lightning_fsdp.benchmark import _token_stream, join_worker_group
     from lightning_fsdp.shutdown import destroy_process_group
 
     cfg = PipelineBenchmarkConfig(**cfg_dict)
-    torch.set_num_threads(cfg.threads)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass
     counter = P2PCounter()
-    counter.install()
+    counter.install()  # before the group exists: every P2P send is counted
+    join_worker_group(folder, rank, WORLD_SIZE, cfg.threads, cfg.collective_timeout)
     tokens = _token_stream(cfg.vocab)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{folder}/rendezvous",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=cfg.collective_timeout),
-    )
     try:
         payload: dict[str, Any] = {"timing": _timing(rank, cfg, tokens, counter), "memory": {}}
         for key in VARIANTS:

@@ -7,11 +7,10 @@ them out.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-from lightning_fsdp.benchmark.report import fmt_bytes
+from lightning_fsdp.benchmark.report import _json_default, fmt_bytes
 
 __all__ = ["markdown", "plot", "write_report"]
 
@@ -299,9 +298,3 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         plot(results, out / "plot.png")
     except ImportError:  # matplotlib is optional: the tables and the JSON are written already
         (out / "plot-missing.txt").write_text("matplotlib is not installed: pip install matplotlib\n")
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return str(value)

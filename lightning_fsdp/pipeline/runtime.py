@@ -285,7 +285,8 @@ class _ShardedStage(PipelineStage):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         engine = runtime.engine
         scope, reduce = runtime._backward_units(self.stage_index, last_backward)
-        held = [unit for unit in scope if all(unit is not other for other in reduce)]
+        reduced = {id(unit) for unit in reduce}
+        held = [unit for unit in scope if id(unit) not in reduced]
         with engine.backward_scope(scope), engine.no_sync(held):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
