@@ -185,7 +185,11 @@ class MixedPrecision:
     False here: a parameter's ``.grad`` must have the parameter's dtype, and the shards are full-precision master
     weights, so reduced gradients are converted to the shards' dtype. ``cast_forward_inputs``: every unit casts
     floating-point inputs to ``param_dtype``;
-    ``cast_root_forward_inputs``: the root unit does (default).
+    ``cast_root_forward_inputs``: the root unit does (default). ``reduce_wire_dtype`` (``torch.bfloat16`` or
+    ``torch.float16``): gradients travel in this narrower dtype but are summed in the reduce dtype on the rank that
+    receives them (an all-to-all of the chunks, then a local sum; see ``lightning_fsdp.engine.comm``): half the
+    reduction's bytes of a float32 reduce-scatter, with one rounding per rank's gradient instead of one per partial
+    sum. Sharded strategies only (NO_SHARD all-reduces).
     """
 
     param_dtype: torch.dtype | None = None
@@ -194,9 +198,10 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
+    reduce_wire_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "reduce_wire_dtype"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise TypeError(
@@ -211,10 +216,32 @@ class MixedPrecision:
                 "optimizer's master weights and a parameter's .grad must have its dtype, so reduced gradients are "
                 "always converted to the shards' dtype. Use keep_low_precision_grads=False."
             )
+        if self.reduce_wire_dtype is not None and self.reduce_wire_dtype not in WIRE_DTYPES:
+            raise ValueError(
+                f"MixedPrecision(reduce_wire_dtype={self.reduce_wire_dtype!r}) is not valid; expected one of "
+                f"{', '.join(map(str, WIRE_DTYPES))} or None."
+            )
+        summed_in = self.effective_reduce_dtype
+        if self.reduce_wire_dtype is not None and summed_in is not None:
+            check_wire_narrower(self.reduce_wire_dtype, summed_in)
 
     @property
     def effective_reduce_dtype(self) -> torch.dtype | None:
         return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
+
+
+WIRE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_wire_narrower(wire: torch.dtype, summed_in: torch.dtype) -> None:
+    """A wire dtype only helps when it is narrower than the dtype the reduction sums in."""
+    if torch.finfo(wire).bits >= torch.finfo(summed_in).bits:
+        raise ValueError(
+            f"MixedPrecision(reduce_wire_dtype={wire}) must be narrower than the dtype gradients are reduced in "
+            f"({summed_in}: reduce_dtype, else param_dtype, else the parameters' dtype); it would move the same bytes "
+            "and round the same way. Set reduce_dtype=torch.float32 to send bfloat16 and sum in float32, or drop "
+            "reduce_wire_dtype."
+        )
 
 
 def parse_mixed_precision(value: Any) -> MixedPrecision | None:

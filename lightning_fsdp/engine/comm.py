@@ -6,6 +6,18 @@ gloo, NCCL and HCCL alike. Reductions are always SUM followed by an explicit div
 ``PREMUL_SUM`` are missing on some backends, and gloo on older torch returned SUM for them without a word. With
 anomaly checking on, every collective of the training step is preceded by ``Communicator.agree`` (see there), which
 turns a mismatch between ranks into an error naming what each rank was about to do instead of a hang.
+
+[Note: narrow on the wire, wide in the sum]
+A reduce-scatter in bfloat16 rounds every partial sum: a ring over N ranks rounds N - 1 times, and the small
+gradients of a large sum lose their low bits. A reduce-scatter in float32 is exact enough but moves twice the bytes.
+``MixedPrecision(reduce_wire_dtype=torch.bfloat16)`` takes both halves: each rank casts its full gradient to
+bfloat16, an ``all_to_all_single`` hands rank r every rank's r-th chunk, and rank r adds the N received chunks in
+float32 (``WireReduction.wait``). Bytes into the collective are those of a bfloat16 reduce-scatter, half a float32
+one; each rank's gradient is rounded once, on the way out, and the sum is not rounded at all. When the gradients
+are bfloat16 already (``param_dtype=torch.bfloat16``), the cast is exact and the result is the float32 reduction's.
+The price: the receive buffer is N chunks, a full gradient in bfloat16 (a reduce-scatter receives one chunk), and
+``all_to_all`` is one of the collectives every backend has (gloo, NCCL, HCCL), though not always as fast as their
+reduce-scatter. torch's FSDP has no such option: its reduce-scatter sums in the dtype it sends.
 """
 
 from __future__ import annotations
@@ -39,6 +51,25 @@ class CommStats:
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]
+
+
+class WireReduction:
+    """A ``Communicator.reduce_scatter_wide`` in flight: the all-to-all, then the wide sum into ``output``."""
+
+    def __init__(self, work: Any, sent: torch.Tensor, received: torch.Tensor, output: torch.Tensor, ranks: int) -> None:
+        self._work = work
+        self._buffers: tuple[torch.Tensor, ...] | None = (sent, received)  # alive until the exchange completes
+        self._output = output
+        self._ranks = ranks
+
+    def wait(self) -> None:
+        if self._buffers is None:
+            return
+        self._work.wait()
+        _sent, received = self._buffers
+        self._buffers = None
+        # Rank order, the same on every rank: row r is rank r's chunk of this rank's shard.
+        torch.sum(received.view(self._ranks, -1), dim=0, dtype=self._output.dtype, out=self._output)
 
 
 class Communicator:
@@ -107,6 +138,27 @@ class Communicator:
             output.copy_(full)
             return None
         return reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+
+    def reduce_scatter_wide(
+        self, output: torch.Tensor, full: torch.Tensor, wire_dtype: torch.dtype, *, async_op: bool = False
+    ) -> WireReduction | None:
+        """``reduce_scatter`` that sends ``full`` as ``wire_dtype`` and sums in ``output``'s dtype on the receiving
+        rank (see [Note: narrow on the wire, wide in the sum]). ``full`` may be freed as soon as this returns.
+
+        With ``async_op`` the returned handle's ``wait()`` completes the exchange and writes the sum into ``output``."""
+        wire = full.to(wire_dtype)
+        self.stats.reduce_scatter_bytes += wire.numel() * wire.element_size()
+        self.stats.reduce_scatter_calls += 1
+        if self.world_size == 1:
+            output.copy_(full)  # nothing travels, so nothing is rounded
+            return None
+        received = torch.empty_like(wire)
+        work = dist.all_to_all_single(received, wire, group=self.group, async_op=True)
+        pending = WireReduction(work, wire, received, output, self.world_size)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, *, async_op: bool = False) -> Any:
         self.stats.all_reduce_bytes += tensor.numel() * tensor.element_size()

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fsdp.config import MixedPrecision, ShardingStrategy
+from lightning_fsdp.config import MixedPrecision, ShardingStrategy, check_wire_narrower
 from lightning_fsdp.engine.comm import Communicator
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.state import ShardingEngine, live_engines
@@ -100,6 +100,16 @@ def fully_shard(
     sharded = strategy is not ShardingStrategy.NO_SHARD
     world, rank = (shard_comm.world_size, shard_comm.rank) if sharded else (1, 0)
     check_reshard_after_forward(options.reshard_after_forward, world)  # needs the group's size; before any collective
+    if mixed_precision.reduce_wire_dtype is not None and not sharded:
+        raise ValueError(
+            f"MixedPrecision(reduce_wire_dtype={mixed_precision.reduce_wire_dtype}) needs sharded gradients: it "
+            "replaces the reduce-scatter, and sharding_strategy=NO_SHARD all-reduces. Use FULL_SHARD, SHARD_GRAD_OP "
+            "or a HYBRID_* strategy, or drop reduce_wire_dtype."
+        )
+    if mixed_precision.reduce_wire_dtype is not None and mixed_precision.effective_reduce_dtype is None:
+        # Gradients are then reduced in the parameters' own dtype: check it now, before any collective.
+        for dtype in {p.dtype for p in module.parameters() if p.is_floating_point()}:
+            check_wire_narrower(mixed_precision.reduce_wire_dtype, dtype)
 
     unit_modules = select_unit_modules(module, options.auto_wrap_policy, ignored)
     owners = assign_owners(module, unit_modules, ignored_ids, ignored_param_ids)
@@ -135,6 +145,7 @@ def fully_shard(
                 reshard_after_forward=strategy.reshard_after_forward,
                 param_dtype=mixed_precision.param_dtype,
                 reduce_dtype=mixed_precision.effective_reduce_dtype,
+                reduce_wire_dtype=mixed_precision.reduce_wire_dtype,
                 shard_device=torch.device("cpu") if options.cpu_offload else None,
             )
         )

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from lightning_fsdp.config import check_wire_narrower
 from lightning_fsdp.engine.comm import Communicator, all_gather_flat
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.wrap import ParamUse
@@ -176,6 +177,7 @@ class FlatUnit:
         reshard_after_forward: bool,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        reduce_wire_dtype: torch.dtype | None = None,
         shard_device: torch.device | None = None,
     ) -> None:
         self.name = name
@@ -206,6 +208,10 @@ class FlatUnit:
         # param_dtype, gradients are reduced in reduce_dtype.
         self.compute_dtype = param_dtype or self.dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
+        # Sent in this narrower dtype, summed in reduce_dtype (see [Note: narrow on the wire, wide in the sum]).
+        if reduce_wire_dtype is not None:
+            check_wire_narrower(reduce_wire_dtype, self.reduce_dtype)
+        self.reduce_wire_dtype = reduce_wire_dtype
         # CPU offload keeps the shards (and so their gradients and the optimizer state) in host memory.
         self.shard_device = shard_device or self.device
         self.index = 0  # position in the engine's unit list: names this unit's collectives for ``Communicator.agree``
@@ -557,8 +563,9 @@ class FlatUnit:
                 if pre_divide:
                     flat = flat / ranks
                 out = reduced[plan.offsets[j] : plan.offsets[j] + plan.slots[j].layout.padded_numel]
-                works.append(self.shard_comm.reduce_scatter(out, flat, async_op=True))
-                inputs.append(flat)
+                works.append(self._reduce_scatter(out, flat))
+                if self.reduce_wire_dtype is None:
+                    inputs.append(flat)  # the wire reduction keeps its own narrow copy: the full gradient can go
             # _chunk_cat pads each gradient to ceil(d0/N) rows per rank and lays the ranks out one after another;
             # the flags, repeated once per rank, end every rank's chunk.
             staged = [grads[j] for j in plan.staged] + [flags.expand(n, k)]
@@ -570,8 +577,9 @@ class FlatUnit:
                 if plan.direct
                 else reduced
             )
-            works.append(self.shard_comm.reduce_scatter(staged_out, flat_in, async_op=True))
-            inputs.append(flat_in)
+            works.append(self._reduce_scatter(staged_out, flat_in))
+            if self.reduce_wire_dtype is None:
+                inputs.append(flat_in)
             if staged_out is reduced:
                 staged_out = None
         else:
@@ -581,6 +589,11 @@ class FlatUnit:
             self.shard_comm.agree(self.tag(CollectiveKind.REDUCE))
             works, inputs = [self.shard_comm.all_reduce(reduced, async_op=True)], []
         self._pending_reduce = PendingReduce(works, reduced, inputs, staged_out, pre_divide, ranks, plan)
+
+    def _reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> Any:
+        if self.reduce_wire_dtype is None:
+            return self.shard_comm.reduce_scatter(output, full, async_op=True)
+        return self.shard_comm.reduce_scatter_wide(output, full, self.reduce_wire_dtype, async_op=True)
 
     def _take_grad(self, slot: ParamSlot) -> torch.Tensor | None:
         """``slot``'s full gradient to reduce: this backward's plus what earlier ones held (gradient sync off)."""
