@@ -5,15 +5,17 @@ Timing is never asserted (the machines are shared); memory, communication and lo
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 
-from lightning_fsdp.benchmark import VARIANTS
+import lightning_fsdp.benchmark as benchmark
+from lightning_fsdp.benchmark import REFERENCE, SCALING_BASELINE, VARIANTS, BenchmarkConfig, run_benchmark
 from lightning_fsdp.benchmark.__main__ import main, parse_args
 from lightning_fsdp.benchmark.memory import LiveTensorBytes
-from lightning_fsdp.benchmark.report import fmt_bytes
+from lightning_fsdp.benchmark.report import fmt_bytes, markdown, plot
 from lightning_fsdp.benchmark.variants import parse_variants
 from lightning_fsdp.demo.data import default_text_path
 from lightning_fsdp.demo.gpt import GPT, GPTConfig
@@ -92,23 +94,23 @@ def single_process_losses(steps: int, world: int) -> list[float]:
 
 def test_losses_match_a_single_process_run(tiny_run):
     _, results = tiny_run
-    # The comparison runs warmup + timed steps (1 + 3) at 2 processes; the scaling run reuses its reference row at
-    # 2 processes and runs the profiled steps (2) at any other world size.
+    # The comparison and the scaling run (at each world size) run warmup + timed steps (1 + 3); at 2 processes the
+    # scaling rows are the comparison's.
     references = {world: single_process_losses(1 + 3, world) for world in (1, 2)}
     compared = 0
     for part in ("variants", "scaling"):
         for row in results[part]:
             world = row["world_size"]
-            steps = 2 if part == "scaling" and world != 2 else 4
-            want = references[world][:steps]
-            assert len(row["losses"]) == steps, (row["name"], row["losses"])
+            want = references[world]
+            assert len(row["losses"]) == 4, (row["name"], row["losses"])
             for step, (got, expected) in enumerate(zip(row["losses"], want)):
                 assert abs(got - expected) <= 1e-4 * abs(expected), (part, row["name"], step, got, expected)
                 compared += 1
             assert row["final_loss"] == row["losses"][-1]
-    assert compared == 4 * len(VARIANTS) + 2 + 4  # every variant; the scaling rows at 1 and 2 processes
+    # Every variant; FULL_SHARD and DDP at 1 and 2 processes.
+    assert compared == 4 * len(VARIANTS) + 4 * 2 * 2
     # The benchmark's own agreement flag (final losses against its reference variant) says the same.
-    assert all(r["loss_agrees"] for r in results["variants"])
+    assert all(r["loss_agrees"] for r in results["variants"] + results["scaling"])
 
 
 def test_sharded_model_state_is_half_of_ddps(tiny_run):
@@ -144,13 +146,79 @@ def test_engine_traffic_matches_theory(tiny_run):
     assert no_shard["all_reduce"] == P + flags and no_shard["all_gathered"] == 0
 
 
-def test_per_rank_memory_scales_with_world_size(tiny_run):
-    _, results = tiny_run
-    scaling = {r["world_size"]: r for r in results["scaling"]}
-    assert sorted(scaling) == [1, 2] and all(r["status"] == "ok" for r in scaling.values())
-    one = scaling[1]["model_state"][0]["total"]
-    for per_rank in scaling[2]["model_state"]:
+def test_scaling_run_times_full_shard_against_ddp_at_each_world_size(tiny_run):
+    out, results = tiny_run
+    scaling = {(r["world_size"], r["key"]): r for r in results["scaling"]}
+    assert sorted(scaling) == [(w, k) for w in (1, 2) for k in (REFERENCE, SCALING_BASELINE)]
+    for (world, key), row in scaling.items():
+        assert row["status"] == "ok", (world, key, row.get("error"), row.get("traceback"))
+        assert len(row["step_ms"]) == 3 and all(ms > 0 for ms in row["step_ms"]), row["step_ms"]
+        assert row["median_step_ms"] > 0 and row["reference_key"] == SCALING_BASELINE
+        assert row["ratio_to_reference"] > 0 and row["paired_ratio_to_reference"] > 0
+        assert all(peak >= state["params"] for peak, state in zip(row["peak_live_bytes"], row["model_state"]))
+        assert len(row["live_at_start_bytes"]) == world and all(b > 0 for b in row["live_at_start_bytes"])
+        # At 2 processes the rows are the comparison's (all variants interleaved), elsewhere the two alone.
+        assert row["interleaved_with"] == (list(VARIANTS) if world == 2 else [REFERENCE, SCALING_BASELINE])
+    assert scaling[2, REFERENCE]["step_ms"] == next(r for r in results["variants"] if r["key"] == REFERENCE)["step_ms"]
+    # Model state per rank: FULL_SHARD's falls as 1/N, DDP's (a replica on every rank) does not fall at all.
+    one = scaling[1, REFERENCE]["model_state"][0]["total"]
+    for per_rank in scaling[2, REFERENCE]["model_state"]:
         assert abs(per_rank["total"] - one / 2) <= 0.05 * one / 2
+    ddp_one = scaling[1, SCALING_BASELINE]["model_state"][0]["total"]
+    assert ddp_one == pytest.approx(one, rel=0.05)  # the same model state, unsharded
+    assert all(m["total"] == ddp_one for m in scaling[2, SCALING_BASELINE]["model_state"])
+    # The table: a row per (world size, variant) with the step time; the machine's cores stated next to it.
+    table = (out / "results.md").read_text()
+    for world, key in scaling:
+        name, ms = VARIANTS[key].name, scaling[world, key]["median_step_ms"]
+        assert any(line.startswith(f"| {world} | {name} | {ms:.1f} |") for line in table.splitlines()), (world, name)
+    assert "CPU cores (`os.cpu_count()`)" in table
+
+
+def test_scaling_table_flags_oversubscription_and_reads_old_results(tiny_run, tmp_path):
+    _, results = tiny_run
+    crowded = copy.deepcopy(results)
+    crowded["environment"]["cpus"] = 1  # 2 processes x 1 thread on 1 core
+    lines = markdown(crowded).splitlines()
+    assert any(line.startswith("| 2 (oversubscribed) | ") for line in lines)
+    assert any("At world size 2 there are more threads than cores" in line for line in lines)
+    # Results written before the scaling run was timed: FULL_SHARD rows only, memory fields only.
+    old = copy.deepcopy(results)
+    timing_fields = ("step_ms", "median_step_ms", "min_step_ms", "interleaved_with", "reference_key")
+    old["scaling"] = [
+        {k: v for k, v in r.items() if k not in timing_fields and "ratio" not in k and "loss_" not in k}
+        for r in old["scaling"]
+        if r["key"] == REFERENCE
+    ]
+    del old["scaling_baseline"], old["config"]["scaling_variants"]
+    table = markdown(old)
+    assert f"| 1 | {VARIANTS[REFERENCE].name} | n/a | n/a (n/a) |" in table
+    plot(old, tmp_path / "old.png")
+    assert (tmp_path / "old.png").stat().st_size > 0
+
+
+def test_scaling_run_reuses_the_comparison_only_when_it_holds_every_scaling_variant(monkeypatch):
+    """Which process groups run_benchmark starts, with ``_run_group`` replaced by a stand-in (nothing spawned)."""
+    calls = []
+
+    def fake_run_group(world, keys, cfg, *, timing):
+        calls.append((world, list(keys), timing))
+        state = {"params": 4, "grads": 4, "optimizer": 8, "total": 16}
+        timed = {"status": "ok", "step_s": [0.5] * cfg.steps, "warmup_s": [], "losses": [1.0], "model_state": state}
+        memory = {"status": "ok", "model_state": state, "peak_live_bytes": 32, "live_at_start_bytes": 4}
+        memory.update(losses=[1.0], comm_per_step={}, comm_calls_per_step={})
+        return {k: {"timing": [timed] * world, "memory": [memory] * world} for k in keys}
+
+    monkeypatch.setattr(benchmark, "_run_group", fake_run_group)
+    tiny = {"layers": 1, "width": 8, "heads": 1, "seq": 4, "world_sizes": [1, 2, 4]}
+    run_benchmark(BenchmarkConfig(**tiny), progress=lambda _: None)
+    pair = [REFERENCE, SCALING_BASELINE]
+    assert calls == [(2, list(VARIANTS), True), (1, pair, True), (4, pair, True)]
+    calls.clear()
+    results = run_benchmark(BenchmarkConfig(**tiny, variants=[REFERENCE, "fsdp1"]), progress=lambda _: None)
+    assert calls == [(2, [REFERENCE, "fsdp1"], True), (1, pair, True), (2, pair, True), (4, pair, True)]
+    assert [(r["world_size"], r["key"]) for r in results["scaling"]] == [(w, k) for w in (1, 2, 4) for k in pair]
+    assert all(r["ratio_to_reference"] == 1.0 for r in results["scaling"])
 
 
 def test_live_tensor_bytes_sees_a_known_allocation():
@@ -173,4 +241,9 @@ def test_cli_rejects_bad_input():
     with pytest.raises(SystemExit):
         parse_args(["--world-sizes", "0,2"])
     assert parse_args([]).world_sizes == [1, 2, 4]
+    # The scaling run keeps its DDP baseline when --variants leaves DDP out, unless --scaling-variants says so.
+    assert parse_args(["--variants", "fsdp1"]).scaling_variants == [REFERENCE, SCALING_BASELINE]
+    assert parse_args(["--scaling-variants", "ddp,custom_full_shard"]).scaling_variants == [REFERENCE, "ddp"]
+    with pytest.raises(SystemExit):
+        parse_args(["--scaling-variants", "fsdp3"])
     assert fmt_bytes(3 * 2**20) == "3 MiB" and fmt_bytes(None) == "n/a"

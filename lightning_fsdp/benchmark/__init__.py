@@ -2,9 +2,10 @@
 
 ``python -m lightning_fsdp.benchmark --out results/`` trains the same GPT (same seed, each ``Block`` a unit) with
 every variant of :mod:`lightning_fsdp.benchmark.variants` in 2 gloo processes on CPU, each for ``warmup + steps``
-timed steps and then for a short separately profiled run that measures memory, and runs fsdp_custom FULL_SHARD at
-several world sizes to show how per-rank memory scales. It writes ``results.json``, ``results.md`` and
-``plot.png`` into the output folder.
+timed steps and then for a short separately profiled run that measures memory. The scaling run then times and
+measures ``scaling_variants`` (fsdp_custom FULL_SHARD and its baseline, torch DDP) interleaved in the same way at
+each of ``world_sizes``, batch per rank fixed, to show how step time and per-rank memory scale. It writes
+``results.json``, ``results.md`` and ``plot.png`` into the output folder.
 
 Timing interleaves the variants: every process builds all of them (same seed, so the same initial weights), then
 each step runs one step of every variant on the same batch, in an order rotated from step to step. Other load on a
@@ -50,10 +51,12 @@ from lightning_fsdp.benchmark.report import paired_ratio
 from lightning_fsdp.benchmark.variants import REFERENCE, VARIANTS, engine_options
 from lightning_fsdp.shutdown import destroy_process_group
 
-__all__ = ["BenchmarkConfig", "run_benchmark", "VARIANTS", "REFERENCE"]
+__all__ = ["BenchmarkConfig", "run_benchmark", "VARIANTS", "REFERENCE", "SCALING_BASELINE"]
 
 # The number of processes every variant of the comparison runs with (the world-size scaling run is separate).
 COMPARISON_WORLD_SIZE = 2
+# The scaling run's step-time ratios are taken against this variant (replicated, so its model state never falls).
+SCALING_BASELINE = "ddp"
 
 
 @dataclass
@@ -71,6 +74,8 @@ class BenchmarkConfig:
     mem_steps: int = 3  # steps of the separate, profiled memory run
     world_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
     variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    # Run interleaved at each of world_sizes, whatever ``variants`` holds.
+    scaling_variants: list[str] = field(default_factory=lambda: [REFERENCE, SCALING_BASELINE])
     threads: int = 1  # torch intra-op threads per process
     lr: float = 1e-3
     seed: int = 0
@@ -519,7 +524,8 @@ def run_benchmark(
     started = time.time()
     say(
         f"GPT {cfg.layers} x {cfg.width}, {num_parameters:,} parameters ({param_bytes / 2**20:.1f} MiB); "
-        f"variants {', '.join(cfg.variants)} at ws={COMPARISON_WORLD_SIZE}; scaling at ws={cfg.world_sizes}"
+        f"variants {', '.join(cfg.variants)} at ws={COMPARISON_WORLD_SIZE}; "
+        f"scaling of {', '.join(cfg.scaling_variants)} at ws={cfg.world_sizes}"
     )
 
     rows = []
@@ -533,16 +539,19 @@ def run_benchmark(
         )
     _compare(rows, cfg.loss_rtol)
 
+    # The scaling run: its variants interleaved at every world size (one timed run per world size, so each world
+    # size's ratios are paired). The comparison's run serves where it holds them all.
     scaling = []
+    keys = [k for k in VARIANTS if k in cfg.scaling_variants]
     for world in cfg.world_sizes:
-        if world == COMPARISON_WORLD_SIZE and REFERENCE in payloads:
-            row = _summarise(REFERENCE, payloads[REFERENCE], world, param_bytes)
+        if world == COMPARISON_WORLD_SIZE and all(k in payloads for k in keys):
+            group, interleaved = payloads, list(cfg.variants)
         else:
-            say(f"scaling run: {VARIANTS[REFERENCE].name} at ws={world}")
-            row = _summarise(
-                REFERENCE, _run_group(world, [REFERENCE], cfg, timing=False)[REFERENCE], world, param_bytes
-            )
-        scaling.append(row)
+            say(f"scaling run: {', '.join(VARIANTS[k].name for k in keys)} at ws={world}")
+            group, interleaved = _run_group(world, keys, cfg, timing=True), keys
+        at_world = [{**_summarise(k, group[k], world, param_bytes), "interleaved_with": interleaved} for k in keys]
+        _compare(at_world, cfg.loss_rtol, SCALING_BASELINE)
+        scaling += at_world
 
     results = {
         "command": command,
@@ -551,6 +560,7 @@ def run_benchmark(
         "param_bytes": param_bytes,
         "comparison_world_size": COMPARISON_WORLD_SIZE,
         "reference": REFERENCE,
+        "scaling_baseline": SCALING_BASELINE,
         "variants": rows,
         "scaling": scaling,
         "methods": {"model_state": MODEL_STATE_METHOD, "peak_live": LIVE_BYTES_METHOD},
@@ -571,9 +581,9 @@ def run_benchmark(
     return results
 
 
-def _compare(rows: list[dict], rtol: float) -> None:
-    """Step-time ratios and final-loss agreement, both against the reference variant."""
-    reference = next((r for r in rows if r["key"] == REFERENCE and r["status"] == "ok"), None)
+def _compare(rows: list[dict], rtol: float, reference_key: str = REFERENCE) -> None:
+    """Step-time ratios and final-loss agreement, both against ``reference_key``'s row (else the first that ran)."""
+    reference = next((r for r in rows if r["key"] == reference_key and r["status"] == "ok"), None)
     if reference is None:
         reference = next((r for r in rows if r["status"] == "ok"), None)
     for row in rows:

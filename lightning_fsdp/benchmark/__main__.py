@@ -24,6 +24,15 @@ def _world_sizes(text: str) -> list[int]:
     return sorted(set(sizes))
 
 
+def _variant_keys(text: str) -> list[str]:
+    from lightning_fsdp.benchmark.variants import parse_variants
+
+    try:
+        return parse_variants(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 # The options that set a BenchmarkConfig field, in --help order: (field, parser of the value, help without the
 # default). Each becomes --<field with dashes>, defaults to the field's default, and main() passes it on by name, so
 # an option is declared once here instead of three times (the flag, its default, the config argument).
@@ -37,7 +46,8 @@ _CONFIG_OPTIONS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("steps", int, "timed steps after warmup"),
     ("warmup", int, "untimed first steps"),
     ("mem_steps", int, "steps of the separate profiled memory run"),
-    ("world_sizes", _world_sizes, "world sizes of the fsdp_custom FULL_SHARD scaling run"),
+    ("world_sizes", _world_sizes, "world sizes of the scaling run"),
+    ("scaling_variants", _variant_keys, "variants timed interleaved at each world size ('all' or keys)"),
     ("threads", int, "torch threads per process"),
     ("lr", float, "AdamW learning rate"),
     ("seed", int, "model and data seed"),
@@ -54,8 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_fsdp.benchmark",
         description="Train one GPT with fsdp_custom (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD), torch DDP, FSDP1 and "
-        "FSDP2 in 2 gloo processes on CPU; report step time, memory, communication and final loss; then run "
-        "fsdp_custom FULL_SHARD at several world sizes.",
+        "FSDP2 in 2 gloo processes on CPU; report step time, memory, communication and final loss; then time "
+        "fsdp_custom FULL_SHARD against torch DDP at several world sizes.",
     )
     for name, parse, text in _CONFIG_OPTIONS:
         default = getattr(d, name)

@@ -135,29 +135,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"(largest relative difference {worst:.1e}).",
         ]
 
-    lines += [
-        "",
-        f"## Per-rank memory of {ref_name} by world size",
-        "",
-        "Batch per rank fixed, so the global batch grows with the world size (losses are not comparable across rows).",
-        "",
-        "| World size | Model state / rank | x world size (1.0 = ideal 1/N) | Peak live / rank | Shards at step start "
-        "| All-gathered / step | Reduce-scattered / step | Total moved / step |",
-        "|---:|---:|---:|---:|---:|---|---|---|",
-    ]
-    base = next((r for r in results["scaling"] if r["status"] == "ok" and r["world_size"] == 1), None)
-    base_state = _max([m["total"] for m in base["model_state"]]) if base else None
-    for row in results["scaling"]:
-        if row["status"] != "ok":
-            lines.append(f"| {row['world_size']} | **failed**: {row.get('error', '')[:200]} | | | | | | |")
-            continue
-        state = _max([m["total"] for m in row["model_state"]])
-        scaled = f"{state * row['world_size'] / base_state:.3f}" if base_state else "n/a"
-        comm = _comm_cells(row, P)
-        lines.append(
-            f"| {row['world_size']} | {fmt_bytes(state)} | {scaled} | {fmt_bytes(_max(row['peak_live_bytes']))} "
-            f"| {fmt_bytes(_max(row['live_at_start_bytes']))} | {comm[0]} | {comm[1]} | {comm[3]} |"
-        )
+    lines += _scaling_section(results)
 
     lines += [
         "",
@@ -185,9 +163,89 @@ def markdown(results: dict[str, Any]) -> str:
         "gathered from forward into backward is gathered once, so measured FULL_SHARD figures sit slightly under 2 P.",
         f"- **Final loss**: mean over ranks (= the global batch's loss) of the last timed step; compared with "
         f"{ref_name}'s at relative tolerance {rtol:g}.",
+        "- **Scaling run**: at each world size its variants run interleaved exactly like the comparison (same "
+        "warmup and timed steps, median of the slowest rank's time per step, then a profiled memory run per "
+        "variant), so each world size's ratios are paired; the ratio is to the baseline at the same world size. "
+        "Shards / replica at step start: live tensor bytes when the profiled steps begin, after wrapping and "
+        "before any gradient or optimizer state exists: a sharded variant's parameter shards; for DDP the whole "
+        "parameters plus the gradient buckets its reducer allocates when it wraps the model (about 2 P).",
         "",
     ]
     return "\n".join(lines)
+
+
+def _scaling_section(results: dict[str, Any]) -> list[str]:
+    """The scaling run's table, one row per (world size, variant), and what its step times mean on this machine.
+
+    Also reads results written before the scaling run was timed (fsdp_custom FULL_SHARD rows only, no step times).
+    """
+    cfg, P = results["config"], results["param_bytes"]
+    scaling = results["scaling"]
+    names = list(dict.fromkeys(r["name"] for r in scaling)) or [results["reference"]]
+    baseline_key = results.get("scaling_baseline")
+    baseline = next((r["name"] for r in scaling if r["key"] == baseline_key), baseline_key or "the baseline")
+    cpus, threads = results["environment"].get("cpus"), cfg["threads"]
+    world_sizes = sorted({r["world_size"] for r in scaling})
+    crowded = [w for w in world_sizes if cpus and w * threads > cpus]
+    lines = [
+        "",
+        f"## Step time and per-rank memory by world size: {', '.join(names)}",
+        "",
+        f"Weak scaling: batch per rank fixed at {cfg['batch']} sequences, so the global batch grows with the world "
+        "size (losses are not comparable across world sizes) and with perfect scaling the step time would stay "
+        "flat, while a sharded variant's model state per rank falls as 1/N.",
+    ]
+    if cpus:
+        lines += [
+            "",
+            f"**Cores: this machine has {cpus} CPU cores (`os.cpu_count()`); world size N runs N processes x "
+            f"{threads} thread(s).** "
+            + (
+                f"At world size {', '.join(map(str, crowded))} there are more threads than cores, so the step time "
+                "there mostly measures oversubscription (ranks waiting for a core, and every collective waiting "
+                "for the rank that is descheduled), not the cost of sharding. It also weighs more on a variant "
+                "that synchronises the ranks more often (a sharded one gathers and reduce-scatters per unit, DDP "
+                "all-reduces per gradient bucket), so the ratio there is no clean comparison either."
+                if crowded
+                else "Every world size fits in the cores."
+            ),
+        ]
+    reused = sorted({r["world_size"] for r in scaling if len(r.get("interleaved_with", [])) > len(names)})
+    if reused:
+        lines += [
+            "",
+            f"At world size {', '.join(map(str, reused))} the rows come from the comparison's run (all its variants "
+            "interleaved); at the others the scaling variants alone are interleaved.",
+        ]
+    lines += [
+        "",
+        f"| World size | Variant | Median step (ms) | vs {baseline}: ratio of medians (paired) | Model state / rank "
+        "| x world size (1.0 = ideal 1/N) | Peak live / rank | Shards / replica at step start "
+        "| All-gathered / step | Reduce-scattered / step | Total moved / step |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    at_one = {
+        r["key"]: _max([m["total"] for m in r["model_state"]])
+        for r in scaling
+        if r["status"] == "ok" and r["world_size"] == 1
+    }
+    for row in sorted(scaling, key=lambda r: r["world_size"]):  # stable: the variants' order within a world size
+        world = f"{row['world_size']}" + (" (oversubscribed)" if row["world_size"] in crowded else "")
+        if row["status"] != "ok":
+            error = str(row.get("error", "")).replace("|", "\\|").replace("\n", " ")[:200]
+            lines.append(f"| {world} | {row['name']} | **failed**: {error} |" + " |" * 8)
+            continue
+        state = _max([m["total"] for m in row["model_state"]])
+        base = at_one.get(row["key"])
+        scaled = f"{state * row['world_size'] / base:.3f}" if base else "n/a"
+        comm = _comm_cells(row, P)
+        lines.append(
+            f"| {world} | {row['name']} | {_ms(row.get('median_step_ms'))} "
+            f"| {_ratio(row.get('ratio_to_reference'))} ({_ratio(row.get('paired_ratio_to_reference'))}) "
+            f"| {fmt_bytes(state)} | {scaled} | {fmt_bytes(_max(row['peak_live_bytes']))} "
+            f"| {fmt_bytes(_max(row['live_at_start_bytes']))} | {comm[0]} | {comm[1]} | {comm[3]} |"
+        )
+    return lines
 
 
 _SHORT = {
@@ -201,7 +259,7 @@ _SHORT = {
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    """Step time per variant, memory per rank per variant, and per-rank memory against world size."""
+    """Step time and memory per rank per variant; per-rank memory and step time against world size."""
     try:
         import matplotlib
     except ImportError as error:
@@ -215,7 +273,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     rows = results["variants"]
     names = [_SHORT.get(r["key"], r["name"]) for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(19, 5.6))
+    fig, grid = plt.subplots(2, 2, figsize=(15, 10.5))
+    axes = grid.flatten()
 
     ax = axes[0]
     times = [r.get("median_step_ms") or 0.0 for r in rows]
@@ -245,25 +304,56 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_title("Memory per rank")
     ax.legend(fontsize=8)
 
-    ax = axes[2]
+    # The scaling run: one line per variant and quantity; the first variant (FULL_SHARD) solid, the others dashed.
     scaling = [r for r in results["scaling"] if r["status"] == "ok"]
-    if scaling:
-        ws = [r["world_size"] for r in scaling]
-        state = [_max([m["total"] for m in r["model_state"]]) / mib for r in scaling]
-        peak = [_max(r["peak_live_bytes"]) / mib for r in scaling]
-        ax.plot(ws, state, "o-", label="model state / rank", color="tab:green")
-        ax.plot(ws, peak, "s-", label="peak live / rank", color="tab:orange")
+    keys = list(dict.fromkeys(r["key"] for r in scaling))
+    every_ws = sorted({r["world_size"] for r in scaling})
+    for ax in axes[2:]:
+        ax.set_xlabel("world size (processes)")
+        if every_ws:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(every_ws, [str(w) for w in every_ws])
+            ax.set_xlim(min(every_ws) / 1.3, max(every_ws) * 1.3)
+    ax_memory, ax_time = axes[2], axes[3]
+    timed = False
+    for i, key in enumerate(keys):
+        rows_of = sorted((r for r in scaling if r["key"] == key), key=lambda r: r["world_size"])
+        ws = [r["world_size"] for r in rows_of]
+        name, style = rows_of[0]["name"], "-" if i == 0 else "--"
+        state = [_max([m["total"] for m in r["model_state"]]) / mib for r in rows_of]
+        peak = [_max(r["peak_live_bytes"]) / mib for r in rows_of]
+        ax_memory.plot(ws, state, "o" + style, label=f"{name}: model state / rank", color="tab:green")
+        ax_memory.plot(ws, peak, "s" + style, label=f"{name}: peak live / rank", color="tab:orange")
         base = next((s for w, s in zip(ws, state) if w == 1), None)
-        if base is not None:
-            ax.plot(ws, [base / w for w in ws], "k--", linewidth=1, label="ideal 1/N of model state")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ws, [str(w) for w in ws])
-        ax.set_ylim(bottom=0)
-    ax.set_xlabel("world size (processes)")
-    ax.set_ylabel("MiB per rank")
-    ref_name = next((r["name"] for r in results["scaling"]), results["reference"])
-    ax.set_title(f"{ref_name}: per-rank memory vs world size")
-    ax.legend(fontsize=8)
+        if i == 0 and base is not None:
+            ax_memory.plot(ws, [base / w for w in ws], "k:", linewidth=1, label=f"{name}: ideal 1/N of model state")
+        times = [(r["world_size"], r["median_step_ms"]) for r in rows_of if r.get("median_step_ms")]
+        if times:
+            timed = True
+            ax_time.plot(*zip(*times), "o" + style, label=name, color=f"C{i}")
+    ax_memory.set_ylim(bottom=0)
+    ax_memory.set_ylabel("MiB per rank")
+    ax_memory.set_title("Per-rank memory vs world size (batch per rank fixed)")
+    ax_memory.legend(fontsize=8)
+
+    cpus, threads = results["environment"].get("cpus"), results["config"]["threads"]
+    crowded = [w for w in every_ws if cpus and w * threads > cpus]
+    if crowded:
+        ax_time.axvspan(min(crowded) / 1.2, max(every_ws) * 1.3, color="0.9", zorder=0)
+        ax_time.annotate(
+            f"more processes x threads\nthan the {cpus} cores:\noversubscribed",
+            (min(crowded), 0),
+            xycoords=("data", "axes fraction"),
+            xytext=(0, 8),
+            textcoords="offset points",
+            ha="center",
+            fontsize=8,
+        )
+    ax_time.set_ylim(bottom=0)
+    ax_time.set_ylabel("median step time (ms)")
+    ax_time.set_title("Step time vs world size (weak scaling: flat is ideal)")
+    if timed:
+        ax_time.legend(fontsize=8)
 
     cfg = results["config"]
     fig.suptitle(
