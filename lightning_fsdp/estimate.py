@@ -26,7 +26,9 @@ reduce-scatter. For an end-to-end figure on an accelerator, compare with ``Shard
 
 The communication a training step issues is predicted as well (``all_gather_bytes``, ``reduce_scatter_bytes``,
 ``all_reduce_bytes``, counted like ``CommStats``: the bytes this rank puts into each collective), assuming every
-unit runs once forward and once backward per step. Reductions include one used-flag per trainable parameter.
+unit runs once forward and once backward per step, in the order the modules are registered. That is the steady state
+from the second step on: FULL_SHARD gathers the last unit of the forward once, as its backward comes next (the first
+step, which records the order, gathers it twice). Reductions include one used-flag per trainable parameter.
 """
 
 from __future__ import annotations
@@ -163,6 +165,9 @@ def estimate_memory(
     params = grads = optimizer_state = unsharded = 0
     all_gather = reduce_scatter = all_reduce = 0
     full_bytes: dict[int, int] = {}  # per unit: its padded full buffer, the bytes a gather makes alive
+    # The unit whose forward starts last stays gathered into its backward (``ShardingEngine._next_up``).
+    unit_ids = {id(u) for u in unit_modules}
+    last = next((m for m in reversed(list(model.modules())) if id(m) in unit_ids and m is not model), None)
     for unit in unit_modules:
         unit_full = unit_shard_padded = unit_grad_padded = 0
         unit_flags = 0  # each reduction also carries one used-flag per trainable parameter (FlatUnit.reduce_grads)
@@ -190,8 +195,8 @@ def estimate_memory(
         full_bytes[id(unit)] = 0 if computes_on_own_params else unit_full
         if sharded:
             is_root = unit is model
-            # FULL_SHARD frees every unit but the root after forward and gathers it again for backward.
-            regathers = strategy.reshard_after_forward and not is_root
+            # FULL_SHARD frees every unit but the root and the last after forward and gathers it again for backward.
+            regathers = strategy.reshard_after_forward and not is_root and unit is not last
             all_gather += unit_shard_padded * (2 if regathers else 1)
             reduce_scatter += n * (unit_grad_padded + unit_flags)
             if strategy.is_hybrid:  # the reduced gradient shard is then all-reduced across the replicas

@@ -131,14 +131,16 @@ def test_engine_traffic_matches_theory(tiny_run):
     P = results["param_bytes"]
     config = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32)
     model = GPT(config)
-    # The root unit (embeddings, final LayerNorm, tied head) stays gathered from forward into backward.
+    # The root unit (embeddings, final LayerNorm, tied head) stays gathered from forward into backward, and so does
+    # the last Block from the second step on (its backward comes next): over the memory run's 2 steps, half a pass.
     root_share = 1 - sum(p.numel() for p in model.blocks.parameters()) / model.num_parameters()
+    last_share = sum(p.numel() for p in model.blocks[-1].parameters()) / model.num_parameters() / 2
     by_key = {r["key"]: r for r in results["variants"]}
     full, grad_op, no_shard = (
         by_key[k]["comm_per_step"] for k in ("custom_full_shard", "custom_shard_grad_op", "custom_no_shard")
     )
     padding = 0.02  # a padding row per parameter at most, on a tiny model
-    assert 2 - root_share - 0.01 <= full["all_gathered"] / P <= 2 + padding
+    assert 2 - root_share - last_share - 0.01 <= full["all_gathered"] / P <= 2 - last_share + padding
     assert 1 <= full["reduce_scatter"] / P <= 1 + padding
     assert 1 <= grad_op["all_gathered"] / P <= 1 + padding
     # NO_SHARD all-reduces the gradients plus one used-flag (4 bytes) per trainable parameter.

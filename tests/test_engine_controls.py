@@ -305,17 +305,21 @@ def test_parameter_frozen_after_its_gradient_was_held_still_gets_it(two):
 def test_reshard_after_backward_off_gathers_once_per_step_and_stays_exact(two):
     want = reference()
     root, block1, block2 = (_gather_bytes(u, 2) for u in ("<root>", "block1", "block2"))
-    # Default: every microbatch gathers each unit for forward, and the blocks again for backward (FULL_SHARD).
+    # Default: every microbatch gathers each unit for forward, and the blocks again for backward (FULL_SHARD), except
+    # block2 once the first microbatch has recorded the order: the last unit of the forward stays gathered into its
+    # backward.
     per_microbatch = {"FULL_SHARD": root + 2 * (block1 + block2), "SHARD_GRAD_OP": root + block1 + block2}
+    last_kept = {"FULL_SHARD": block2, "SHARD_GRAD_OP": 0}
     compared = 0
     for rank_result in two:
         for strategy, once in per_microbatch.items():
             default = rank_result[("reshard_after_backward", strategy, False)]
             kept = rank_result[("reshard_after_backward", strategy, True)]
-            assert default["gathered"] == [MICRO * once] * STEPS, strategy
+            later = once - last_kept[strategy]
+            assert default["gathered"] == [once + (MICRO - 1) * later] + [MICRO * later] * (STEPS - 1), strategy
             # Kept after its first backward, a unit is gathered by the first microbatch only (forward, and for
             # FULL_SHARD backward), never by the next microbatches.
-            assert kept["gathered"] == [once] * STEPS, strategy
+            assert kept["gathered"] == [once] + [later] * (STEPS - 1), strategy
             assert kept["sharded_after_step"] == [True] * STEPS  # the optimizer step freed them
             compared += _assert_params(kept["params"], default["params"], f"{strategy} kept vs default", rtol=0, atol=0)
             compared += _assert_params(kept["params"], want, f"{strategy} kept vs one process")
@@ -451,16 +455,18 @@ def test_reshard_after_forward_int_gathers_backward_within_the_subgroup(four):
     for rank_result in four:
         baseline = rank_result[("hpz", "True")]
         assert baseline["group"] is None
-        assert baseline["phases"] == [([root + blocks], [blocks], 0, 0)] * STEPS
+        # From the second step on, block2 (the last unit of the forward) stays gathered into its backward.
+        regathered = [blocks] + [block1] * (STEPS - 1)
+        assert baseline["phases"] == [([root + blocks], [b], 0, 0) for b in regathered]
         for how in ("2", "set 2"):
             hpz = rank_result[("hpz", how)]
             assert hpz["group"] == 2
-            for forward, backward, secondary, left in hpz["phases"]:
+            for (forward, backward, secondary, left), again in zip(hpz["phases"], regathered, strict=True):
                 # Forward gathers over the shard group; backward only over this rank's 2-rank subgroup, each rank
                 # sending its k chunks of every block parameter (half as many ranks, twice the bytes each).
                 assert forward == [root + blocks, 0], how
-                assert backward == [0, k * blocks], how
-                assert FLOAT_BYTES * secondary == k * blocks  # 1/2 of each block kept between forward and backward
+                assert backward == [0, k * again], how
+                assert FLOAT_BYTES * secondary == k * again  # 1/2 of each block kept between forward and backward
                 assert left == 0  # and used up by backward's unshard
             compared += _assert_params(hpz["params"], baseline["params"], f"hpz {how} vs True", rtol=0, atol=0)
             compared += _assert_params(hpz["params"], want, f"hpz {how} vs one process")

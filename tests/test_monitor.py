@@ -80,6 +80,14 @@ def test_estimate_is_within_ten_percent_of_what_the_monitor_measures(logged, str
             for component, metric in COMPONENTS.items():
                 measured = int(row[f"fsdp/rank{rank}/{metric}"])
                 predicted = getattr(estimate, component)
+                if component == "all_gather_bytes" and strategy == "FULL_SHARD" and int(row["step"]) == 0:
+                    # The estimate is the steady state. The first step records the forward order, so it also
+                    # gathers the last Block again for its backward: one more pass of a Block, which (the two Blocks
+                    # being alike) is what FULL_SHARD gathers beyond SHARD_GRAD_OP's single pass.
+                    once = estimate_memory(
+                        _gpt_on_meta(), 2, "SHARD_GRAD_OP", optimizer="adamw", auto_wrap_policy={Block}, rank=rank
+                    ).all_gather_bytes
+                    predicted += predicted - once
                 assert predicted == pytest.approx(measured, rel=0.10), (strategy, rank, component, measured)
 
 
@@ -244,6 +252,9 @@ def test_monitor_warns_and_logs_nothing_without_the_fsdp_strategy(tmp_path):
 
 
 # ------------------------------------------------------------------------- monitor against hand-computed bytes
+# From the second step on, FULL_SHARD does not gather b (4 floats per rank) again for its backward (see below).
+LATER_STEPS_LESS = {"FULL_SHARD": {"all_gather_bytes": 16}}
+
 TINY_SCRIPT = ROOT / "tests" / "scripts" / "monitor_tiny_run.py"
 
 # tests/scripts/monitor_tiny_run.py: a = Linear(4, 3), b = Linear(3, 2), each its own unit (the root owns nothing),
@@ -262,7 +273,8 @@ TINY_SCRIPT = ROOT / "tests" / "scripts" / "monitor_tiny_run.py"
 #   unit before the next is gathered, so the peak is a alone (80 B); SHARD_GRAD_OP keeps both from forward to
 #   backward (112 B); NO_SHARD computes on the parameters themselves (0 B);
 # - all-gather input is the rank's padded shard: 10 + 4 floats = 56 B per pass; FULL_SHARD gathers in forward and
-#   again in backward (112 B), SHARD_GRAD_OP once (56 B);
+#   again in backward (112 B), except b from the second step on: the last unit of the forward (recorded in the first
+#   step) stays gathered into its backward, which comes next (112 - 4 floats = 96 B); SHARD_GRAD_OP once (56 B);
 # - reduce-scatter input: 2 ranks x (padded floats + one used-flag per parameter): a 2 x (10 + 2), b 2 x (4 + 2)
 #   = 36 floats = 144 B; NO_SHARD all-reduces the gradients plus the flags: 23 + 4 floats = 108 B.
 TINY_EXPECTED = {
@@ -325,7 +337,10 @@ def test_monitor_logs_the_hand_computed_bytes_of_a_tiny_model(tiny_logged):
         for row in rows:
             for rank in (0, 1):
                 got = {name: int(row[f"fsdp/rank{rank}/{name}"]) for name in expected}
-                assert got == {name: values[rank] for name, values in expected.items()}, (strategy, rank)
+                want = {name: values[rank] for name, values in expected.items()}
+                for name, less in LATER_STEPS_LESS.get(strategy, {}).items() if int(row["step"]) > 0 else ():
+                    want[name] -= less
+                assert got == want, (strategy, rank, row["step"])
                 # The two sums the monitor derives from its own measurements.
                 state = sum(got[n] for n in ("param_bytes", "grad_bytes", "optimizer_state_bytes"))
                 assert int(row[f"fsdp/rank{rank}/model_state_bytes"]) == state

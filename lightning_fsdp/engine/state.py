@@ -186,6 +186,9 @@ class ShardingEngine:
         self.limit_all_gathers = limit_all_gathers
         self._order: list[FlatUnit] = []
         self._order_frozen = False
+        # The last unit of the forward stays unsharded into its backward, which comes next (see ``_next_up``). Off
+        # where forwards of several micro-batches run before their backwards (pipeline schedules).
+        self.keep_last_unit_for_backward = True
         self._prefetch_group: dict[int, int] = {}  # set_prefetch_groups: unit id -> group (none: one group)
         self._backward_scope: set[int] | None = None  # backward_scope: the units a backward concerns (None: all)
         self._position: dict[int, int] = {}
@@ -361,7 +364,7 @@ class ShardingEngine:
         if torch.is_grad_enabled() and tensors:
             for tensor in tensors:
                 tensor.register_hook(lambda _grad: self._pre_backward(unit))
-            if unit.reshard_after_forward and unit is not self.root_unit and not unit.kept:
+            if unit.reshard_after_forward and unit is not self.root_unit and not unit.kept and not self._next_up(unit):
                 unit.reshard(secondary=unit.secondary_comm)
             return
         if marked:
@@ -371,6 +374,13 @@ class ShardingEngine:
         # No backward will come through this forward (eval, no_grad, nothing requires grad, or it raised).
         if not unit.kept:
             unit.reshard()
+
+    def _next_up(self, unit: FlatUnit) -> bool:
+        """Whether ``unit``'s backward is the first after this forward: the last unit of the recorded forward order,
+        while the step is a plain forward then backward (``keep_last_unit_for_backward``). Resharding it only to
+        gather it again at once would cost an all-gather that nothing overlaps; torch's FSDP2 prefetches it during
+        the root's backward instead, which holds the same memory."""
+        return self.keep_last_unit_for_backward and self._order_frozen and bool(self._order) and unit is self._order[-1]
 
     def _sync_root_slots(self, slots: list) -> None:
         if self._training_state is TrainingState.BACKWARD:

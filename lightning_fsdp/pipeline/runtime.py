@@ -140,6 +140,9 @@ class PipelineRuntime:
         # Backward prefetching follows the forward order recorded on the first step; with several stages on a rank
         # that order runs from one stage into the next, which the schedule does not follow.
         engine.set_prefetch_groups(list(self._stage_units.values()))
+        # A stage's forwards of later micro-batches run before the backward of earlier ones: its last unit's backward
+        # does not come next, so keeping that unit gathered would only hold its memory.
+        engine.keep_last_unit_for_backward = False
 
     def _backward_units(self, stage: int, last_backward: bool) -> tuple[list[Any], list[Any]]:
         """``(scope, reduced)`` of a backward of ``stage``: the units it concerns, and those of them it reduces.
