@@ -60,6 +60,8 @@ a parameter of shape ``(r, ...)`` contributes ``shard(p) = ceil(r / D) * numel(p
     all-gather     = AG(root) + 2 * M * sum_blocks AG(block)
                      (each Block is gathered for each microbatch's forward and again for its backward; the root
                      unit takes part in the step's last backward only, so it stays gathered for the whole step)
+                     - AG(last block) without pipelining: the last unit of the forward stays gathered into its
+                     backward, which comes next (the benchmark times steps after the first, which records the order)
     reduce-scatter = sum_units RS(unit)
                      (once per step: the runtime defers the reduction to each stage's last microbatch, no_sync)
 
@@ -227,7 +229,7 @@ def shard_numel(shape: tuple[int, ...] | torch.Size, ranks: int) -> int:
 
 
 def engine_theory(
-    model: nn.Module, pieces: list[str], ranks: int, microbatches: int, *, kept: bool = False
+    model: nn.Module, pieces: list[str], ranks: int, microbatches: int, *, kept: bool = False, pipelined: bool = True
 ) -> dict[str, int]:
     """Bytes this rank passes into all-gathers and reduce-scatters per FULL_SHARD step (see the module docstring):
     ``pieces`` are the model's pieces this rank holds; every ``Block`` among them is a unit, the rest the root's."""
@@ -249,8 +251,9 @@ def engine_theory(
 
     units = ([root] if root else []) + blocks
     m = microbatches
+    last_kept = gather(blocks[-1]) if blocks and not pipelined and not kept else 0
     return {
-        "all_gather": gather(root) + (1 if kept else 2 * m) * sum(gather(b) for b in blocks),
+        "all_gather": gather(root) + (1 if kept else 2 * m) * sum(gather(b) for b in blocks) - last_kept,
         "reduce_scatter": sum(reduce(u) for u in units),
     }
 
@@ -633,7 +636,11 @@ def _summarise(key: str, ranks: list[dict[str, Any]], cfg: PipelineBenchmarkConf
             measured = {k: v for k, v in measured.items() if k.startswith("p2p")}
             source = "all-reduce: theory only (DDP's C++ reducer); P2P: counted (none)"
         else:
-            theory = dict(engine_theory(meta, t["pieces"], t["data_size"], row["microbatches"], kept=spec.kept))
+            theory = dict(
+                engine_theory(
+                    meta, t["pieces"], t["data_size"], row["microbatches"], kept=spec.kept, pipelined=spec.pipeline
+                )
+            )
             source = "engine CommStats; P2P: counted isend"
         if spec.pipeline:
             theory.update(p2p_theory(cfg, t["local_stages"], num_stages, t["data_size"]))
