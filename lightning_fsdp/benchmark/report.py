@@ -250,6 +250,7 @@ def _scaling_section(results: dict[str, Any]) -> list[str]:
 
 _SHORT = {
     "custom_full_shard": "custom\nFULL_SHARD",
+    "custom_full_shard_post": "custom FULL_SHARD\nBACKWARD_POST",
     "custom_shard_grad_op": "custom\nSHARD_GRAD_OP",
     "custom_no_shard": "custom\nNO_SHARD",
     "ddp": "torch\nDDP",

@@ -67,16 +67,23 @@ def engine_options() -> dict[str, Any]:
     return {n: repr(params[n].default) for n in names if n in params}
 
 
-def _custom(model: nn.Module, group: dist.ProcessGroup, strategy: str) -> Prepared:
+def _custom(model: nn.Module, group: dist.ProcessGroup, strategy: str, **options: Any) -> Prepared:
     from lightning_fsdp.engine import fully_shard
 
-    engine = fully_shard(model, process_group=group, sharding_strategy=strategy, auto_wrap_policy={Block})
+    engine = fully_shard(model, process_group=group, sharding_strategy=strategy, auto_wrap_policy={Block}, **options)
     return Prepared(model=model, engine=engine, notes={"engine_options": engine_options()})
 
 
 def setup_custom_full_shard(model: nn.Module, group: dist.ProcessGroup) -> Prepared:
     """fsdp_custom, FULL_SHARD: gather before each unit's forward, free, gather again for its backward."""
     return _custom(model, group, "FULL_SHARD")
+
+
+def setup_custom_full_shard_post(model: nn.Module, group: dist.ProcessGroup) -> Prepared:
+    """fsdp_custom, FULL_SHARD with ``backward_prefetch="BACKWARD_POST"``: the next unit's gather starts once a unit's
+    backward is done rather than as it begins, so two units' parameters and one unit's gradients are not alive at
+    once (less memory, less overlap)."""
+    return _custom(model, group, "FULL_SHARD", backward_prefetch="BACKWARD_POST")
 
 
 def setup_custom_shard_grad_op(model: nn.Module, group: dist.ProcessGroup) -> Prepared:
@@ -136,6 +143,13 @@ VARIANTS: dict[str, Variant] = {
     v.key: v
     for v in (
         Variant("custom_full_shard", "fsdp_custom FULL_SHARD", setup_custom_full_shard, _SHARDED, "engine"),
+        Variant(
+            "custom_full_shard_post",
+            "fsdp_custom FULL_SHARD, BACKWARD_POST",
+            setup_custom_full_shard_post,
+            _SHARDED,
+            "engine",
+        ),
         Variant(
             "custom_shard_grad_op", "fsdp_custom SHARD_GRAD_OP", setup_custom_shard_grad_op, _GATHER_ONCE, "engine"
         ),
