@@ -32,12 +32,14 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "results.json").read_text())
-    assert list(report["checks"]) == ["engine", "bf16", "checkpointing", "cpu_offload", "sharded_checkpoint"]
+    assert list(report["checks"]) == ["engine", "bf16", "checkpointing", "cpu_offload", "sharded_checkpoint", "streams"]
     assert all(check["status"] == "passed" for check in report["checks"].values()), report["checks"]
     # The parameter comparisons covered the whole model (GPT 2 x 32: 29 state entries).
     assert report["checks"]["engine"]["compared"] == report["checks"]["sharded_checkpoint"]["compared"] == 29
     assert [row["variant"] for row in report["table"]] == ["plain", "torch FSDP2", "fsdp_custom"]
-    assert (tmp_path / "results.md").read_text().count("| passed |") == 5
+    assert report["checks"]["streams"]["streams_active"] is False  # on CPU; the training part still ran
+    assert report["checks"]["streams"]["compared"] == 29
+    assert (tmp_path / "results.md").read_text().count("| passed |") == 6
 
 
 def test_gpu_check_refuses_to_pretend_without_cuda(tmp_path):

@@ -6,13 +6,18 @@
 Checks, each against plain unsharded training of the same model from the same seed, on the same batches:
 
 1. ``engine``: fully_shard with one unit per Block on the device; the losses and final parameters equal plain
-   training (fp32; tolerance as the CPU tests), and the engine's peak bytes stay below the full model's.
+   training (fp32; tolerance as the CPU tests), and the engine's peak bytes stay below the full model's. On CUDA every
+   check runs the stream path (``lightning_fsdp/engine/streams.py``): ``streams_active`` says so.
 2. ``bf16``: ``MixedPrecision(param_dtype=bfloat16)``; the losses stay within bf16 rounding of fp32's.
 3. ``checkpointing``: activation checkpointing of every Block; equal to the run without it.
 4. ``cpu_offload``: shards, gradients and AdamW state in host memory; equal to the run without offload, and every
-   shard is on the host after the step.
+   shard is on the host after the step, in pinned memory on CUDA (the copies to and from the GPU are asynchronous).
 5. ``sharded_checkpoint``: a Lightning fit with ``state_dict_type="sharded"`` saves, a new Trainer loads it, and the
    loaded parameters equal the saved ones.
+6. ``streams``: with prefetching both ways, every all-gather was issued on the all-gather stream and every
+   reduce-scatter on the reduce-scatter stream, events were recorded on both (none on the compute stream), and with
+   a sleep queued on the side stream before every collective (so that a missing wait shows as wrong numbers rather
+   than a lucky race) training still equals plain training. On CPU the streams are inactive: only the training runs.
 
 Then a table for a ~125M-parameter GPT (12 x 768, vocab 50304, 512 tokens): median step time and peak memory
 (``torch.cuda.max_memory_allocated``, reset before the timed steps) for plain single-device training, torch's FSDP2
@@ -110,7 +115,12 @@ def check_engine(config: GPTConfig, device: torch.device, steps: int) -> dict[st
     if max(abs(a - b) for a, b in zip(losses, ref_losses)) > 1e-4:
         raise AssertionError(f"losses {losses} differ from plain training's {ref_losses}")
     stats = engine.shard_comm.stats
-    return {"compared": compared, "max_param_diff": worst, "peak_gathered_units": stats.peak_gathered_units}
+    return {
+        "compared": compared,
+        "max_param_diff": worst,
+        "peak_gathered_units": stats.peak_gathered_units,
+        "streams_active": engine.streams.active,
+    }
 
 
 def check_bf16(config: GPTConfig, device: torch.device, steps: int) -> dict[str, Any]:
@@ -162,8 +172,11 @@ def check_cpu_offload(config: GPTConfig, device: torch.device, steps: int) -> di
     on_host = sum(1 for p in params if p.device.type == "cpu")
     if on_host != len(params):
         raise AssertionError(f"{on_host} of {len(params)} shards in host memory")
+    pinned = sum(1 for p in params if p.is_pinned())
+    if device.type == "cuda" and pinned != len(params):
+        raise AssertionError(f"{pinned} of {len(params)} host shards pinned")
     compared, worst = _close(_full_state(model), _full_state(plain), 1e-5)
-    return {"compared": compared, "max_param_diff": worst, "shards_on_host": on_host}
+    return {"compared": compared, "max_param_diff": worst, "shards_on_host": on_host, "pinned_shards": pinned}
 
 
 def check_sharded_checkpoint(config: GPTConfig, device: torch.device, steps: int) -> dict[str, Any]:
@@ -215,12 +228,78 @@ def check_sharded_checkpoint(config: GPTConfig, device: torch.device, steps: int
     return {"compared": compared, "max_param_diff": worst}
 
 
+SLEEP_CYCLES = 2_000_000  # about a millisecond of GPU time, queued before each collective by the streams check
+
+
+def _watch_streams(engine: Any) -> tuple[Any, Any]:
+    """Count the stream each of ``engine``'s collectives is issued on (after queueing a sleep there) and the events
+    recorded on each stream: two Counters, filled as the engine trains."""
+    from collections import Counter
+
+    streams = engine.streams
+    issued: Counter = Counter()  # (collective, stream it was issued on)
+    events: Counter = Counter()  # stream -> events recorded there
+
+    def name_of(stream: Any) -> str:
+        if stream == streams.all_gather_stream:
+            return "all_gather"
+        return "reduce_scatter" if stream == streams.reduce_scatter_stream else "compute"
+
+    def counted(record_event: Any) -> Any:
+        def record() -> Any:
+            events[name_of(streams.current_stream())] += 1
+            return record_event()
+
+        return record
+
+    def slowed(collective: Any, what: str) -> Any:
+        def issue(*args: Any, **kwargs: Any) -> Any:
+            issued[(what, name_of(torch.cuda.current_stream()))] += 1
+            torch.cuda._sleep(SLEEP_CYCLES)
+            return collective(*args, **kwargs)
+
+        return issue
+
+    streams.record_event = counted(streams.record_event)  # the units call it on this object
+    for what in ("all_gather", "reduce_scatter"):
+        setattr(engine.shard_comm, what, slowed(getattr(engine.shard_comm, what), what))
+    return issued, events
+
+
+def check_streams(config: GPTConfig, device: torch.device, steps: int) -> dict[str, Any]:
+    from lightning_fsdp.engine import fully_shard
+
+    batches = _batches(config, steps, 4, device)
+    plain = _fresh(config, device)
+    ref_losses = _train(plain, batches)
+    model = _fresh(config, device)
+    engine = fully_shard(model, auto_wrap_policy={Block}, device=device, forward_prefetch=True)
+    active = engine.streams.active
+    issued, events = _watch_streams(engine) if active else ({}, {})
+    losses = _train(model, batches)
+    compared, worst = _close(_full_state(model), _full_state(plain), 1e-4)
+    if max(abs(a - b) for a, b in zip(losses, ref_losses)) > 1e-4:
+        raise AssertionError(f"losses {losses} differ from plain training's {ref_losses}")
+    result: dict[str, Any] = {"streams_active": active, "compared": compared, "max_param_diff": worst}
+    if active:
+        misplaced = any(what != where for what, where in issued)
+        if misplaced or events.get("compute") or not events.get("all_gather") or not events.get("reduce_scatter"):
+            raise AssertionError(f"collectives {dict(issued)}, events {dict(events)}")
+        result.update(
+            collectives_on_side_streams=sum(issued.values()),
+            all_gather_events=events["all_gather"],
+            reduce_scatter_events=events["reduce_scatter"],
+        )
+    return result
+
+
 CHECKS: dict[str, Callable[[GPTConfig, torch.device, int], dict[str, Any]]] = {
     "engine": check_engine,
     "bf16": check_bf16,
     "checkpointing": check_checkpointing,
     "cpu_offload": check_cpu_offload,
     "sharded_checkpoint": check_sharded_checkpoint,
+    "streams": check_streams,
 }
 
 

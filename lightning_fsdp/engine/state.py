@@ -67,6 +67,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from lightning_fsdp.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from lightning_fsdp.engine.comm import Communicator
 from lightning_fsdp.engine.layout import ShardLayout
+from lightning_fsdp.engine.streams import CollectiveStreams, streams_for
 from lightning_fsdp.engine.unit import CollectiveKind, FlatUnit
 from lightning_fsdp.options import check_flag, check_reshard_after_forward
 
@@ -203,9 +204,14 @@ class ShardingEngine:
         # (``secondary_comm``) and by group size (torch's groups are created once, by every rank).
         self.secondary_comm: Communicator | None = None
         self._secondary_comms: dict[int, Communicator] = {}
+        # The collectives' streams of the units' compute device (see [Note: collectives on their own streams]).
+        streams = streams_for([unit.device for unit in units])
         for index, unit in enumerate(units):
             unit.index = index
+            unit.streams = streams[unit.device]
             self._register_hooks(unit)
+        # cpu_offload from an accelerator: the host waits for the copies to and from it at the end of backward.
+        self._host_copies = any(unit.pinned for unit in units)
         for comm in (shard_comm, replicate_comm):
             if comm is not None:
                 comm.describe_tag = self._describe_tag
@@ -543,6 +549,8 @@ class ShardingEngine:
                 if unit.trainable_slots and not unit.step_state.reduced:
                     self._reduce(unit)
             self._finish_reductions()
+            if self._host_copies:
+                self._wait_host_copies()
             self._check_no_late_gradients()
             self._restore_none_gradients()
             if torch.is_anomaly_enabled():
@@ -552,6 +560,22 @@ class ShardingEngine:
             self._begin_step()
             self._end_backward_state()
             self._order_frozen = True
+
+    def _wait_host_copies(self) -> None:
+        """cpu_offload on an accelerator: the host waits for the asynchronous copies of shards to the device and of
+        reduced gradients to the host before clipping or the optimizer reads or writes them there."""
+        for streams in {id(u.streams): u.streams for u in self.units if u.pinned and u.streams.active}.values():
+            streams.synchronize()
+
+    @property
+    def streams(self) -> CollectiveStreams:
+        """The streams the root unit's collectives run on (inactive on CPU)."""
+        return self.root_unit.streams
+
+    def _use_streams(self, streams: CollectiveStreams) -> None:
+        """Every unit's collectives on ``streams`` from now on (the tests' recording fake); between steps only."""
+        for unit in self.units:
+            unit.streams = streams
 
     def _end_backward_state(self) -> None:
         # The backward may have run inside the root's forward (manual optimization), which is still open.

@@ -37,6 +37,7 @@ from torch import nn
 from lightning_fsdp.config import check_wire_narrower
 from lightning_fsdp.engine.comm import Communicator, all_gather_flat
 from lightning_fsdp.engine.layout import ShardLayout
+from lightning_fsdp.engine.streams import INACTIVE, CollectiveStreams, pins_host_memory
 from lightning_fsdp.engine.wrap import ParamUse
 
 
@@ -132,6 +133,9 @@ class PendingGather(NamedTuple):
     inputs: list[torch.Tensor]  # kept alive until the collectives complete
     staged_out: torch.Tensor | None  # the staging buffer's output, copied into the full buffer when done
     ranks: int  # the ranks gathered over: the shard group's, or a secondary group's (each sent 1/ranks of the unit)
+    # On an accelerator: recorded on the all-gather stream after the collectives (see [Note: collectives on their own
+    # streams]); the compute stream waits for it before reading the full parameters. None on CPU.
+    event: Any = None
 
 
 class SecondaryShard(NamedTuple):
@@ -154,6 +158,11 @@ class PendingReduce(NamedTuple):
     pre_divide: bool
     ranks: int
     plan: ReducePlan
+    # On an accelerator the post-reduce work is queued at once, on the reduce-scatter stream: ``event`` is recorded
+    # after it, ``result`` is what ``_post_reduce`` returned. Both None on CPU (see [Note: collectives on their own
+    # streams]).
+    event: Any = None
+    result: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class FlatUnit:
@@ -214,6 +223,11 @@ class FlatUnit:
         self.reduce_wire_dtype = reduce_wire_dtype
         # CPU offload keeps the shards (and so their gradients and the optimizer state) in host memory.
         self.shard_device = shard_device or self.device
+        # ... pinned when the units compute on an accelerator, so that the copies to and from it are asynchronous.
+        offloaded = self.shard_device.type == "cpu" and self.device != self.shard_device
+        self.pinned = offloaded and pins_host_memory(self.device)
+        # The engine gives every unit the streams of its device (see [Note: collectives on their own streams]).
+        self.streams: CollectiveStreams = INACTIVE
         self.index = 0  # position in the engine's unit list: names this unit's collectives for ``Communicator.agree``
         # The engine's view of the unit's forward: calls open right now (the outermost one, and nested or
         # recomputed ones inside it), and whether the open outermost call put a ``_PostBackward`` on its inputs.
@@ -249,7 +263,9 @@ class FlatUnit:
             offset += slot.layout.padded_numel
         self.shard_numel = offset
         n = self.world_size
-        self.flat_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.shard_device)
+        self.flat_shard = torch.zeros(
+            self.shard_numel, dtype=self.dtype, device=self.shard_device, pin_memory=self.pinned
+        )
         # Unsharded units compute on the shard buffer itself and need no second copy of their parameters.
         # A NO_SHARD unit in full precision computes on its shard buffer directly.
         self._aliases_shard = not self.sharded and self.compute_dtype == self.dtype and self.shard_device == self.device
@@ -372,6 +388,8 @@ class FlatUnit:
         """Issue this unit's all-gather; with ``async_op`` it overlaps whatever runs until ``unshard()``.
 
         From the shard group, or, when a forward left a secondary shard, over that smaller group (which uses it up).
+        On an accelerator it is queued on the all-gather stream either way (see [Note: collectives on their own
+        streams]), and ``unshard()`` makes the compute stream wait for it.
         """
         if self.is_alive:
             return
@@ -379,10 +397,26 @@ class FlatUnit:
         secondary, self._secondary = self._secondary, None
         if self._aliases_shard or not self.slots:
             return
+        streams = self.streams
+        if not streams.active or not self.sharded:
+            # CPU; or no collective to overlap (NO_SHARD casting or offloading): on the current stream.
+            self._issue_unshard(secondary, async_op)
+            return
+        if len(self.slots) == 1 or self._direct:
+            # Written in place by a collective: the full buffer outlives the unshard and reshard frees it on the
+            # compute stream, so it is allocated there, before switching (see [Note: collectives on their own streams]).
+            self._allocate_full()
+        with streams.all_gather_side():
+            self._issue_unshard(secondary, async_op, non_blocking=True)
+            _wait(self._pending_unshard.works)  # NCCL, HCCL: this stream waits for the collectives, the host does not
+            event = streams.record_event()
+        self._pending_unshard = self._pending_unshard._replace(works=[], event=event)
+
+    def _issue_unshard(self, secondary: SecondaryShard | None, async_op: bool, *, non_blocking: bool = False) -> None:
         if secondary is not None:
             comm, source = secondary.comm, secondary.buffer
         else:
-            comm, source = self.shard_comm, self.flat_shard.to(self.device, self.compute_dtype)  # no copy in fp32
+            comm, source = self.shard_comm, self._shard_on_device(non_blocking)  # no copy in fp32
             if not self.sharded:
                 self._allocate_full()
                 with torch.no_grad():
@@ -422,6 +456,13 @@ class FlatUnit:
             inputs.append(staged_in)
         self._pending_unshard = PendingGather(works, inputs, gathered, ranks)
 
+    def _shard_on_device(self, non_blocking: bool = False) -> torch.Tensor:
+        """The flat shard on the compute device in the compute dtype: the shard itself when neither changes.
+        ``non_blocking`` (on the all-gather stream): a pinned host shard is copied asynchronously, then cast there."""
+        if non_blocking and self.pinned:
+            return self.flat_shard.to(self.device, non_blocking=True).to(self.compute_dtype)
+        return self.flat_shard.to(self.device, self.compute_dtype)
+
     def _allocate_full(self) -> None:
         storage = self.full_flat.untyped_storage()
         if storage.nbytes() == 0:
@@ -430,6 +471,8 @@ class FlatUnit:
     def _finish_unshard(self) -> None:
         pending, self._pending_unshard = self._pending_unshard, None
         if pending is not None:
+            if pending.event is not None:
+                self.streams.wait_event(pending.event)  # before any read of what the collectives wrote
             _wait(pending.works)
             gathered, ranks = pending.staged_out, pending.ranks
             if gathered is not None:
@@ -442,6 +485,9 @@ class FlatUnit:
                         dim=1,
                         out=[region.view(ranks, -1) for region in self._staged_regions],
                     )
+                if pending.event is not None:
+                    # Allocated on the all-gather stream, read here: not handed out again before this copy is done.
+                    self.streams.record_stream(gathered, self.streams.current_stream())
         self._install(full=True)
         self.sharded_state = ShardedState.UNSHARDED
 
@@ -530,7 +576,39 @@ class FlatUnit:
         Each rank also contributes, per parameter, 1 if it has a gradient and 0 if not, packed behind its chunk of
         the same collective: the engine reads the sums at the end of backward and leaves ``.grad`` as ``None`` for
         parameters no rank used, as a single process would.
+
+        On an accelerator all of it, the post-reduce work included, is queued at once on the reduce-scatter stream
+        (see [Note: collectives on their own streams]); ``finish_reduce`` makes the compute stream wait for it.
         """
+        streams = self.streams
+        if not streams.active:
+            self._start_reduce()
+            return
+        plan = self.reduce_plan()
+        if not plan.slots:
+            return
+        with streams.reduce_scatter_side() as compute:
+            for slot in plan.slots:
+                for grad in (slot.full.grad, slot.unsynced_grad):
+                    if grad is not None:
+                        # Allocated on the compute stream, read by this one: freed as soon as the copy-in is queued,
+                        # so not handed out again before this stream has read it.
+                        streams.record_stream(grad, streams.reduce_scatter_stream)
+            self._start_reduce()
+            pending = self._pending_reduce
+            _wait(pending.works)  # NCCL, HCCL: this stream waits for the collectives, the host does not
+            grads, used_counts = self._post_reduce(pending)
+            # Allocated on this stream, read by the compute stream (as .grad, and by the engine).
+            if grads.device == self.device:
+                streams.record_stream(grads, compute)
+            streams.record_stream(used_counts, compute)
+            event = streams.record_event()
+        # What the collectives read can go now: this stream is past them.
+        self._pending_reduce = pending._replace(
+            works=[], inputs=[], staged_out=None, event=event, result=(grads, used_counts)
+        )
+
+    def _start_reduce(self) -> None:
         plan = self.reduce_plan()
         if not plan.slots:
             return
@@ -550,7 +628,7 @@ class FlatUnit:
         n = self.world_size
         k = len(grads)
         ranks = self.shard_comm.world_size * (self.replicate_comm.world_size if self.replicate_comm else 1)
-        flags = torch.tensor(used, dtype=self.compute_dtype, device=self.device)  # the gradients' dtype
+        flags = self._used_flags(used)  # the gradients' dtype
         # float16 sums can overflow: divide before summing there, after summing everywhere else.
         pre_divide = self.reduce_dtype == torch.float16
         staged_out = None
@@ -589,6 +667,17 @@ class FlatUnit:
             self.shard_comm.agree(self.tag(CollectiveKind.REDUCE))
             works, inputs = [self.shard_comm.all_reduce(reduced, async_op=True)], []
         self._pending_reduce = PendingReduce(works, reduced, inputs, staged_out, pre_divide, ranks, plan)
+
+    def _used_flags(self, used: list[bool]) -> torch.Tensor:
+        if not self.streams.active:
+            return torch.tensor(used, dtype=self.compute_dtype, device=self.device)
+        # No host-to-device copy on an accelerator: a blocking one makes the host wait until the stream (which has
+        # just waited for the compute stream) drains, once per reduction. Fills queue without waiting.
+        flags = torch.ones(len(used), dtype=self.compute_dtype, device=self.device)
+        for j, had_grad in enumerate(used):
+            if not had_grad:
+                flags[j].fill_(0)
+        return flags
 
     def _reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> Any:
         if self.reduce_wire_dtype is None:
@@ -635,7 +724,31 @@ class FlatUnit:
         if pending is None:
             return
         self._pending_reduce = None
-        _wait(pending.works)
+        if pending.event is None:
+            _wait(pending.works)
+            reduced, self.used_counts = self._post_reduce(pending)
+        else:
+            # Queued on the reduce-scatter stream by reduce_grads: the compute stream waits for all of it first.
+            self.streams.wait_event(pending.event)
+            reduced, self.used_counts = pending.result
+        plan = pending.plan
+        self._last_plan = plan
+        self._had_grad = [slot.param.grad is not None for slot in plan.slots]
+        if pending.event is not None and self.pinned and any(self._had_grad):
+            # Offloaded and accumulating: the host adds to its gradients now, so the copy to it must be done.
+            self.streams.synchronize_event(pending.event)
+        for slot, offset in zip(plan.slots, plan.offsets):
+            layout = slot.layout
+            grad = reduced[offset : offset + layout.local_numel].view(layout.local_shape)
+            if slot.param.grad is None:
+                slot.param.grad = grad
+            else:
+                slot.param.grad += grad
+
+    def _post_reduce(self, pending: PendingReduce) -> tuple[torch.Tensor, torch.Tensor]:
+        """Once the collectives are done: the packed parameters and the flags into their places, the replicas'
+        all-reduce, the division. Returns this rank's flat gradients (the shards' dtype, on the shard device) and the
+        used-flags' sums."""
         plan, reduced = pending.plan, pending.output
         if pending.staged_out is not None:
             # Parameters reduced through the padded copy, and the flags: into their places in ``reduced``.
@@ -651,23 +764,25 @@ class FlatUnit:
             reduced.div_(pending.ranks)
         # Divided, the sums stay > 0 exactly where some rank had a gradient, which is all the engine asks. A copy:
         # a view would keep the whole reduction buffer, which the gradients are views of, alive after zero_grad.
-        self.used_counts = reduced[plan.numel :].clone()
-        reduced = reduced[: plan.numel].to(self.shard_device, self.dtype)
-        self._last_plan = plan
-        self._had_grad = [slot.param.grad is not None for slot in plan.slots]
-        for slot, offset in zip(plan.slots, plan.offsets):
-            layout = slot.layout
-            grad = reduced[offset : offset + layout.local_numel].view(layout.local_shape)
-            if slot.param.grad is None:
-                slot.param.grad = grad
-            else:
-                slot.param.grad += grad
+        used_counts = reduced[plan.numel :].clone()
+        return self._to_shard_device(reduced[: plan.numel]), used_counts
+
+    def _to_shard_device(self, reduced: torch.Tensor) -> torch.Tensor:
+        if self.pinned and self.streams.active:
+            # Offloaded from an accelerator: into pinned host memory, asynchronously on the reduce-scatter stream. The
+            # host waits for it before reading it (the end of backward, or an accumulation in finish_reduce).
+            host = torch.empty(reduced.shape, dtype=self.dtype, pin_memory=True)
+            host.copy_(reduced.to(self.dtype), non_blocking=True)
+            return host
+        return reduced.to(self.shard_device, self.dtype)
 
     def abandon(self) -> None:
         """After a backward that raised: complete whatever is in flight (every rank issued it), keep none of it."""
         pending, self._pending_reduce = self._pending_reduce, None
         if pending is not None:
             _wait(pending.works)
+            if pending.event is not None:
+                self.streams.wait_event(pending.event)
         self.reshard()
         for slot in self.slots:
             slot.full.grad = None
