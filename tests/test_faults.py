@@ -16,7 +16,8 @@ Two ways of starting the ranks:
 
 Every time is measured from the moment the faulty rank injected its fault (it prints ``time.time()``), so process
 start-up on a loaded machine does not count. A hang can only be noticed through the timeout: those cases must end
-after about ``TIMEOUT_S`` (the gloo error names it: "Timed out waiting 10000ms"), which shows the configured value
+after about ``TIMEOUT_S`` (the error names it: gloo's "Timed out waiting 10000ms", or, where the engine's
+broadcast or all-to-all timed out, the engine's "process group's timeout (10000 ms)"), which shows the configured value
 is the one in force, not torch's 30-minute default. Everything is started in sessions of its own and killed by
 process group at the end of each test, whatever happened.
 """
@@ -124,8 +125,10 @@ def _check_names_failure(output: str, fault: str, rank: int) -> None:
     if fault == "raise":
         assert f"injected fault on rank {rank} at step 3" in output
     elif fault == "hang":
-        # gloo's error on the rank that waited: the configured timeout, in milliseconds.
-        assert re.search(rf"Timed out waiting {TIMEOUT_S * 1000}ms", output), output[-4000:]
+        # The error on the rank that waited names the configured timeout, in milliseconds: gloo's own for its
+        # all-gather and all-reduce, the engine's for gloo's broadcast and all-to-all (whose error does not).
+        ms = TIMEOUT_S * 1000
+        assert re.search(rf"Timed out waiting {ms}ms|process group's timeout \({ms} ms\)", output), output[-4000:]
     else:  # exit / kill: the survivor's collective failed on the closed connection, or Lightning's observer saw it
         assert re.search(r"Connection closed by peer|Connection reset by peer|terminated with code", output), output[
             -4000:

@@ -423,6 +423,9 @@ def train(rank: int, world_size: int, config: dict[str, Any], checked: bool) -> 
         torch.manual_seed(0)
         model = ToyLM(dim=6)  # 6-row layers split evenly over 2 ranks: reduced in place too
         engine = fully_shard(model, auto_wrap_policy={Block}, **config.get("options", {}))
+        # The fake device stands for an accelerator, whose backends (NCCL, HCCL) keep torch's all-gather and
+        # reduce-scatter: not gloo's CPU forms (see [Note: collectives on gloo]), in both runs so they compare.
+        engine.shard_comm.on_gloo_cpu = engine.shard_comm._gathers_by_broadcast = False
         checker = StreamChecker()
         if checked:
             engine._use_streams(RecordingStreams(checker))

@@ -84,17 +84,51 @@ class Works(NamedTuple):
     """Several work handles that complete one collective of the engine."""
 
     works: list[Any]
+    timeout_ms: int | None = None
 
     def wait(self) -> None:
         for work in self.works:
-            work.wait()
+            wait_naming_timeout(work, self.timeout_ms)
+
+
+def wait_naming_timeout(work: Any, timeout_ms: int | None) -> None:
+    """``work.wait()``; a timeout raised by gloo's broadcast or all-to-all ("Application timeout caused pair
+    closure", which, unlike its all-gather's error, does not say how long it waited) is raised again naming the
+    group's timeout."""
+    try:
+        work.wait()
+    except RuntimeError as error:
+        if timeout_ms is None or "timeout" not in str(error).lower():
+            raise
+        raise RuntimeError(
+            f"{error}: a gloo collective of the sharding engine waited past its process group's timeout "
+            f"({timeout_ms} ms); another rank stopped, hung, or did not issue the same collective"
+        ) from error
+
+
+def _gloo_timeout_ms(group: dist.ProcessGroup | None) -> int | None:
+    """The gloo process group's timeout in milliseconds, where torch exposes it."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        return int(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() * 1000)
+    except (AttributeError, RuntimeError):
+        return None
 
 
 class WireReduction:
     """A ``Communicator.reduce_scatter_wide`` in flight: the all-to-all, then the wide sum into ``output``."""
 
-    def __init__(self, work: Any, sent: torch.Tensor, received: torch.Tensor, output: torch.Tensor, ranks: int) -> None:
+    def __init__(
+        self,
+        work: Any,
+        sent: torch.Tensor,
+        received: torch.Tensor,
+        output: torch.Tensor,
+        ranks: int,
+        timeout_ms: int | None = None,
+    ) -> None:
         self._work = work
+        self._timeout_ms = timeout_ms
         self._buffers: tuple[torch.Tensor, ...] | None = (sent, received)  # alive until the exchange completes
         self._output = output
         self._ranks = ranks
@@ -102,7 +136,7 @@ class WireReduction:
     def wait(self) -> None:
         if self._buffers is None:
             return
-        self._work.wait()
+        wait_naming_timeout(self._work, self._timeout_ms)
         _sent, received = self._buffers
         self._buffers = None
         # Rank order, the same on every rank: row r is rank r's chunk of this rank's shard.
@@ -123,6 +157,7 @@ class Communicator:
             distributed and self.world_size > 1 and self.device.type == "cpu" and dist.get_backend(group) == "gloo"
         )
         self._gathers_by_broadcast = self.on_gloo_cpu and self.world_size <= _BROADCAST_GATHER_MAX_RANKS
+        self._timeout_ms = _gloo_timeout_ms(group) if self.on_gloo_cpu else None
         self._global_ranks = (
             [dist.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)]
             if distributed
@@ -179,7 +214,8 @@ class Communicator:
                 [
                     dist.broadcast(chunk, src=src, group=self.group, async_op=True)
                     for chunk, src in zip(chunks, self._global_ranks)
-                ]
+                ],
+                self._timeout_ms,
             )
             if async_op:
                 return works
@@ -216,7 +252,7 @@ class Communicator:
             return None
         received = torch.empty_like(wire)
         work = dist.all_to_all_single(received, wire, group=self.group, async_op=True)
-        pending = WireReduction(work, wire, received, output, self.world_size)
+        pending = WireReduction(work, wire, received, output, self.world_size, self._timeout_ms)
         if async_op:
             return pending
         pending.wait()
