@@ -320,6 +320,61 @@ def _write_json(path: Path, payload: dict[str, Any]) -> None:
     os.replace(partial, path)
 
 
+def run_ranks(
+    worker: Callable[..., None],
+    args_of: Callable[[str], tuple],
+    nprocs: int,
+    *,
+    threads: int,
+    timeout: float,
+    name: str,
+) -> list[dict[str, Any]]:
+    """Spawn ``nprocs`` processes of ``worker(rank, *args_of(folder))`` with one thread count each, wait for them (at
+    most ``timeout`` seconds), and return the ``rank{r}.json`` each wrote into ``folder``. A rank that fails writes
+    ``error{r}.txt``; the first one's text goes into the RuntimeError. The smaller benchmarks share this."""
+    env = {
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "KINETO_LOG_LEVEL": "5",
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # spawned children inherit it
+    try:
+        with tempfile.TemporaryDirectory(prefix="lfsdp-bench-") as folder:
+            context = mp.start_processes(worker, args=args_of(folder), nprocs=nprocs, start_method="spawn", join=False)
+            deadline = time.time() + timeout
+            problem = None
+            while True:
+                try:
+                    if context.join(timeout=1.0):
+                        break
+                except Exception as error:  # noqa: BLE001 - a rank raised or died: report its traceback
+                    problem = str(error)
+                    break
+                if time.time() > deadline:
+                    problem = f"timed out after {timeout:.0f} s"
+                    break
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join(timeout=10)
+            files = [Path(folder, f"rank{r}.json") for r in range(nprocs)]
+            if problem is not None or not all(f.exists() for f in files):
+                errors = [p.read_text() for p in sorted(Path(folder).glob("error*.txt"))]
+                raise RuntimeError(
+                    f"{name} failed: {problem or 'a rank exited without its results'}"
+                    + ("\n" + errors[0] if errors else "")
+                )
+            return [json.loads(f.read_text()) for f in files]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def join_worker_group(folder: str, rank: int, world: int, threads: int, collective_timeout: float) -> None:
     """A benchmark process's set-up: its thread counts, then the gloo group of all ranks (``file://`` rendezvous)."""
     torch.set_num_threads(threads)

@@ -97,7 +97,6 @@ import platform
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -107,7 +106,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_fsdp.benchmark.memory import LIVE_BYTES_METHOD, MODEL_STATE_METHOD, LiveTensorBytes, model_state_bytes
@@ -545,49 +543,16 @@ def _worker(rank: int, folder: str, cfg_dict: dict[str, Any]) -> None:
 
 
 def _run_processes(cfg: PipelineBenchmarkConfig) -> list[dict[str, Any]]:
-    env = {
-        "OMP_NUM_THREADS": str(cfg.threads),
-        "MKL_NUM_THREADS": str(cfg.threads),
-        "KINETO_LOG_LEVEL": "5",
-        "TORCH_CPP_LOG_LEVEL": "ERROR",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # spawned children inherit it
-    try:
-        with tempfile.TemporaryDirectory(prefix="lfsdp-ppbench-") as folder:
-            context = mp.start_processes(
-                _worker, args=(folder, asdict(cfg)), nprocs=WORLD_SIZE, start_method="spawn", join=False
-            )
-            deadline = time.time() + cfg.timeout
-            problem = None
-            while True:
-                try:
-                    if context.join(timeout=1.0):
-                        break
-                except Exception as error:  # noqa: BLE001 - a rank raised or died: report its traceback
-                    problem = str(error)
-                    break
-                if time.time() > deadline:
-                    problem = f"timed out after {cfg.timeout:.0f} s"
-                    break
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                process.join(timeout=10)
-            files = [Path(folder, f"rank{r}.json") for r in range(WORLD_SIZE)]
-            if problem is not None or not all(f.exists() for f in files):
-                errors = [p.read_text() for p in sorted(Path(folder).glob("error*.txt"))]
-                raise RuntimeError(
-                    f"pipeline benchmark failed: {problem or 'a rank exited without its results'}"
-                    + ("\n" + errors[0] if errors else "")
-                )
-            return [json.loads(f.read_text()) for f in files]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    from lightning_fsdp.benchmark import run_ranks
+
+    return run_ranks(
+        _worker,
+        lambda folder: (folder, asdict(cfg)),
+        WORLD_SIZE,
+        threads=cfg.threads,
+        timeout=cfg.timeout,
+        name="pipeline benchmark",
+    )
 
 
 # ----------------------------------------------------------------------------------------------- summary

@@ -6,11 +6,10 @@ them out.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from lightning_fsdp.benchmark.report import _json_default, fmt_bytes
+from lightning_fsdp.benchmark.report import fmt_bytes
 
 __all__ = ["markdown", "plot", "write_report"]
 
@@ -291,10 +290,6 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def write_report(results: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=_json_default))
-    (out / "results.md").write_text(markdown(results))
-    try:
-        plot(results, out / "plot.png")
-    except ImportError:  # matplotlib is optional: the tables and the JSON are written already
-        (out / "plot-missing.txt").write_text("matplotlib is not installed: pip install matplotlib\n")
+    from lightning_fsdp.benchmark.report import write_outputs
+
+    write_outputs(results, out, markdown(results), plot)

@@ -38,14 +38,12 @@ machine then falls on every variant alike. AdamW over the shards (the fp32 maste
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -55,7 +53,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_fsdp.benchmark.report import paired_ratio
 from lightning_fsdp.demo.gpt import GPTConfig
@@ -320,53 +317,16 @@ def _worker(rank: int, world: int, folder: str, cfg_dict: dict[str, Any]) -> Non
 
 
 def _run_processes(cfg: ReducePrecisionConfig) -> list[dict[str, Any]]:
-    env = {
-        "OMP_NUM_THREADS": str(cfg.threads),
-        "MKL_NUM_THREADS": str(cfg.threads),
-        "KINETO_LOG_LEVEL": "5",
-        "TORCH_CPP_LOG_LEVEL": "ERROR",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # spawned children inherit it
-    try:
-        with tempfile.TemporaryDirectory(prefix="lfsdp-rpbench-") as folder:
-            context = mp.start_processes(
-                _worker,
-                args=(cfg.world_size, folder, asdict(cfg)),
-                nprocs=cfg.world_size,
-                start_method="spawn",
-                join=False,
-            )
-            deadline = time.time() + cfg.timeout
-            problem = None
-            while True:
-                try:
-                    if context.join(timeout=1.0):
-                        break
-                except Exception as error:  # noqa: BLE001 - a rank raised or died: report its traceback
-                    problem = str(error)
-                    break
-                if time.time() > deadline:
-                    problem = f"timed out after {cfg.timeout:.0f} s"
-                    break
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                process.join(timeout=10)
-            files = [Path(folder, f"rank{r}.json") for r in range(cfg.world_size)]
-            if problem is not None or not all(f.exists() for f in files):
-                errors = [p.read_text() for p in sorted(Path(folder).glob("error*.txt"))]
-                raise RuntimeError(
-                    f"reduce-precision benchmark failed: {problem or 'a rank exited without its results'}"
-                    + ("\n" + errors[0] if errors else "")
-                )
-            return [json.loads(f.read_text()) for f in files]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    from lightning_fsdp.benchmark import run_ranks
+
+    return run_ranks(
+        _worker,
+        lambda folder: (cfg.world_size, folder, asdict(cfg)),
+        cfg.world_size,
+        threads=cfg.threads,
+        timeout=cfg.timeout,
+        name="reduce-precision benchmark",
+    )
 
 
 # ----------------------------------------------------------------------------------------------- summary
@@ -660,15 +620,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def write_report(results: dict[str, Any], out: Path) -> None:
-    from lightning_fsdp.benchmark.report import _json_default
+    from lightning_fsdp.benchmark.report import write_outputs
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=_json_default))
-    (out / "results.md").write_text(markdown(results))
-    try:
-        plot(results, out / "plot.png")
-    except ImportError:  # matplotlib is optional: the tables and the JSON are written already
-        (out / "plot-missing.txt").write_text("matplotlib is not installed: pip install matplotlib\n")
+    write_outputs(results, out, markdown(results), plot)
 
 
 # --------------------------------------------------------------------------------------------------- CLI

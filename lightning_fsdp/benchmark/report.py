@@ -367,10 +367,21 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def write_report(results: dict[str, Any], out: Path) -> None:
+    write_outputs(results, out, markdown(results), plot, plot_optional=False)
+
+
+def write_outputs(results: dict[str, Any], out: Path, text: str, plot_fn: Any, *, plot_optional: bool = True) -> None:
+    """``results.json``, ``results.md`` (``text``) and ``plot.png`` (``plot_fn(results, path)``) into ``out``.
+    ``plot_optional``: without matplotlib, a note replaces the plot (the tables and the JSON are written already)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2, default=_json_default))
-    (out / "results.md").write_text(markdown(results))
-    plot(results, out / "plot.png")
+    (out / "results.md").write_text(text)
+    try:
+        plot_fn(results, out / "plot.png")
+    except ImportError:
+        if not plot_optional:
+            raise
+        (out / "plot-missing.txt").write_text("matplotlib is not installed: pip install matplotlib\n")
 
 
 def _json_default(value: Any) -> Any:
