@@ -1,41 +1,66 @@
 """lightning-fsdp: Fully Sharded Data Parallel for PyTorch Lightning, on CPU, CUDA and Intel Gaudi.
 
-Importing the package registers the ``"fsdp_custom"`` strategy (and its variants) and the ``"hpu"`` accelerator.
+Importing the package registers the ``"fsdp_custom"`` strategy (and its variants) and the ``"hpu"`` accelerator with
+Lightning. The public names load on first use, so that ``lightning_fsdp.engine`` can be imported without Lightning
+(see [Note: registration without importing Lightning] in ``registration.py``).
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
 
-from accelerators import HPUAccelerator, register_hpu_accelerator
-from lightning_fsdp.checkpoint.export import export_safetensors
-from lightning_fsdp.config import BackwardPrefetch, MixedPrecision, ShardingStrategy, StateDictType
-from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
-from lightning_fsdp.estimate import MemoryEstimate, estimate_memory
-from lightning_fsdp.even_batches import UnevenBatchesError
-from lightning_fsdp.monitor import ShardingMonitor
-from lightning_fsdp.pipeline import pipelined_loss
-from lightning_fsdp.pretrained import LoadResult, load_pretrained
-from lightning_fsdp.strategy import FSDPStrategy
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_fsdp.registration import register_with_lightning
 
 __version__ = "0.1.0"
-__all__ = [
-    "BackwardPrefetch",
-    "FSDPStrategy",
-    "HPUAccelerator",
-    "LoadResult",
-    "MemoryEstimate",
-    "MixedPrecision",
-    "ShardingEngine",
-    "ShardingMonitor",
-    "ShardingStrategy",
-    "StateDictType",
-    "UnevenBatchesError",
-    "estimate_memory",
-    "export_safetensors",
-    "fully_shard",
-    "get_engine",
-    "load_pretrained",
-    "pipelined_loss",
-]
 
-FSDPStrategy.register_strategies(StrategyRegistry)
-register_hpu_accelerator()
+# Public name -> the module defining it.
+_PUBLIC = {
+    "BackwardPrefetch": "lightning_fsdp.engine.config",
+    "FSDPStrategy": "lightning_fsdp.strategy",
+    "HPUAccelerator": "accelerators",
+    "LoadResult": "lightning_fsdp.pretrained",
+    "MemoryEstimate": "lightning_fsdp.estimate",
+    "MixedPrecision": "lightning_fsdp.engine.config",
+    "ShardingEngine": "lightning_fsdp.engine.state",
+    "ShardingMonitor": "lightning_fsdp.monitor",
+    "ShardingStrategy": "lightning_fsdp.engine.config",
+    "StateDictType": "lightning_fsdp.checkpoint.formats",
+    "UnevenBatchesError": "lightning_fsdp.even_batches",
+    "estimate_memory": "lightning_fsdp.estimate",
+    "export_safetensors": "lightning_fsdp.checkpoint.export",
+    "fully_shard": "lightning_fsdp.engine.sharding",
+    "get_engine": "lightning_fsdp.engine.registry",
+    "load_pretrained": "lightning_fsdp.pretrained",
+    "pipelined_loss": "lightning_fsdp.pipeline.runtime",
+}
+__all__ = sorted(_PUBLIC)
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on first use
+    from accelerators import HPUAccelerator  # noqa: F401
+    from lightning_fsdp.checkpoint.export import export_safetensors  # noqa: F401
+    from lightning_fsdp.checkpoint.formats import StateDictType  # noqa: F401
+    from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine  # noqa: F401
+    from lightning_fsdp.engine.config import BackwardPrefetch, MixedPrecision, ShardingStrategy  # noqa: F401
+    from lightning_fsdp.estimate import MemoryEstimate, estimate_memory  # noqa: F401
+    from lightning_fsdp.even_batches import UnevenBatchesError  # noqa: F401
+    from lightning_fsdp.monitor import ShardingMonitor  # noqa: F401
+    from lightning_fsdp.pipeline import pipelined_loss  # noqa: F401
+    from lightning_fsdp.pretrained import LoadResult, load_pretrained  # noqa: F401
+    from lightning_fsdp.strategy import FSDPStrategy  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_fsdp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+register_with_lightning()

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fsdp.config import (
+from lightning_fsdp.engine.config import (
     ShardingStrategy,
     parse_auto_wrap_policy,
     parse_mixed_precision,

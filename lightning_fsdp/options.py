@@ -1,190 +1,17 @@
-"""``ShardingOptions``: the user's sharding options, validated in one place for ``FSDPStrategy`` and ``fully_shard``.
-
-[Note: validate before the first collective]
-Every option is checked on every rank before any process group exists (``FSDPStrategy.__init__``) or before the
-first collective (``fully_shard``): a bad value then raises the same ``TypeError`` / ``ValueError`` on every rank,
-naming the value and the valid choices, instead of failing on one rank while the others wait in a collective.
-``ShardingOptions.parse`` is the only place the options of the engine are checked; the strategy builds one from its
-constructor's arguments, and ``fully_shard`` builds one from its keyword arguments (parsing an already parsed value
-returns it unchanged, so the strategy can hand its options on).
-
-The value parsers themselves (``parse_sharding_strategy``, ``parse_auto_wrap_policy``, ``MixedPrecision``, ...)
-live in ``lightning_fsdp.config`` beside the public types they produce. The checks of the Lightning-only arguments
-(``check_lightning_arguments``, ``check_device_id``, ``check_use_orig_params``) are here too, so the strategy's
-constructor is only the list of its options.
-"""
+"""Checks of the arguments only ``FSDPStrategy`` takes (Lightning's plugins, ``device_id``, ``use_orig_params``) and
+the resolution of option values given by name; the engine's own options are ``engine/options.py``'s
+``ShardingOptions``."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_fsdp.config import (
-    BackwardPrefetch,
-    MixedPrecision,
-    ShardingStrategy,
-    WrapPolicy,
-    check_call_signature,
-    parse_auto_wrap_policy,
-    parse_backward_prefetch,
-    parse_mixed_precision,
-    parse_sharding_strategy,
-)
-
-
-@dataclass(frozen=True)
-class ShardingOptions:
-    """The validated options of the sharding engine (see ``fully_shard`` and ``FSDPStrategy`` for their meaning).
-
-    Built with ``ShardingOptions.parse(...)``, never directly: ``parse`` is where every value is checked.
-    ``mixed_precision`` is ``None`` when not given (the strategy then takes it from ``Trainer(precision=...)``).
-    ``ignored_modules`` / ``ignored_states`` are tuples of objects, or also of names where ``names=True``.
-    """
-
-    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
-    auto_wrap_policy: WrapPolicy = WrapPolicy()
-    mixed_precision: MixedPrecision | None = None
-    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
-    forward_prefetch: bool = False
-    limit_all_gathers: bool = True
-    sync_module_states: bool = False
-    cpu_offload: bool = False
-    param_init_fn: Callable[[nn.Module], None] | None = None
-    ignored_modules: tuple[Any, ...] = ()
-    ignored_states: tuple[Any, ...] = ()
-    reshard_after_forward: bool | int | None = None  # None: the sharding strategy's default
-
-    @classmethod
-    def parse(
-        cls,
-        *,
-        sharding_strategy: Any = ShardingStrategy.FULL_SHARD,
-        auto_wrap_policy: Any = None,
-        mixed_precision: Any = None,
-        backward_prefetch: Any = BackwardPrefetch.BACKWARD_PRE,
-        forward_prefetch: Any = False,
-        limit_all_gathers: Any = True,
-        sync_module_states: Any = False,
-        cpu_offload: Any = False,
-        param_init_fn: Any = None,
-        ignored_modules: Any = None,
-        ignored_states: Any = None,
-        reshard_after_forward: Any = None,
-        names: bool = False,
-    ) -> ShardingOptions:
-        """Check and normalise the user's values; raises ``TypeError`` / ``ValueError`` naming the bad one.
-
-        ``cpu_offload`` also takes torch's ``CPUOffload(offload_params=...)``. ``names``: ``ignored_modules`` /
-        ``ignored_states`` may also name submodules and parameters (strings, handy in YAML configs), as the
-        strategy's options may; ``resolve_names`` turns them into objects once the model exists.
-        """
-        cpu_offload = getattr(cpu_offload, "offload_params", cpu_offload)  # torch's CPUOffload(offload_params=...)
-        for option, flag in (
-            ("forward_prefetch", forward_prefetch),
-            ("limit_all_gathers", limit_all_gathers),
-            ("sync_module_states", sync_module_states),
-            ("cpu_offload", cpu_offload),
-        ):
-            check_flag(flag, option)
-        if param_init_fn is not None:
-            if not callable(param_init_fn):
-                raise TypeError(f"param_init_fn={param_init_fn!r} is not callable.")
-            check_call_signature(param_init_fn, "param_init_fn", "(module)")
-        check_reshard_after_forward(reshard_after_forward)
-        name_kind = (str,) if names else ()
-        return cls(
-            sharding_strategy=parse_sharding_strategy(sharding_strategy),
-            auto_wrap_policy=parse_auto_wrap_policy(auto_wrap_policy),
-            mixed_precision=parse_mixed_precision(mixed_precision),
-            backward_prefetch=parse_backward_prefetch(backward_prefetch),
-            forward_prefetch=forward_prefetch,
-            limit_all_gathers=limit_all_gathers,
-            sync_module_states=sync_module_states,
-            cpu_offload=cpu_offload,
-            param_init_fn=param_init_fn,
-            ignored_modules=item_list(ignored_modules, "ignored_modules", (nn.Module, *name_kind)),
-            ignored_states=item_list(ignored_states, "ignored_states", (nn.Parameter, nn.Module, *name_kind)),
-            reshard_after_forward=reshard_after_forward,
-        )
-
-    @classmethod
-    def from_arguments(cls, arguments: Mapping[str, Any], *, names: bool = False) -> ShardingOptions:
-        """``parse`` over the entries of ``arguments`` named like the fields. ``FSDPStrategy.__init__`` and
-        ``fully_shard`` pass their ``locals()``: their option parameters carry the fields' names, so the list of
-        options is written once, here (a caller missing one raises ``KeyError``: it must take every option)."""
-        fields = [field.name for field in dataclasses.fields(cls)]
-        return cls.parse(**{name: arguments[name] for name in fields}, names=names)
-
-    def as_kwargs(self) -> dict[str, Any]:
-        """The options as ``fully_shard`` keyword arguments (a shallow copy: modules stay the same objects)."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-
-
-def check_flag(value: Any, option: str) -> None:
-    """A boolean option: ``True`` or ``False`` only (not 1, "yes" or None, which YAML configs produce by mistake)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{option}={value!r} is not valid; expected True or False.")
-
-
-def check_reshard_after_forward(value: Any, shard_group_size: int | None = None) -> None:
-    """``reshard_after_forward``: None (the sharding strategy decides), True, False, or an int N, the size of the
-    smaller group each unit reshards to after forward (ZeRO++ hpZ), with 1 < N < the shard group's size, dividing it.
-
-    Without ``shard_group_size`` (options given before any process group exists) only what does not depend on it is
-    checked; ``fully_shard`` and ``ShardingEngine.set_reshard_after_forward`` check the rest, before any collective.
-    """
-    if value is None or isinstance(value, bool):
-        return
-    expected = "True, False, None (the sharding strategy decides) or an int N"
-    if not isinstance(value, int):
-        raise TypeError(f"reshard_after_forward={value!r} is not valid; expected {expected}.")
-    if shard_group_size is None:
-        if value < 2:
-            raise ValueError(
-                f"reshard_after_forward={value!r} is not valid; expected {expected} with 1 < N < the shard group's "
-                "size, dividing it (the size of the smaller group each unit reshards to after forward)."
-            )
-        return
-    valid = [n for n in range(2, shard_group_size) if shard_group_size % n == 0]
-    if value not in valid:
-        choices = ", ".join(map(str, valid)) if valid else f"none for a shard group of {shard_group_size}"
-        raise ValueError(
-            f"reshard_after_forward={value!r} is not valid for a shard group of {shard_group_size} rank(s); expected "
-            f"{expected} with 1 < N < {shard_group_size} dividing {shard_group_size} (valid ints: {choices})."
-        )
-
-
-def item_list(value: Any, option: str, kinds: tuple[type, ...]) -> tuple:
-    """``ignored_modules`` / ``ignored_states`` as a tuple: an iterable of entries, or one entry on its own.
-
-    A module (even an iterable one such as ``nn.ModuleList``), a tensor, a string or a mapping is one entry; every
-    entry must be an instance of one of ``kinds`` (``str`` among them where names are allowed).
-    """
-    if value is None:
-        return ()
-    names = [_KIND_NAMES.get(kind, kind.__name__) for kind in kinds]
-    spelled = " or ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} or {names[-1]}"
-    if isinstance(value, str) and str not in kinds:
-        raise TypeError(
-            f"{option}={value!r} is not valid; expected an iterable of {spelled} objects (names of "
-            "submodules are resolved by FSDPStrategy, not by fully_shard)."
-        )
-    single = isinstance(value, (nn.Module, torch.Tensor, str, bytes, Mapping)) or not isinstance(value, Iterable)
-    items = (value,) if single else tuple(value)
-    for item in items:
-        if not isinstance(item, kinds):
-            hint = " (a string names a submodule or parameter of the LightningModule)" if str in kinds else ""
-            raise TypeError(f"{option} contains {item!r}; expected {spelled} objects{hint}.")
-    return items
-
-
-_KIND_NAMES = {nn.Module: "nn.Module", nn.Parameter: "nn.Parameter"}
+from lightning_fsdp.engine.options import check_flag
 
 
 def resolve_names(root: nn.Module, items: Iterable[Any]) -> list:
@@ -202,42 +29,6 @@ def resolve_names(root: nn.Module, items: Iterable[Any]) -> list:
         else:
             resolved.append(item)
     return resolved
-
-
-def split_ignored(root: nn.Module, options: ShardingOptions) -> tuple[list[nn.Module], list[nn.Parameter]]:
-    """The ignored modules and the ignored parameters of ``root`` (``ignored_states`` holds both kinds).
-
-    Raises ``ValueError`` for an entry that does not belong to ``root`` (a module of another model instance), which
-    would otherwise be silently sharded.
-    """
-    modules = list(options.ignored_modules)
-    params = []
-    for item in options.ignored_states:
-        (modules if isinstance(item, nn.Module) else params).append(item)
-    _refuse_foreign("ignored_modules", modules, root.modules(), root, "submodule", lambda m: f"a {type(m).__name__}")
-    _refuse_foreign(
-        "ignored_states",
-        params,
-        root.parameters(),
-        root,
-        "parameter",
-        lambda p: f"a parameter of shape {tuple(p.shape)}",
-    )
-    return modules, params
-
-
-def _refuse_foreign(
-    option: str, items: list, own: Iterable[Any], root: nn.Module, kind: str, describe: Callable[[Any], str]
-) -> None:
-    """Raise for an entry of ``option`` that is not one of ``root``'s own ``kind`` (e.g. a module of another model
-    instance): it would otherwise be silently sharded."""
-    own_ids = {id(x) for x in own}
-    for item in items:
-        if id(item) not in own_ids:
-            raise ValueError(
-                f"{option} contains {describe(item)} that is not a {kind} of {type(root).__name__} (a "
-                f"{kind.removeprefix('sub')} of another model instance?)."
-            )
 
 
 def check_use_orig_params(value: Any) -> None:

@@ -25,7 +25,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import (
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fsdp.config import MixedPrecision
+from lightning_fsdp.engine.config import MixedPrecision
 
 _LOW_DTYPE = {
     "bf16-mixed": torch.bfloat16,

@@ -54,7 +54,7 @@ from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError, CheckpointN
 from lightning_fsdp.checkpoint.common import CheckpointMismatchError, Collective, shape_str
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.layout import ShardLayout
-from lightning_fsdp.engine.sharding import find_engine
+from lightning_fsdp.engine.registry import find_engine
 from lightning_fsdp.engine.state import TrainingState
 
 SINGLE_FILE = "model.safetensors"

@@ -9,7 +9,7 @@ the same local rank on every node form a replicate group, the layout
 ``init_device_mesh(device_type, (num_nodes, per_node), mesh_dim_names=("replicate", "shard"))`` describes.
 
 ``GroupChoice`` checks these values when the strategy is constructed (on every rank, before any group exists) and
-turns them into groups at setup; ``check_engine_groups`` checks what ``fully_shard`` is given.
+turns them into groups at setup; ``engine/groups.py`` checks what ``fully_shard`` is given.
 
 [Note: the groups keep the strategy's timeout]
 ``FSDPStrategy(timeout=...)`` must hold for the engine's collectives too, and a new group does not inherit the
@@ -32,13 +32,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_fsdp.config import ShardingStrategy
+from lightning_fsdp.engine.config import ShardingStrategy
+from lightning_fsdp.engine.groups import is_process_group
 
 GroupPair = tuple[dist.ProcessGroup, dist.ProcessGroup]
-
-
-def is_process_group(value: Any) -> bool:
-    return isinstance(value, dist.ProcessGroup)
 
 
 def is_group_pair(value: Any) -> bool:
@@ -126,13 +123,3 @@ class GroupChoice:
                 raise TypeError(f"process_group returned {group!r}; expected a (shard_group, replicate_group) pair.")
             return group[0], group[1]
         return node_groups(world_size, per_node, rank, timeout)
-
-
-def check_engine_groups(strategy: ShardingStrategy, process_group: Any, replicate_group: Any) -> None:
-    """``fully_shard``'s group arguments: ``ProcessGroup`` objects or ``None``, and a replicate group for the hybrid
-    strategies."""
-    if strategy.is_hybrid and replicate_group is None:
-        raise ValueError(f"sharding_strategy={strategy.value!r} needs a replicate_group beside the shard group.")
-    for name, group in (("process_group", process_group), ("replicate_group", replicate_group)):
-        if group is not None and not is_process_group(group):
-            raise TypeError(f"{name}={group!r} is not valid; expected a torch.distributed.ProcessGroup or None.")

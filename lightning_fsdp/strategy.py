@@ -37,7 +37,7 @@ from typing_extensions import override
 
 from accelerators.hpu_runtime import check_eager_mode, compute_device, register_hccl_backend
 from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
-from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, _is_local
+from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, is_local_path
 from lightning_fsdp.checkpoint.common import (
     CheckpointFormat,
     CheckpointMismatchError,
@@ -48,22 +48,16 @@ from lightning_fsdp.checkpoint.common import (
     load_sharded_model_state_dict,
     to_index_keyed,
 )
-from lightning_fsdp.checkpoint.formats import FULL_FORMAT, format_for_saving, format_on_disk
+from lightning_fsdp.checkpoint.formats import FULL_FORMAT, format_for_saving, format_on_disk, parse_state_dict_type
 from lightning_fsdp.checkpoint.full import load_full_model_state_dict, load_full_optimizer_state_dict
 from lightning_fsdp.checkpoint.paths import remove_checkpoint_path
-from lightning_fsdp.config import MixedPrecision, ShardingStrategy, WrapPolicy, parse_state_dict_type
 from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
+from lightning_fsdp.engine.config import MixedPrecision, ShardingStrategy, WrapPolicy
+from lightning_fsdp.engine.options import ShardingOptions, check_flag
 from lightning_fsdp.engine.sharding import has_meta_tensors
 from lightning_fsdp.even_batches import EvenBatches
 from lightning_fsdp.launcher import check_start_method, choose_launcher, stop_launched_processes
-from lightning_fsdp.options import (
-    ShardingOptions,
-    check_device_id,
-    check_flag,
-    check_lightning_arguments,
-    check_use_orig_params,
-    resolve_names,
-)
+from lightning_fsdp.options import check_device_id, check_lightning_arguments, check_use_orig_params, resolve_names
 from lightning_fsdp.pipeline.checkpoint import (
     PipelineCheckpoint,
     check_pipeline_format,
@@ -75,6 +69,7 @@ from lightning_fsdp.pipeline.runtime import PipelineGradients, PipelineRuntime, 
 from lightning_fsdp.pipeline.split import plan_stages
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
 from lightning_fsdp.process_groups import GroupChoice
+from lightning_fsdp.registration import register_with_lightning
 from lightning_fsdp.shutdown import settle_at_exit
 from lightning_fsdp.weight_averaging import (
     gather_averages_for_save,
@@ -137,8 +132,9 @@ class FSDPStrategy(ParallelStrategy):
             ``toggle_model(sync_grad=False)``): the other batches add full-size gradients locally, so each unit
             holds its full gradient until then (memory) and the reduce-scatters of those batches are saved.
 
-    The engine's options, validated, are ``strategy.options`` (a :class:`~lightning_fsdp.options.ShardingOptions`);
-    the sharded model's engine is ``strategy.engine`` after setup.
+    The engine's options, validated, are ``strategy.options`` (a
+    :class:`~lightning_fsdp.engine.options.ShardingOptions`); the sharded model's engine is ``strategy.engine`` after
+    setup.
     """
 
     strategy_name = "fsdp_custom"
@@ -776,7 +772,7 @@ class FSDPStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = self.broadcast(checkpoint_path)
         coll = Collective()
-        if not _is_local(path) or not os.path.exists(path) or os.path.isfile(path):
+        if not is_local_path(path) or not os.path.exists(path) or os.path.isfile(path):
             fmt = FULL_FORMAT  # a file, or a path only the CheckpointIO can tell about (remote, missing)
         else:
             # A directory (sharded or local checkpoint), or a special file that must not be opened (a FIFO would
@@ -807,7 +803,7 @@ class FSDPStrategy(ParallelStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         if not self.is_global_zero:
             return
-        if _is_local(filepath) and os.path.isdir(filepath):  # a sharded/local checkpoint directory
+        if is_local_path(filepath) and os.path.isdir(filepath):  # a sharded/local checkpoint directory
             remove_checkpoint_path(os.fspath(filepath))
         else:
             self.checkpoint_io.remove_checkpoint(filepath)
@@ -867,3 +863,7 @@ class FSDPStrategy(ParallelStrategy):
             super().teardown()
         finally:
             self._lightning_module = module
+
+
+# The other half of [Note: registration without importing Lightning]: this module may be what imported Lightning.
+register_with_lightning()

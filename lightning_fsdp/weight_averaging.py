@@ -36,8 +36,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fsdp.checkpoint.common import managed_keys
-from lightning_fsdp.checkpoint.full import _global_rank
+from lightning_fsdp.checkpoint.full import global_rank
 from lightning_fsdp.engine import ShardingEngine
+from lightning_fsdp.engine.comm import gather_rows
 from lightning_fsdp.engine.unit import ParamSlot
 
 # Averaged copies whose parameters hold this rank's rows, with (a weak reference to) the engine whose layout they
@@ -85,13 +86,12 @@ def _comm_device(engine: ShardingEngine) -> torch.device:
 
 def _gather(local: Tensor, slot: ParamSlot, engine: ShardingEngine) -> Tensor:
     """The full tensor whose rows ``local`` holds on this rank (a collective over the shard group)."""
-    from lightning_fsdp.checkpoint.full import _gather_rows
 
     layout = slot.layout
     local = local.detach()
     if layout.world_size == 1:
         return local.reshape(layout.shape)
-    return _gather_rows(local.to(_comm_device(engine)), layout, engine)
+    return gather_rows(local.to(_comm_device(engine)), layout, engine.shard_comm)
 
 
 def _averages(trainer: Any) -> list[tuple[Any, str, nn.Module]]:
@@ -169,7 +169,7 @@ def _shard_copy(copy: nn.Module, engine: ShardingEngine, owner: str, own_values:
                 continue
             source = model_params[prefix + name]
             device = source.device if param.is_meta else param.device
-            slot = engine._slot_by_param.get(id(source))
+            slot = engine.slot_of(source)
             if own_values and slot is not None and not param.is_meta:
                 if tuple(param.shape) != tuple(slot.layout.shape):
                     raise ValueError(
@@ -226,7 +226,7 @@ def _check_no_full_copies(callback: Any, engine: ShardingEngine) -> None:
         for group in (params, trainable):
             if len(group) != len(tensors) or not group:
                 continue
-            slots = [engine._slot_by_param.get(id(p)) for p in group]
+            slots = [engine.slot_of(p) for p in group]
             full_shapes = [tuple(s.layout.shape) if s is not None else tuple(p.shape) for s, p in zip(slots, group)]
             if [tuple(t.shape) for t in tensors] != full_shapes:
                 continue
@@ -262,10 +262,10 @@ def full_tensors(
             f"full_tensors got {len(tensors)} tensors for {len(params)} parameters; pass one per "
             "parameter, in the order of params (default: pl_module.parameters())."
         )
-    keep = not rank0_only or _global_rank() == 0
+    keep = not rank0_only or global_rank() == 0
     out = []
     for param, tensor in zip(params, tensors):
-        slot = engine._slot_by_param.get(id(param))
+        slot = engine.slot_of(param)
         full = _gather(tensor, slot, engine) if slot is not None else tensor.detach()
         if keep:
             out.append(full.cpu().clone())
@@ -287,7 +287,7 @@ def local_tensors(
         raise ValueError(f"local_tensors got {len(tensors)} tensors for {len(params)} parameters.")
     out = []
     for param, tensor in zip(params, tensors):
-        slot = engine._slot_by_param.get(id(param))
+        slot = engine.slot_of(param)
         out.append(_local_rows(tensor, slot) if slot is not None else tensor)
     return out
 
@@ -328,7 +328,7 @@ def gather_averages_for_save(strategy: Any, checkpoint: dict[str, Any]) -> None:
     trainer = getattr(getattr(strategy, "lightning_module", None), "_trainer", None)
     if engine is None or trainer is None:
         return
-    keep = _global_rank() == 0
+    keep = global_rank() == 0
     kind_of_checkpoint = getattr(getattr(strategy, "state_dict_type", None), "value", "full")
     callbacks_state = checkpoint.get("callbacks")
     last_wa = None
@@ -354,12 +354,12 @@ def gather_averages_for_save(strategy: Any, checkpoint: dict[str, Any]) -> None:
     slots = managed_keys(engine)
     average = last_wa.state_dict()
     if kind_of_checkpoint == "sharded":
-        from lightning_fsdp.checkpoint.sharded import _to_global
+        from lightning_fsdp.checkpoint.sharded import to_global_tensor
 
         for key, value in average.items():  # the same order on every rank (0-dim parameters gather)
             slot = slots.get(key)
             if slot is not None and isinstance(value, Tensor):
-                average[key] = _to_global(value.detach().to(slot.param.device), slot.layout, engine)
+                average[key] = to_global_tensor(value.detach().to(slot.param.device), slot.layout, engine)
     checkpoint["state_dict"] = average
     checkpoint["current_model_state"] = full_model_state_dict(engine)
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from lightning_fsdp import cli as fsdp_cli
-from lightning_fsdp.config import MixedPrecision
 from lightning_fsdp.demo.gpt import Block, CausalSelfAttention, GPTConfig
 from lightning_fsdp.demo.module import GPTLightningModule
+from lightning_fsdp.engine.config import MixedPrecision
 from lightning_fsdp.estimate import estimate_memory
 
 ROOT = Path(__file__).resolve().parents[1]

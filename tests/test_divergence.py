@@ -101,7 +101,7 @@ def _train(rank, world_size, strategy, direct):
 
 
 def get_engine(model):
-    from lightning_fsdp.engine.sharding import get_engine as lookup
+    from lightning_fsdp.engine.registry import get_engine as lookup
 
     return lookup(model)
 

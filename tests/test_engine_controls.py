@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fsdp.engine import fully_shard
-from lightning_fsdp.options import ShardingOptions
+from lightning_fsdp.engine.options import ShardingOptions
 from lightning_fsdp.process_groups import node_groups
 from tests.distributed import run_distributed
 from tests.models import Block, ToyLM, batch, loss_fn
@@ -524,8 +524,8 @@ def test_no_sync_restores_each_units_previous_value():
 
 def test_every_rank_creates_every_subgroup_in_the_same_order(monkeypatch):
     # 8 ranks as 2 shard groups of 4 (hybrid sharding), seen from rank 5: subgroups of 2 consecutive ranks.
-    from lightning_fsdp.engine import state
     from lightning_fsdp.engine.comm import Communicator
+    from lightning_fsdp.engine.groups import consecutive_subgroup
 
     created = []
     comm = Communicator()
@@ -537,5 +537,5 @@ def test_every_rank_creates_every_subgroup_in_the_same_order(monkeypatch):
         dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [(0, 1, 2, 3)] * 4 + [obj] * 4)
     )
     monkeypatch.setattr(dist, "new_group", lambda ranks: created.append(ranks) or f"group {ranks}")
-    assert state._consecutive_subgroup(comm, 2) == "group [4, 5]"
+    assert consecutive_subgroup(comm, 2) == "group [4, 5]"
     assert created == [[0, 1], [2, 3], [4, 5], [6, 7]]

@@ -1,5 +1,5 @@
 """The engine's process groups (lightning_fsdp/process_groups.py) and the one options parser
-(lightning_fsdp/options.py).
+(lightning_fsdp/engine/options.py).
 
 The default hybrid layout must be the one ``init_device_mesh(..., mesh_dim_names=("replicate", "shard"))`` describes,
 and, unlike the mesh's groups, keep the strategy's timeout (see [Note: the groups keep the strategy's timeout]).
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fsdp.config import ShardingStrategy
-from lightning_fsdp.options import ShardingOptions
+from lightning_fsdp.engine.config import ShardingStrategy
+from lightning_fsdp.engine.options import ShardingOptions
 from lightning_fsdp.process_groups import GroupChoice, node_groups
 from tests.distributed import run_distributed
 

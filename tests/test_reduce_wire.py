@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fsdp import MixedPrecision
-from lightning_fsdp.config import parse_mixed_precision
 from lightning_fsdp.engine import fully_shard
+from lightning_fsdp.engine.config import parse_mixed_precision
 from tests.distributed import run_distributed
 
 

@@ -51,7 +51,7 @@ def temp_path_for(path: _PATH, pid: int | None = None) -> str:
     return os.path.join(folder, f".{name}.tmp-{os.getpid() if pid is None else pid}")
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str) -> None:
     """Make a file's data, or a directory's entries (a rename into it), durable; best effort where the platform
     cannot open or fsync it (directories on some systems)."""
     try:
@@ -66,11 +66,11 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _fsync_dir(folder: str) -> None:
-    _fsync(folder or ".")
+def fsync_dir(folder: str) -> None:
+    fsync_path(folder or ".")
 
 
-def _is_local(path: _PATH) -> bool:
+def is_local_path(path: _PATH) -> bool:
     return type(get_filesystem(path)).__name__ == "LocalFileSystem"
 
 
@@ -127,7 +127,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f" is not supported for `{self.__class__.__name__}`. Please implement your custom `CheckpointIO`"
                 " to define how you'd like to use `storage_options`."
             )
-        if not _is_local(path):
+        if not is_local_path(path):
             return super().save_checkpoint(checkpoint, path)
         path = os.path.abspath(os.fspath(path))
         if os.path.isdir(path):
@@ -147,7 +147,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             except FileNotFoundError:
                 pass
             raise
-        _fsync_dir(folder)
+        fsync_dir(folder)
 
     def _write(self, checkpoint: dict[str, Any], f: IO[bytes]) -> None:
         """Serialise ``checkpoint`` into the open temporary file (a seam for tests and subclasses)."""
@@ -160,7 +160,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         map_location: Callable | None = lambda storage, loc: storage,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        if not _is_local(path):
+        if not is_local_path(path):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         path = os.fspath(path)
         if not os.path.exists(path):

@@ -28,7 +28,7 @@ from lightning_fsdp.checkpoint.atomic_io import (
     CheckpointIsDirectoryError,
     CheckpointLoadError,
     CheckpointNotFoundError,
-    _is_local,
+    is_local_path,
 )
 from lightning_fsdp.checkpoint.paths import (
     META_FILE,
@@ -172,7 +172,7 @@ def managed_keys(engine: ShardingEngine) -> dict[str, ParamSlot]:
     engine.reshard_idle()
     keys: dict[str, ParamSlot] = {}
     for name, param in engine.root.named_parameters(remove_duplicate=False):
-        slot = engine._slot_by_param.get(id(param))
+        slot = engine.slot_of(param)
         if slot is not None:
             keys[name] = slot
     return keys
@@ -373,7 +373,7 @@ class DirectoryFormat(CheckpointFormat):
                 f"state_dict_type={self.kind!r}: sharded and local checkpoints are written by every rank directly, "
                 "not through the CheckpointIO."
             )
-        if not _is_local(path):
+        if not is_local_path(path):
             raise NotImplementedError(
                 f"state_dict_type={self.kind!r} writes to local (or network-mounted) file systems only, not to "
                 f"{str(path)!r}; use state_dict_type='full' with a CheckpointIO for remote storage."

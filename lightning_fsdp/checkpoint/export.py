@@ -46,7 +46,7 @@ import torch
 from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError
 from lightning_fsdp.checkpoint.common import Collective, numel
 from lightning_fsdp.checkpoint.formats import format_on_disk
-from lightning_fsdp.checkpoint.local import _concat_rows, read_local_meta
+from lightning_fsdp.checkpoint.local import concat_rows, read_local_meta
 from lightning_fsdp.checkpoint.paths import (
     FULL,
     LOCAL,
@@ -58,7 +58,7 @@ from lightning_fsdp.checkpoint.paths import (
     remove_path,
     remove_stale_temps,
 )
-from lightning_fsdp.checkpoint.sharded import _entries, _load, _planner_data, check_shard_files, read_dcp_metadata
+from lightning_fsdp.checkpoint.sharded import check_shard_files, dcp_entries, dcp_load, planner_data, read_dcp_metadata
 
 __all__ = ["DTYPES", "export_safetensors", "main", "parse_dtype", "parse_size"]
 
@@ -203,8 +203,8 @@ class _ShardedSource(_Source):
         metadata = read_dcp_metadata(path)
         check_shard_files(path, metadata)
         self.tensors, self.skipped, self._flat = [], [], {}
-        entries = _entries(metadata)
-        saved_order = {flat: i for i, flat in enumerate(_planner_data(metadata))}  # the saved dict's order
+        entries = dcp_entries(metadata)
+        saved_order = {flat: i for i, flat in enumerate(planner_data(metadata))}  # the saved dict's order
         for flat in sorted(entries, key=lambda f: saved_order.get(f, len(saved_order))):
             where, storage = entries[flat]
             if where[0] != "model" or len(where) != 2:
@@ -221,7 +221,7 @@ class _ShardedSource(_Source):
         flat, info = self._flat[key]
         target = torch.empty(info.shape, dtype=info.dtype)
         # One entry: DCP plans reads of this tensor's chunks only (every rank file that holds rows of it).
-        _load({flat: target}, self.path, Collective(alone=True))
+        dcp_load({flat: target}, self.path, Collective(alone=True))
         return target
 
 
@@ -257,7 +257,7 @@ class _LocalSource(_Source):
         if entry["rows"] is None:
             return self.files[0][key]
         pieces = [self.files[self.holders[r]][key] for r in range(len(entry["rows"]))]
-        return _concat_rows(pieces, tuple(int(s) for s in entry["shape"]))
+        return concat_rows(pieces, tuple(int(s) for s in entry["shape"]))
 
 
 def _open(path: str) -> _Source:

@@ -7,14 +7,30 @@ The three formats are :class:`~lightning_fsdp.checkpoint.full.FullFormat`,
 
 from __future__ import annotations
 
+import enum
+from typing import Any
+
 from lightning_fsdp.checkpoint.common import CheckpointFormat
 from lightning_fsdp.checkpoint.full import FullFormat
 from lightning_fsdp.checkpoint.local import LocalFormat
 from lightning_fsdp.checkpoint.paths import checkpoint_kind
 from lightning_fsdp.checkpoint.sharded import ShardedFormat
-from lightning_fsdp.config import StateDictType
+from lightning_fsdp.engine.config import parse_enum
 
-__all__ = ["FORMATS", "FULL_FORMAT", "format_for_saving", "format_on_disk"]
+__all__ = ["FORMATS", "FULL_FORMAT", "StateDictType", "format_for_saving", "format_on_disk", "parse_state_dict_type"]
+
+
+class StateDictType(enum.Enum):
+    """The checkpoint format written by the strategy."""
+
+    FULL = "full"
+    SHARDED = "sharded"
+    LOCAL = "local"
+
+
+def parse_state_dict_type(value: Any) -> StateDictType:
+    return parse_enum(value, StateDictType, "state_dict_type")  # type: ignore[return-value]
+
 
 FULL_FORMAT = FullFormat()
 FORMATS: dict[str, CheckpointFormat] = {f.kind: f for f in (FULL_FORMAT, ShardedFormat(), LocalFormat())}

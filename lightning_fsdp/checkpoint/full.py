@@ -27,14 +27,14 @@ from lightning_fsdp.checkpoint.common import (
 )
 from lightning_fsdp.checkpoint.paths import FULL, remove_checkpoint_path
 from lightning_fsdp.engine import ShardingEngine
-from lightning_fsdp.engine.comm import all_gather_flat
+from lightning_fsdp.engine.comm import gather_rows
 from lightning_fsdp.engine.layout import ShardLayout
 
 if TYPE_CHECKING:
     pass
 
 
-def _global_rank() -> int:
+def global_rank() -> int:
     # Rank 0 of the world writes; with hybrid sharding every replica group has its own shard-group rank 0.
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -55,7 +55,7 @@ def full_model_state_dict(
     engine.reshard_idle()  # a forward whose backward never came may have left full-size stand-ins in the modules
     module = engine.root
     if keep is None:
-        keep = not rank0_only or _global_rank() == 0
+        keep = not rank0_only or global_rank() == 0
     state = module.state_dict()  # shards for managed parameters; buffers and unmanaged parameters as they are
     if engine.closed:
         # The stage has ended and the module holds its full parameters again (ShardingEngine.restore_unsharded).
@@ -123,19 +123,6 @@ def load_full_model_state_dict(engine: ShardingEngine, state: Mapping[str, Any],
         )
 
 
-def _gather_rows(local: torch.Tensor, layout: ShardLayout, engine: ShardingEngine) -> torch.Tensor:
-    """All-gather one sharded tensor (this rank's rows) into its full shape."""
-    comm = engine.shard_comm
-    padded = torch.zeros((layout.chunk_rows, layout.row_numel), dtype=local.dtype, device=local.device)
-    padded[: layout.local_rows] = local.reshape(layout.local_rows, layout.row_numel)
-    out = torch.empty((comm.world_size * layout.chunk_rows, layout.row_numel), dtype=local.dtype, device=local.device)
-    if comm.world_size == 1:
-        out.copy_(padded)
-    else:
-        all_gather_flat(out, padded, group=comm.group)
-    return out[: layout.rows].reshape(layout.shape)
-
-
 def _per_parameter(name: str, value: Any, layout: ShardLayout) -> bool:
     """Whether a full optimizer-state entry has one value per parameter element (so each rank takes its rows).
 
@@ -158,12 +145,12 @@ def full_optimizer_state_dict(
     ``keep`` as for :func:`full_model_state_dict`."""
     state_dict = optimizer.state_dict()
     if keep is None:
-        keep = not rank0_only or _global_rank() == 0
+        keep = not rank0_only or global_rank() == 0
     params = [p for group in optimizer.param_groups for p in group["params"]]
     full_state: dict[int, dict[str, Any]] = {}
     # Parameter order is the same on every rank, so every rank issues the same gathers in the same order.
     for index, param in enumerate(params):
-        slot = engine._slot_by_param.get(id(param))
+        slot = engine.slot_of(param)
         entry = state_dict["state"].get(index, {})
         new_entry = {}
         for name in sorted(entry):
@@ -171,7 +158,7 @@ def full_optimizer_state_dict(
             if slot is not None and _sharded_state_tensor(value, slot.layout):
                 # Unsharded layouts only need the shape back (a 0-dim parameter's state is held as one row).
                 if slot.layout.world_size > 1:
-                    value = _gather_rows(value, slot.layout, engine)
+                    value = gather_rows(value, slot.layout, engine.shard_comm)
                 else:
                     value = value.reshape(slot.layout.shape)
             if keep:
@@ -203,7 +190,7 @@ def load_full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer,
     local_state = {}
     for index, entry in state_dict["state"].items():
         param = params[int(index)]
-        slot = engine._slot_by_param.get(id(param))
+        slot = engine.slot_of(param)
         new_entry = {}
         for name, value in entry.items():
             if slot is not None and _per_parameter(name, value, slot.layout):
@@ -225,7 +212,7 @@ class FullFormat(CheckpointFormat):
     def save(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun, storage_options: Any = None) -> None:
         # The rank the full state was gathered to writes it (the others' state dicts are empty), as Lightning's
         # Strategy.save_checkpoint does with is_global_zero.
-        if _global_rank() == 0:
+        if global_rank() == 0:
             assert run.checkpoint_io is not None
             run.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 

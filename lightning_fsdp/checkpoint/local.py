@@ -266,7 +266,7 @@ def load_local_checkpoint(
 
 
 # ===================================================================================================== offline
-def _concat_rows(pieces: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+def concat_rows(pieces: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
     row_numel = numel(shape[1:]) if len(shape) > 1 else 1
     return torch.cat([p.reshape(-1, row_numel) for p in pieces], dim=0).reshape(shape)
 
@@ -287,7 +287,7 @@ def read_local_checkpoint_full(path: str, weights_only: bool | None = None) -> d
         if entry["rows"] is None:
             state[key] = files[0]["state_dict"][key]
         else:
-            state[key] = _concat_rows(
+            state[key] = concat_rows(
                 [files[holders[r]]["state_dict"][key] for r in range(len(entry["rows"]))], tuple(entry["shape"])
             )
     checkpoint = dict(meta)
@@ -313,7 +313,7 @@ def read_local_checkpoint_full(path: str, weights_only: bool | None = None) -> d
                         ]
                         local_rows = [end - start for start, end in rows]
                         if [p.shape[0] for p in pieces] == local_rows:
-                            value = _concat_rows(pieces, tuple(entry["shape"]))
+                            value = concat_rows(pieces, tuple(entry["shape"]))
                     new_entry[key] = value
                 full_state[position] = new_entry
             optimizer_states.append({"state": full_state, "param_groups": first["param_groups"]})

@@ -18,8 +18,8 @@ from lightning_fsdp.checkpoint.atomic_io import (
     CheckpointIsDirectoryError,
     CheckpointLoadError,
     CheckpointNotFoundError,
-    _fsync,
-    _fsync_dir,
+    fsync_dir,
+    fsync_path,
     temp_path_for,
 )
 
@@ -124,7 +124,7 @@ def commit_directory(tmp: str, path: str) -> None:
         os.rename(path, aside)
         os.rename(tmp, path)
         remove_path(aside)
-    _fsync_dir(parent)
+    fsync_dir(parent)
 
 
 def remove_stale_temps(path: str) -> None:
@@ -178,8 +178,8 @@ def remove_checkpoint_path(path: str) -> None:
 def _fsync_tree(folder: str) -> None:
     for root, _dirs, files in os.walk(folder):
         for name in files:
-            _fsync(os.path.join(root, name))
-        _fsync_dir(root)
+            fsync_path(os.path.join(root, name))
+        fsync_dir(root)
 
 
 def file_problem(path: str, expected_min_size: int | None = None) -> str | None:

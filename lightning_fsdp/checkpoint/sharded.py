@@ -59,9 +59,9 @@ from lightning_fsdp.checkpoint.common import (
     to_index_keyed,
     write_directory,
 )
-from lightning_fsdp.checkpoint.full import _gather_rows
 from lightning_fsdp.checkpoint.paths import DCP_METADATA_FILE, META_FILE, SHARDED, file_problem
 from lightning_fsdp.engine import ShardingEngine
+from lightning_fsdp.engine.comm import gather_rows
 from lightning_fsdp.engine.layout import ShardLayout
 
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)")
@@ -97,12 +97,12 @@ def _dtensor(local: torch.Tensor, layout: ShardLayout, mesh: Any) -> torch.Tenso
     )
 
 
-def _to_global(local: torch.Tensor, layout: ShardLayout, engine: ShardingEngine) -> torch.Tensor:
+def to_global_tensor(local: torch.Tensor, layout: ShardLayout, engine: ShardingEngine) -> torch.Tensor:
     """This rank's rows as a global tensor for DCP: a DTensor, the tensor itself (unsharded), or for a 0-dim
     parameter (one row, which cannot be a Shard(0) DTensor) the value, gathered over the shard group if sharded."""
     if len(layout.shape) == 0:
         if is_sharded(layout):
-            return _gather_rows(local.detach(), layout, engine).cpu()
+            return gather_rows(local.detach(), layout, engine.shard_comm).cpu()
         return local.detach().reshape(())
     if not is_sharded(layout):
         return local
@@ -116,7 +116,7 @@ def sharded_model_state_dict(engine: ShardingEngine) -> dict[str, Any]:
     state = engine.root.state_dict()
     for key, slot in managed.items():
         if key in state:
-            state[key] = _to_global(engine.shard_of(slot), slot.layout, engine)
+            state[key] = to_global_tensor(engine.shard_of(slot), slot.layout, engine)
     return state
 
 
@@ -139,12 +139,12 @@ def sharded_optimizer_state_dict(
         entry = state_dict["state"].get(index)
         if entry is None:
             continue
-        slot = engine._slot_by_param.get(id(param))
+        slot = engine.slot_of(param)
         new_entry = {}
         for name in sorted(entry):  # the same order on every rank: 0-dim parameters gather
             value = entry[name]
             if slot is not None and is_local_rows(value, slot.layout):
-                value = _to_global(value, slot.layout, engine)
+                value = to_global_tensor(value, slot.layout, engine)
                 if len(slot.layout.shape) == 0:
                     scalar_rows.setdefault(fqns[index], []).append(name)
             new_entry[name] = value
@@ -281,17 +281,17 @@ def read_meta(path: str, weights_only: bool | None = None) -> dict[str, Any]:
     return AtomicCheckpointIO().load_checkpoint(os.path.join(path, META_FILE), weights_only=weights_only)
 
 
-def _planner_data(metadata: Metadata) -> Mapping[str, tuple]:
+def planner_data(metadata: Metadata) -> Mapping[str, tuple]:
     """flat key -> path in the saved nested dict, in the order of the saved dict (written by DCP's save planner)."""
     return metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
 
 
-def _entries(metadata: Metadata) -> dict[str, tuple[tuple, Any]]:
+def dcp_entries(metadata: Metadata) -> dict[str, tuple[tuple, Any]]:
     """flat key -> (path tuple in the saved nested dict, storage metadata)."""
-    planner_data = _planner_data(metadata)
+    paths = planner_data(metadata)
     out = {}
     for key, storage in metadata.state_dict_metadata.items():
-        path = planner_data.get(key)
+        path = paths.get(key)
         if path is None:
             head, _, tail = key.partition(".")
             path = (head, tail) if tail else (head,)
@@ -318,7 +318,7 @@ def _set(container: Any, path: Sequence[Any], value: Any) -> None:
     container[last] = value
 
 
-def _load(targets: dict[str, Any], path: str, coll: Collective) -> None:
+def dcp_load(targets: dict[str, Any], path: str, coll: Collective) -> None:
     """Fill ``targets`` (DCP's flat keys -> a tensor or DTensor to read into, or None for a non-tensor entry, which
     is replaced by the stored object) from the directory; a plain tensor receives the whole stored tensor."""
     if not targets:
@@ -372,7 +372,7 @@ class _ShardedLoad:
         check_shard_files(path, self.metadata)
         self.meta = read_meta(path, weights_only)
         self.info = self.meta.pop(FORMAT_KEY, None) or {}
-        self.entries = _entries(self.metadata)
+        self.entries = dcp_entries(self.metadata)
         self.optimizer_prefixes = sorted(
             {p[0] for p, _ in self.entries.values() if _OPTIMIZER_KEY.fullmatch(str(p[0]))},
             key=lambda s: int(s.split("_")[1]),
@@ -493,7 +493,7 @@ class _ShardedLoad:
                 if position is None:
                     continue
                 param = params[position]
-                slot = self.engine._slot_by_param.get(id(param))
+                slot = self.engine.slot_of(param)
                 layout = slot.layout if slot is not None else None
                 if isinstance(storage, BytesStorageMetadata):
                     state_targets[flat] = (position, tuple(p[3:]), "bytes")
@@ -537,11 +537,11 @@ class _ShardedLoad:
                     and isinstance(storage, TensorStorageMetadata)
                 ):
                     bytes_keys[flat] = torch.zeros(tuple(storage.size), dtype=storage.properties.dtype)
-        _load(bytes_keys, self.path, self.coll)
+        dcp_load(bytes_keys, self.path, self.coll)
         self.loaded_bytes = bytes_keys
         self._plan_optimizers()  # raises the same mismatch on every rank: all read the same entries
         # Round 2: the tensors, each rank reading the rows it holds under the current layout.
-        _load(self.tensor_targets, self.path, self.coll)
+        dcp_load(self.tensor_targets, self.path, self.coll)
         loaded = {**self.tensor_targets, **self.loaded_bytes}
         state = ShardedStateDict(
             {key: self._local(flat, loaded[flat]) for key, flat in self.model_keys.items()},
@@ -593,15 +593,15 @@ def read_sharded_checkpoint_full(path: str, weights_only: bool | None = None) ->
     check_shard_files(path, metadata)
     meta = read_meta(path, weights_only)
     info = meta.pop(FORMAT_KEY, None) or {}
-    entries = _entries(metadata)
+    entries = dcp_entries(metadata)
     targets = {
         flat: torch.empty(tuple(storage.size), dtype=storage.properties.dtype)
         if isinstance(storage, TensorStorageMetadata)
         else None
         for flat, (_, storage) in entries.items()
     }
-    _load(targets, path, Collective(alone=True))
-    saved_order = {flat: i for i, flat in enumerate(_planner_data(metadata))}
+    dcp_load(targets, path, Collective(alone=True))
+    saved_order = {flat: i for i, flat in enumerate(planner_data(metadata))}
     tensors: dict[str, Any] = {}
     for flat in sorted(entries, key=lambda f: saved_order.get(f, len(saved_order))):
         _set(tensors, entries[flat][0], targets[flat])

@@ -1,22 +1,33 @@
-"""The sharding engine: usable without Lightning.
+"""The sharding engine: usable without Lightning (it imports nothing from the rest of the package or from Lightning).
 
 >>> engine = fully_shard(model, auto_wrap_policy={Block})   # doctest: +SKIP
 >>> loss = model(x).sum(); loss.backward(); optimizer.step()  # doctest: +SKIP
 
-One concept per module (as torch's ``torch/distributed/fsdp/_fully_shard``):
-
-* ``sharding``: ``fully_shard``, which turns a module into units and the engine that drives them;
-* ``wrap``: which modules become units, and which unit owns each parameter;
-* ``layout``: the chunking rule, i.e. which rows of a parameter each rank holds (``ShardLayout``);
-* ``unit``: one unit's flat buffers and its unshard / reshard / gradient reduction (``FlatUnit``);
-* ``state``: the runtime that drives the units from module and autograd hooks (``ShardingEngine``);
-* ``comm``: the collectives, behind one small interface that counts their bytes (``Communicator``).
+docs/how-it-works.md maps its modules and follows a parameter through them.
 """
 
-from lightning_fsdp.engine.comm import CommStats, Communicator
+from lightning_fsdp.engine.comm import CommStats, Communicator, gather_rows
+from lightning_fsdp.engine.config import BackwardPrefetch, MixedPrecision, ShardingStrategy, WrapPolicy
 from lightning_fsdp.engine.layout import ShardLayout
-from lightning_fsdp.engine.sharding import fully_shard, get_engine
+from lightning_fsdp.engine.options import ShardingOptions
+from lightning_fsdp.engine.registry import get_engine
+from lightning_fsdp.engine.sharding import fully_shard
 from lightning_fsdp.engine.state import ShardingEngine
-from lightning_fsdp.engine.unit import FlatUnit
+from lightning_fsdp.engine.unit import FlatUnit, ParamSlot
 
-__all__ = ["CommStats", "Communicator", "FlatUnit", "ShardLayout", "ShardingEngine", "fully_shard", "get_engine"]
+__all__ = [
+    "BackwardPrefetch",
+    "CommStats",
+    "Communicator",
+    "FlatUnit",
+    "MixedPrecision",
+    "ParamSlot",
+    "ShardLayout",
+    "ShardingEngine",
+    "ShardingOptions",
+    "ShardingStrategy",
+    "WrapPolicy",
+    "fully_shard",
+    "gather_rows",
+    "get_engine",
+]

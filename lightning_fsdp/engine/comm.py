@@ -50,6 +50,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from lightning_fsdp.engine.layout import ShardLayout
+
 # torch 2.13 renamed the flat collectives; older releases only have the *_tensor names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -271,3 +273,16 @@ class Communicator:
             # The source by its global rank, which every torch release accepts (group_src is recent).
             source = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
             dist.broadcast(tensor, src=source, group=self.group)
+
+
+def gather_rows(local: torch.Tensor, layout: ShardLayout, comm: Communicator) -> torch.Tensor:
+    """One sharded tensor in full: this rank's rows of ``layout`` all-gathered over ``comm``'s group (every rank of it
+    must call this). For checkpoints and averaged copies: not counted in ``CommStats``, which describes training."""
+    padded = torch.zeros((layout.chunk_rows, layout.row_numel), dtype=local.dtype, device=local.device)
+    padded[: layout.local_rows] = local.reshape(layout.local_rows, layout.row_numel)
+    out = torch.empty((comm.world_size * layout.chunk_rows, layout.row_numel), dtype=local.dtype, device=local.device)
+    if comm.world_size == 1:
+        out.copy_(padded)
+    else:
+        all_gather_flat(out, padded, group=comm.group)
+    return out[: layout.rows].reshape(layout.shape)

@@ -9,34 +9,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fsdp.config import MixedPrecision, ShardingStrategy, check_wire_narrower
 from lightning_fsdp.engine.comm import Communicator
+from lightning_fsdp.engine.config import MixedPrecision, ShardingStrategy, check_wire_narrower
+from lightning_fsdp.engine.groups import check_engine_groups
 from lightning_fsdp.engine.layout import ShardLayout
-from lightning_fsdp.engine.state import ShardingEngine, live_engines
+from lightning_fsdp.engine.options import ShardingOptions, check_reshard_after_forward, split_ignored
+from lightning_fsdp.engine.registry import attach_engine, get_engine
+from lightning_fsdp.engine.state import ShardingEngine
 from lightning_fsdp.engine.unit import FlatUnit, ParamSlot
 from lightning_fsdp.engine.wrap import assign_owners, enclosing_units, ignored_module_set, select_unit_modules
-from lightning_fsdp.options import ShardingOptions, check_reshard_after_forward, split_ignored
-from lightning_fsdp.process_groups import check_engine_groups
-
-_ENGINE_ATTR = "_lightning_fsdp_engine"
-
-
-def get_engine(module: nn.Module) -> ShardingEngine | None:
-    """The engine that sharded ``module``, if any."""
-    return module.__dict__.get(_ENGINE_ATTR)
-
-
-def find_engine(module: nn.Module) -> ShardingEngine | None:
-    """The live engine that sharded ``module`` or a module containing it (``self.model`` of a LightningModule)."""
-    engine = get_engine(module)
-    if engine is not None and not engine.closed:
-        return engine
-    return next((e for e in live_engines() if any(m is module for m in e.root.modules())), None)
-
-
-def detach_engine(module: nn.Module) -> None:
-    """Forget the engine of ``module`` (after ``ShardingEngine.restore_unsharded``): it may be sharded again."""
-    module.__dict__.pop(_ENGINE_ATTR, None)
 
 
 def fully_shard(
@@ -74,7 +55,7 @@ def fully_shard(
     int, call on every rank of the world (it creates process groups).
     """
     # Every argument is checked before the first collective (sync_module_states' broadcasts, the gathers), so a
-    # bad one raises the same error on every rank instead of leaving the others waiting (lightning_fsdp/options.py).
+    # bad one raises the same error on every rank instead of leaving the others waiting (engine/options.py).
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard(module={module!r}) is not valid; expected an nn.Module.")
     options = ShardingOptions.from_arguments(locals())
@@ -165,7 +146,7 @@ def fully_shard(
         limit_all_gathers=options.limit_all_gathers,
     )
     engine.set_reshard_after_forward(options.reshard_after_forward)
-    module.__dict__[_ENGINE_ATTR] = engine
+    attach_engine(module, engine)
     return engine
 
 

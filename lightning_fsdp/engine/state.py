@@ -52,7 +52,6 @@ same values at the same points, as the collectives depend on them.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from enum import Enum, auto
@@ -61,15 +60,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_fsdp.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from lightning_fsdp.engine.comm import Communicator
+from lightning_fsdp.engine.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from lightning_fsdp.engine.groups import consecutive_subgroup
 from lightning_fsdp.engine.layout import ShardLayout
+from lightning_fsdp.engine.options import check_flag, check_reshard_after_forward
+from lightning_fsdp.engine.registry import detach_engine, unwatch_optimizer_steps, watch_optimizer_steps
 from lightning_fsdp.engine.streams import CollectiveStreams, streams_for
-from lightning_fsdp.engine.unit import CollectiveKind, FlatUnit
-from lightning_fsdp.options import check_flag, check_reshard_after_forward
+from lightning_fsdp.engine.unit import CollectiveKind, FlatUnit, ParamSlot
 
 
 class TrainingState(Enum):
@@ -83,40 +83,6 @@ class TrainingState(Enum):
 def _current_graph_task_id() -> int:
     """The id of the backward this thread is running, -1 outside any (torch has no public spelling of this)."""
     return torch._C._current_graph_task_id()
-
-
-# Engines whose units may be unsharded when an optimizer steps (the root inside its own forward under manual
-# optimization, kept units), or hold gradients no step may use yet. torch offers only global optimizer hooks: one
-# pair is registered for all engines, and holds them weakly.
-_LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
-_optimizer_hook_handles: list[Any] = []
-
-
-def _before_any_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    # A closure (Lightning always passes one) runs the step's forward and backward inside step(), after this hook:
-    # the gradients it holds may be reduced by then, so they are checked once the step is over instead.
-    closure = bool(args) or kwargs.get("closure") is not None
-    for engine in list(_LIVE_ENGINES):
-        engine._before_optimizer_step(optimizer, after_closure=closure)
-
-
-def _after_any_optimizer_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
-    for engine in list(_LIVE_ENGINES):
-        engine._check_held_gradients(optimizer, late=True)
-    for engine in list(_LIVE_ENGINES):
-        engine._after_optimizer_step()
-
-
-def live_engines() -> list[ShardingEngine]:
-    """Every engine not yet closed (``restore_unsharded``), in no particular order."""
-    return [engine for engine in list(_LIVE_ENGINES) if not engine.closed]
-
-
-def _watch_optimizer_steps(engine: ShardingEngine) -> None:
-    _LIVE_ENGINES.add(engine)
-    if not _optimizer_hook_handles:
-        _optimizer_hook_handles.append(register_optimizer_step_pre_hook(_before_any_optimizer_step))
-        _optimizer_hook_handles.append(register_optimizer_step_post_hook(_after_any_optimizer_step))
 
 
 # ``Communicator.agree`` tags of collectives that belong to no unit (unit tags are non-negative).
@@ -271,7 +237,7 @@ class ShardingEngine:
             slot.full.requires_grad_(True)
             self._handles.append(slot.full.register_post_accumulate_grad_hook(lambda _p: self._start_backward()))
             slot.full.requires_grad_(not frozen)
-        _watch_optimizer_steps(self)
+        watch_optimizer_steps(self)
 
     def _hook_ignored_params(self) -> None:
         # Ignored parameters that become trainable later get their gradient averaging then.
@@ -748,7 +714,7 @@ class ShardingEngine:
     def _secondary_group(self, size: int) -> Communicator:
         comm = self._secondary_comms.get(size)
         if comm is None:
-            comm = Communicator(_consecutive_subgroup(self.shard_comm, size), self.shard_comm.device)
+            comm = Communicator(consecutive_subgroup(self.shard_comm, size), self.shard_comm.device)
             comm.describe_tag = self._describe_tag
             self._secondary_comms[size] = comm
         return comm
@@ -794,6 +760,11 @@ class ShardingEngine:
             self.replicate_comm.all_reduce(grad)
             ranks *= self.replicate_comm.world_size
         return grad.div_(ranks)
+
+    def slot_of(self, param: nn.Parameter) -> ParamSlot | None:
+        """The ``ParamSlot`` of a parameter a unit shards (its name, layout, uses and full stand-in); None for any other
+        parameter (ignored ones, or another model's)."""
+        return self._slot_by_param.get(id(param))
 
     def is_managed(self, param: nn.Parameter) -> bool:
         """Whether the strategy handles ``param`` (sharded by a unit, or deliberately kept whole as ignored)."""
@@ -860,8 +831,6 @@ class ShardingEngine:
         group (each unit is unsharded once); the engine cannot be used afterwards. Gradients are dropped: they were
         shards. Peak memory on the accelerator: one unit in full.
         """
-        from lightning_fsdp.engine.sharding import detach_engine
-
         if self.closed:
             return
         self._finish_reductions()
@@ -876,7 +845,7 @@ class ShardingEngine:
             unit.release_buffers()
         self.remove_hooks()
         self.closed = True
-        _LIVE_ENGINES.discard(self)
+        unwatch_optimizer_steps(self)
         detach_engine(self.root)
 
     def shard_of(self, slot: Any) -> torch.Tensor:
@@ -906,29 +875,6 @@ class ShardingEngine:
             for s in u.slots
             if s.param.grad is not None
         )
-
-
-def _consecutive_subgroup(shard_comm: Communicator, size: int) -> dist.ProcessGroup:
-    """This rank's group of ``size`` consecutive ranks of its shard group. torch's ``new_group`` must be called by
-    every process for every group, in the same order: when shard groups are smaller than the world (hybrid
-    sharding, a user's group), every rank first learns every shard group's ranks (one ``all_gather_object``)."""
-    group = shard_comm.group if shard_comm.group is not None else dist.group.WORLD
-    mine = tuple(dist.get_global_rank(group, i) for i in range(shard_comm.world_size))
-    world = dist.get_world_size()
-    if len(mine) == world:
-        every = [mine]
-    else:
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine)
-        every = sorted(set(gathered))
-    me, found = dist.get_rank(), None
-    for ranks in every:
-        for start in range(0, len(ranks), size):
-            members = sorted(ranks[start : start + size])
-            subgroup = dist.new_group(members)
-            if me in members:
-                found = subgroup
-    return found
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:

@@ -34,8 +34,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from lightning_fsdp.config import check_wire_narrower
 from lightning_fsdp.engine.comm import Communicator, all_gather_flat
+from lightning_fsdp.engine.config import check_wire_narrower
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.streams import INACTIVE, CollectiveStreams, pins_host_memory
 from lightning_fsdp.engine.wrap import ParamUse

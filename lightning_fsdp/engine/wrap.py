@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from lightning_fsdp.config import WrapPolicy
+from lightning_fsdp.engine.config import WrapPolicy
 
 
 class ParamUse(NamedTuple):

@@ -33,17 +33,17 @@ class Model(nn.Module):
 
 def _gathered_optimizer(engine, optimizer) -> dict:
     """Full optimizer state (0-dim parameters' state as 0-dim tensors at any layout)."""
-    from lightning_fsdp.checkpoint.full import _gather_rows
+    from lightning_fsdp.engine import gather_rows
 
     out = {}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for index, param in enumerate(params):
-        slot = engine._slot_by_param.get(id(param))
+        slot = engine.slot_of(param)
         entry = {}
         for name, value in sorted(optimizer.state[param].items()):
             if slot is not None and value.dim() > 0 and tuple(value.shape) == tuple(slot.layout.local_shape):
                 value = (
-                    _gather_rows(value, slot.layout, engine)
+                    gather_rows(value, slot.layout, engine.shard_comm)
                     if slot.layout.world_size > 1
                     else value.reshape(slot.layout.shape)
                 )

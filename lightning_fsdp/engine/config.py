@@ -1,10 +1,6 @@
-"""The public option types (``ShardingStrategy``, ``BackwardPrefetch``, ``StateDictType``, ``MixedPrecision``,
-``WrapPolicy``) and the parser of each value.
-
-Each parser accepts the type itself or its spelling in a YAML config (a string, a dict), and raises a
-``ValueError``/``TypeError`` that names the value and the valid choices. ``lightning_fsdp.options.ShardingOptions``
-combines them into the options of a sharded model, checked on every rank before any collective runs.
-"""
+"""The engine's public option types (``ShardingStrategy``, ``BackwardPrefetch``, ``MixedPrecision``, ``WrapPolicy``)
+and the parser of each value: the type itself or its spelling in a YAML config (a string, a dict); a bad value raises
+naming it and the valid choices. ``ShardingOptions`` (``options.py``) combines them."""
 
 from __future__ import annotations
 
@@ -50,15 +46,7 @@ class BackwardPrefetch(enum.Enum):
     BACKWARD_POST = "BACKWARD_POST"
 
 
-class StateDictType(enum.Enum):
-    """The checkpoint format written by the strategy."""
-
-    FULL = "full"
-    SHARDED = "sharded"
-    LOCAL = "local"
-
-
-def _parse_enum(value: Any, enum_cls: type[enum.Enum], option: str, *, none_ok: bool = False) -> enum.Enum:
+def parse_enum(value: Any, enum_cls: type[enum.Enum], option: str, *, none_ok: bool = False) -> enum.Enum:
     if isinstance(value, enum_cls):
         return value
     if isinstance(value, str):
@@ -70,17 +58,13 @@ def _parse_enum(value: Any, enum_cls: type[enum.Enum], option: str, *, none_ok: 
 
 
 def parse_sharding_strategy(value: Any) -> ShardingStrategy:
-    return _parse_enum(value, ShardingStrategy, "sharding_strategy")  # type: ignore[return-value]
+    return parse_enum(value, ShardingStrategy, "sharding_strategy")  # type: ignore[return-value]
 
 
 def parse_backward_prefetch(value: Any) -> BackwardPrefetch | None:
     if value is None:
         return None
-    return _parse_enum(value, BackwardPrefetch, "backward_prefetch", none_ok=True)  # type: ignore[return-value]
-
-
-def parse_state_dict_type(value: Any) -> StateDictType:
-    return _parse_enum(value, StateDictType, "state_dict_type")  # type: ignore[return-value]
+    return parse_enum(value, BackwardPrefetch, "backward_prefetch", none_ok=True)  # type: ignore[return-value]
 
 
 WrapPolicyCallable = Callable[[nn.Module, bool, int], bool]

@@ -1,0 +1,48 @@
+"""The process groups the engine checks and builds: the shard / replicate groups ``fully_shard`` is given, and the
+smaller groups ``reshard_after_forward=N`` (ZeRO++ hpZ) gathers over."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_fsdp.engine.comm import Communicator
+from lightning_fsdp.engine.config import ShardingStrategy
+
+
+def is_process_group(value: Any) -> bool:
+    return isinstance(value, dist.ProcessGroup)
+
+
+def check_engine_groups(strategy: ShardingStrategy, process_group: Any, replicate_group: Any) -> None:
+    """``fully_shard``'s group arguments: ``ProcessGroup`` objects or ``None``, and a replicate group for the hybrid
+    strategies."""
+    if strategy.is_hybrid and replicate_group is None:
+        raise ValueError(f"sharding_strategy={strategy.value!r} needs a replicate_group beside the shard group.")
+    for name, group in (("process_group", process_group), ("replicate_group", replicate_group)):
+        if group is not None and not is_process_group(group):
+            raise TypeError(f"{name}={group!r} is not valid; expected a torch.distributed.ProcessGroup or None.")
+
+
+def consecutive_subgroup(shard_comm: Communicator, size: int) -> dist.ProcessGroup:
+    """This rank's group of ``size`` consecutive ranks of its shard group. torch's ``new_group`` must be called by
+    every process for every group, in the same order: when shard groups are smaller than the world (hybrid
+    sharding, a user's group), every rank first learns every shard group's ranks (one ``all_gather_object``)."""
+    group = shard_comm.group if shard_comm.group is not None else dist.group.WORLD
+    mine = tuple(dist.get_global_rank(group, i) for i in range(shard_comm.world_size))
+    world = dist.get_world_size()
+    if len(mine) == world:
+        every = [mine]
+    else:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        every = sorted(set(gathered))
+    me, found = dist.get_rank(), None
+    for ranks in every:
+        for start in range(0, len(ranks), size):
+            members = sorted(ranks[start : start + size])
+            subgroup = dist.new_group(members)
+            if me in members:
+                found = subgroup
+    return found

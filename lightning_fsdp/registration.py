@@ -1,0 +1,88 @@
+"""Registering ``"fsdp_custom"`` (and its variants) and ``"hpu"`` with Lightning.
+
+[Note: registration without importing Lightning]
+``import lightning_fsdp`` must be enough for ``Trainer(strategy="fsdp_custom")``, while the engine, usable without
+Lightning, must not import it: yet Python runs the package's ``__init__`` for ``import lightning_fsdp.engine`` too.
+So the package registers at once where ``lightning.pytorch`` is already imported, and otherwise as soon as it has
+been: a one-shot finder on ``sys.meta_path`` lets the usual finders locate ``lightning.pytorch`` and runs the
+registration right after that module's code. importlib has no public post-import hook, and wrapt's would be a
+dependency for these few lines (docs/decisions.md). When the import of ``lightning_fsdp.strategy`` is what imports
+Lightning, the class does not exist yet when the finder fires, so that module registers at its own end. A registration that fails is logged, never raised: it must not
+break ``import lightning`` for code that does not use this package.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Any
+
+_log = logging.getLogger(__name__)
+_LIGHTNING = "lightning.pytorch"
+
+
+def register_with_lightning() -> None:
+    """Register the strategies and the accelerator now, or once ``lightning.pytorch`` is imported."""
+    if _LIGHTNING in sys.modules:
+        _register()
+    elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(_LIGHTNING, _register_logging_failure))
+
+
+def _register() -> None:
+    strategy_module = sys.modules.get("lightning_fsdp.strategy")
+    if strategy_module is not None and not hasattr(strategy_module, "FSDPStrategy"):
+        # Importing lightning_fsdp.strategy is what imported Lightning, and its class is not defined yet: the module
+        # registers itself at its end.
+        return
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from accelerators import register_hpu_accelerator
+    from lightning_fsdp.strategy import FSDPStrategy
+
+    FSDPStrategy.register_strategies(StrategyRegistry)
+    register_hpu_accelerator()
+
+
+def _register_logging_failure() -> None:
+    try:
+        _register()
+    except Exception as error:  # noqa: BLE001 - see the Note: never break the user's import of Lightning
+        _log.warning("lightning-fsdp could not register strategy 'fsdp_custom' with Lightning: %r", error)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``callback`` once, right after the module ``name`` has been executed by its own loader."""
+
+    def __init__(self, name: str, callback: Callable[[], None]) -> None:
+        self.name = name
+        self.callback = callback
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # one shot; the finders below locate the module as they would have
+        spec = _find_with(sys.meta_path, fullname, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute, callback = spec.loader.exec_module, self.callback
+
+        def exec_module(module: ModuleType) -> None:
+            execute(module)
+            callback()
+
+        spec.loader.exec_module = exec_module  # this module's own loader object, not a shared one
+        return spec
+
+
+def _find_with(finders: list[Any], fullname: str, path: Any, target: Any) -> ModuleSpec | None:
+    for finder in finders:
+        find_spec = getattr(finder, "find_spec", None)
+        spec = find_spec(fullname, path, target) if find_spec is not None else None
+        if spec is not None:
+            return spec
+    return None
