@@ -51,7 +51,8 @@ import torch
 from torch import nn
 
 from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError, CheckpointNotFoundError
-from lightning_fsdp.checkpoint.common import CheckpointMismatchError, Collective, shape_str
+from lightning_fsdp.checkpoint.common import CheckpointMismatchError, shape_str
+from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.registry import find_engine

@@ -7,8 +7,9 @@ So the package registers at once where ``lightning.pytorch`` is already imported
 been: a one-shot finder on ``sys.meta_path`` lets the usual finders locate ``lightning.pytorch`` and runs the
 registration right after that module's code. importlib has no public post-import hook, and wrapt's would be a
 dependency for these few lines (docs/decisions.md). When the import of ``lightning_fsdp.strategy`` is what imports
-Lightning, the class does not exist yet when the finder fires, so that module registers at its own end. A registration that fails is logged, never raised: it must not
-break ``import lightning`` for code that does not use this package.
+Lightning, the class does not exist yet when the finder fires, so that module registers at its own end. A
+registration that fails is logged, never raised: it must not break ``import lightning`` for code that does not use
+this package.
 """
 
 from __future__ import annotations

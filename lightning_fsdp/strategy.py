@@ -42,7 +42,6 @@ from lightning_fsdp.checkpoint.common import (
     CheckpointFormat,
     CheckpointMismatchError,
     CheckpointRun,
-    Collective,
     ShardedOptimizerState,
     ShardedStateDict,
     load_sharded_model_state_dict,
@@ -51,6 +50,7 @@ from lightning_fsdp.checkpoint.common import (
 from lightning_fsdp.checkpoint.formats import FULL_FORMAT, format_for_saving, format_on_disk, parse_state_dict_type
 from lightning_fsdp.checkpoint.full import load_full_model_state_dict, load_full_optimizer_state_dict
 from lightning_fsdp.checkpoint.paths import remove_checkpoint_path
+from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
 from lightning_fsdp.engine.config import MixedPrecision, ShardingStrategy, WrapPolicy
 from lightning_fsdp.engine.options import ShardingOptions, check_flag

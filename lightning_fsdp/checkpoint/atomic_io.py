@@ -19,6 +19,8 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
+from lightning_fsdp.collective import raised_alike_on_every_rank
+
 __all__ = [
     "AtomicCheckpointIO",
     "CheckpointIsDirectoryError",
@@ -28,6 +30,7 @@ __all__ = [
 ]
 
 
+@raised_alike_on_every_rank
 class CheckpointLoadError(RuntimeError):
     """A checkpoint file could not be loaded. ``path`` is the file; ``__cause__`` is the underlying error."""
 
@@ -36,10 +39,12 @@ class CheckpointLoadError(RuntimeError):
         self.path = path
 
 
+@raised_alike_on_every_rank
 class CheckpointNotFoundError(CheckpointLoadError, FileNotFoundError):
     """The checkpoint path does not exist (also a ``FileNotFoundError``)."""
 
 
+@raised_alike_on_every_rank
 class CheckpointIsDirectoryError(CheckpointLoadError, IsADirectoryError):
     """The checkpoint path is a directory, not a full-checkpoint file (also an ``IsADirectoryError``)."""
 

@@ -3,8 +3,6 @@
 * :class:`ShardedStateDict` / :class:`ShardedOptimizerState`: what ``FSDPStrategy.load_checkpoint`` puts into the
   checkpoint dict for a directory checkpoint. Their managed-parameter entries already hold only this rank's rows,
   so ``load_model_state_dict`` / ``load_optimizer_state_dict`` copy them in without slicing.
-* :class:`Collective`: the few object collectives the save/load protocols need (no-ops without a process group).
-  ``agree`` turns "one rank found a problem" into the same exception on every rank, so no rank is left waiting.
 * :class:`CheckpointFormat` / :class:`DirectoryFormat`: what each of the three formats (``full.FullFormat``,
   ``sharded.ShardedFormat``, ``local.LocalFormat``) provides; ``formats.py`` picks one. ``write_directory`` is the
   atomic save protocol both directory formats share.
@@ -19,15 +17,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.atomic_io import (
     AtomicCheckpointIO,
-    CheckpointIsDirectoryError,
-    CheckpointLoadError,
-    CheckpointNotFoundError,
     is_local_path,
 )
 from lightning_fsdp.checkpoint.paths import (
@@ -37,6 +31,7 @@ from lightning_fsdp.checkpoint.paths import (
     remove_path,
     remove_stale_temps,
 )
+from lightning_fsdp.collective import Collective, raised_alike_on_every_rank
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.unit import ParamSlot
@@ -50,6 +45,7 @@ FORMAT_KEY = "lightning_fsdp"  # meta.pt entry describing the directory (format,
 FORMAT_VERSION = 1
 
 
+@raised_alike_on_every_rank
 class CheckpointMismatchError(ValueError, RuntimeError):
     """The checkpoint does not fit this run: another world size, shard layout, parameter shape, key set or number of
     optimizers. A ``ValueError`` (and a ``RuntimeError``, like ``nn.Module.load_state_dict``'s key errors)."""
@@ -69,89 +65,6 @@ class ShardedStateDict(dict):
 class ShardedOptimizerState(dict):
     """``optimizer.state_dict()`` for this rank: integer keys, per-parameter state tensors holding this rank's rows;
     loadable with ``optimizer.load_state_dict`` as it is."""
-
-
-# ------------------------------------------------------------------------------------------------ collectives
-class Collective:
-    """Object collectives over the default group for the checkpoint protocols; trivial without a process group."""
-
-    def __init__(self, alone: bool = False) -> None:
-        # alone: this process by itself even inside a process group (offline conversion), every collective trivial
-        self.distributed = not alone and dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world_size = dist.get_world_size() if self.distributed else 1
-
-    @property
-    def is_rank0(self) -> bool:
-        return self.rank == 0
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not self.distributed or self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        if not self.distributed or self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def barrier(self) -> None:
-        if self.distributed and self.world_size > 1:
-            dist.barrier()
-
-    def agree(self, problem: BaseException | None) -> None:
-        """Every rank passes its own problem (or None); if any rank has one, every rank raises. A rank raises its
-        own exception; the others raise an equivalent one (same class where it is one of ours) naming the rank."""
-        verdicts = self.all_gather(None if problem is None else _describe(problem))
-        if problem is not None:
-            raise problem
-        for rank, verdict in enumerate(verdicts):
-            if verdict is not None:
-                raise _rebuild(verdict, rank)
-
-    def run_agreed(self, work: Callable[[], _T]) -> _T:
-        """``work()`` on every rank; if it raises on any rank, every rank raises (see ``agree``). For checks that
-        must not leave the ranks that passed them waiting in the next collective for one that failed."""
-        problem, result = None, None
-        try:
-            result = work()
-        except Exception as exc:  # noqa: BLE001 - shared with every rank by agree
-            problem = exc
-        self.agree(problem)
-        return result  # type: ignore[return-value]
-
-    def agree_from_rank0(self, problem: BaseException | None) -> None:
-        """Rank 0 decided alone (e.g. it renamed the directory); every rank raises if it failed."""
-        verdict = self.broadcast(None if problem is None else _describe(problem))
-        if self.is_rank0 and problem is not None:
-            raise problem
-        if verdict is not None:
-            raise _rebuild(verdict, 0)
-
-
-_REBUILDABLE = {
-    cls.__name__: cls
-    for cls in (CheckpointMismatchError, CheckpointLoadError, CheckpointNotFoundError, CheckpointIsDirectoryError)
-}
-
-
-def _describe(exc: BaseException) -> tuple[str, str, str | None]:
-    return type(exc).__name__, str(exc), getattr(exc, "path", None)
-
-
-def _rebuild(verdict: tuple[str, str, str | None], rank: int) -> BaseException:
-    name, message, path = verdict
-    message = f"{message} [raised on rank {rank}]"
-    cls = _REBUILDABLE.get(name)
-    if cls is None:
-        return RuntimeError(f"{name}: {message}")
-    if issubclass(cls, CheckpointLoadError):
-        return cls(message, path)
-    return cls(message)
 
 
 # ------------------------------------------------------------------------------------------------ names

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError
-from lightning_fsdp.checkpoint.common import Collective, numel
+from lightning_fsdp.checkpoint.common import numel
 from lightning_fsdp.checkpoint.formats import format_on_disk
 from lightning_fsdp.checkpoint.local import concat_rows, read_local_meta
 from lightning_fsdp.checkpoint.paths import (
@@ -59,6 +59,7 @@ from lightning_fsdp.checkpoint.paths import (
     remove_stale_temps,
 )
 from lightning_fsdp.checkpoint.sharded import check_shard_files, dcp_entries, dcp_load, planner_data, read_dcp_metadata
+from lightning_fsdp.collective import Collective
 
 __all__ = ["DTYPES", "export_safetensors", "main", "parse_dtype", "parse_size"]
 

@@ -22,10 +22,10 @@ from lightning_fsdp.checkpoint.common import (
     CheckpointFormat,
     CheckpointMismatchError,
     CheckpointRun,
-    Collective,
     to_index_keyed,
 )
 from lightning_fsdp.checkpoint.paths import FULL, remove_checkpoint_path
+from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import gather_rows
 from lightning_fsdp.engine.layout import ShardLayout

@@ -30,7 +30,6 @@ from lightning_fsdp.checkpoint.common import (
     FORMAT_VERSION,
     CheckpointMismatchError,
     CheckpointRun,
-    Collective,
     DirectoryFormat,
     ShardedOptimizerState,
     ShardedStateDict,
@@ -41,6 +40,7 @@ from lightning_fsdp.checkpoint.common import (
     write_directory,
 )
 from lightning_fsdp.checkpoint.paths import LOCAL, META_FILE, file_problem, local_rank_file
+from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 
 

@@ -45,7 +45,6 @@ from lightning_fsdp.checkpoint.common import (
     FORMAT_VERSION,
     CheckpointMismatchError,
     CheckpointRun,
-    Collective,
     DirectoryFormat,
     ShardedOptimizerState,
     ShardedStateDict,
@@ -60,6 +59,7 @@ from lightning_fsdp.checkpoint.common import (
     write_directory,
 )
 from lightning_fsdp.checkpoint.paths import DCP_METADATA_FILE, META_FILE, SHARDED, file_problem
+from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import gather_rows
 from lightning_fsdp.engine.layout import ShardLayout

@@ -40,10 +40,11 @@ from typing import Any
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint.common import CheckpointMismatchError, Collective
+from lightning_fsdp.checkpoint.common import CheckpointMismatchError
 from lightning_fsdp.checkpoint.full import full_model_state_dict, full_optimizer_state_dict
 from lightning_fsdp.checkpoint.paths import FULL, LOCAL, SHARDED
 from lightning_fsdp.checkpoint.sharded import sharded_model_state_dict, sharded_optimizer_state_dict
+from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 
 __all__ = [

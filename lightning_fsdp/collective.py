@@ -1,0 +1,98 @@
+"""Agreement across ranks: the few object collectives that checks, checkpoints and the strategy need, and the rule
+that turns "one rank found a problem" into the same exception on every rank, so that no rank is left waiting in the
+next collective for one that failed. Every collective is trivial without a process group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+_T = TypeVar("_T")
+_E = TypeVar("_E", bound=type[BaseException])
+
+# Exception classes another rank re-raises as themselves (by name); any other is re-raised as a RuntimeError naming
+# it. A class whose instances carry a ``path`` is rebuilt with it as its second argument.
+_REBUILDABLE: dict[str, type[BaseException]] = {}
+
+
+def raised_alike_on_every_rank(cls: _E) -> _E:
+    """Class decorator: when one rank raises this exception inside :meth:`Collective.agree`, the other ranks raise the
+    same class (with the message and the rank that raised it), so that callers can catch it by type on every rank."""
+    _REBUILDABLE[cls.__name__] = cls
+    return cls
+
+
+class Collective:
+    """Object collectives over the default group for the checkpoint protocols; trivial without a process group."""
+
+    def __init__(self, alone: bool = False) -> None:
+        # alone: this process by itself even inside a process group (offline conversion), every collective trivial
+        self.distributed = not alone and dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self.distributed or self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed or self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.distributed and self.world_size > 1:
+            dist.barrier()
+
+    def agree(self, problem: BaseException | None) -> None:
+        """Every rank passes its own problem (or None); if any rank has one, every rank raises. A rank raises its
+        own exception; the others raise an equivalent one (same class where it is one of ours) naming the rank."""
+        verdicts = self.all_gather(None if problem is None else _describe(problem))
+        if problem is not None:
+            raise problem
+        for rank, verdict in enumerate(verdicts):
+            if verdict is not None:
+                raise _rebuild(verdict, rank)
+
+    def run_agreed(self, work: Callable[[], _T]) -> _T:
+        """``work()`` on every rank; if it raises on any rank, every rank raises (see ``agree``). For checks that
+        must not leave the ranks that passed them waiting in the next collective for one that failed."""
+        problem, result = None, None
+        try:
+            result = work()
+        except Exception as exc:  # noqa: BLE001 - shared with every rank by agree
+            problem = exc
+        self.agree(problem)
+        return result  # type: ignore[return-value]
+
+    def agree_from_rank0(self, problem: BaseException | None) -> None:
+        """Rank 0 decided alone (e.g. it renamed the directory); every rank raises if it failed."""
+        verdict = self.broadcast(None if problem is None else _describe(problem))
+        if self.is_rank0 and problem is not None:
+            raise problem
+        if verdict is not None:
+            raise _rebuild(verdict, 0)
+
+
+def _describe(exc: BaseException) -> tuple[str, str, tuple[Any, ...]]:
+    return type(exc).__name__, str(exc), (exc.path,) if hasattr(exc, "path") else ()
+
+
+def _rebuild(verdict: tuple[str, str, tuple[Any, ...]], rank: int) -> BaseException:
+    name, message, extra = verdict
+    message = f"{message} [raised on rank {rank}]"
+    cls = _REBUILDABLE.get(name)
+    if cls is None:
+        return RuntimeError(f"{name}: {message}")
+    return cls(message, *extra)
