@@ -34,7 +34,7 @@ test: lint
 # sharded checkpoint round trip, and step time / peak memory of a 125M GPT against plain training and torch FSDP2.
 # It runs with the machine's own Python and CUDA build of torch (the .venv holds the CPU build), from the clone.
 gpu-check:
-	PYTHONPATH=$(CURDIR) $(PYTHON) -m lightning_fsdp.benchmark.gpu_check --out gpu-check
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m benchmarks.gpu_check --out gpu-check
 
 docs: setup
 	$(BIN)/mkdocs build --strict

@@ -6,7 +6,7 @@ Two measures per rank, both stated in the output:
 - saved activations: bytes of the tensors autograd saves for backward during one forward
   (torch.autograd.graph.saved_tensors_hooks), i.e. the activation memory held between forward and backward;
 - peak live tensor bytes over two training steps, from torch.profiler's allocator events
-  (lightning_fsdp.benchmark.memory.LiveTensorBytes), which includes shards, gathered units, gradients,
+  (benchmarks.memory.LiveTensorBytes), which includes shards, gathered units, gradients,
   optimizer state, activations and communication buffers.
 """
 
@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
-from lightning_fsdp.benchmark.memory import LiveTensorBytes
-from lightning_fsdp.demo.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine import fully_shard
+# benchmarks/ is not installed with the package: it is imported from this checkout.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.memory import LiveTensorBytes  # noqa: E402
+from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy  # noqa: E402
+from lightning_fsdp.demo.gpt import GPT, Block, GPTConfig  # noqa: E402
+from lightning_fsdp.engine import fully_shard  # noqa: E402
 
 
 def measure(rank: int, world_size: int, folder: str, args: argparse.Namespace, checkpointed: bool) -> None:

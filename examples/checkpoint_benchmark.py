@@ -6,7 +6,7 @@ Two CPU ranks, FULL_SHARD with each Block a unit, after one AdamW step (so optim
 - time: wall time of ``trainer.save_checkpoint`` (model + optimizer + Lightning state) and of loading it back
   (``strategy.load_checkpoint`` + model and optimizer state), each between barriers, the slower rank's;
 - peak memory: the highest live tensor bytes above the level at the start of the save (or load), from torch's
-  allocator events (``lightning_fsdp.benchmark.memory.LiveTensorBytes``), per rank.
+  allocator events (``benchmarks.memory.LiveTensorBytes``), per rank.
 """
 
 from __future__ import annotations
@@ -15,17 +15,21 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# benchmarks/ is not installed with the package: it is imported from this checkout (for rank 1 too, which Lightning
+# starts by running this script again).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_fsdp  # noqa: E402,F401
+from benchmarks.memory import LiveTensorBytes  # noqa: E402
 from lightning_fsdp import FSDPStrategy  # noqa: E402
-from lightning_fsdp.benchmark.memory import LiveTensorBytes  # noqa: E402
 from lightning_fsdp.demo.gpt import GPT, Block, GPTConfig  # noqa: E402
 
 

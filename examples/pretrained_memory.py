@@ -43,7 +43,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from lightning_fsdp.benchmark.memory import PeakGrowth  # noqa: E402
+from benchmarks.memory import PeakGrowth  # noqa: E402
 
 # ~110M parameters: embeddings 32000 x 768 (tied with the head) + 12 layers of 7.1M.
 LLAMA = dict(

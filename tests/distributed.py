@@ -1,7 +1,8 @@
 """Run a function in N gloo processes on CPU and collect what each rank returns.
 
 Each worker joins a ``file://`` rendezvous, runs with one thread (two cores are shared by every process), and
-writes its return value to disk; an exception in any rank fails the caller with that rank's traceback.
+writes its return value to disk; an exception in any rank fails the caller with that rank's traceback. The ranks
+are started and joined by the benchmarks' harness (benchmarks/ranks.py).
 """
 
 from __future__ import annotations
@@ -13,17 +14,13 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
+from benchmarks.ranks import join_gloo_group, spawn_ranks, wait_ranks
 from lightning_fsdp.shutdown import destroy_process_group
 
 
 def _worker(rank: int, world_size: int, folder: str, fn: Callable, args: tuple) -> None:
-    torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size)
+    join_gloo_group(folder, rank, world_size)
     try:
         result: Any = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -36,7 +33,9 @@ def _worker(rank: int, world_size: int, folder: str, fn: Callable, args: tuple) 
 def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     """``fn(rank, world_size, *args)`` on each of ``world_size`` processes; returns the per-rank results."""
     with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(_worker, args=(world_size, folder, fn, args), nprocs=world_size, start_method="spawn")
+        problem = wait_ranks(spawn_ranks(_worker, (world_size, folder, fn, args), world_size))
+        if problem is not None:
+            raise RuntimeError(problem)
         results = []
         for rank in range(world_size):
             with open(f"{folder}/result-{rank}.pkl", "rb") as f:

@@ -11,12 +11,12 @@ import json
 import pytest
 import torch
 
-import lightning_fsdp.benchmark as benchmark
-from lightning_fsdp.benchmark import REFERENCE, SCALING_BASELINE, VARIANTS, BenchmarkConfig, run_benchmark
-from lightning_fsdp.benchmark.__main__ import main, parse_args
-from lightning_fsdp.benchmark.memory import LiveTensorBytes
-from lightning_fsdp.benchmark.report import fmt_bytes, markdown, plot
-from lightning_fsdp.benchmark.variants import parse_variants
+import benchmarks as benchmark
+from benchmarks import REFERENCE, SCALING_BASELINE, VARIANTS, BenchmarkConfig, run_benchmark
+from benchmarks.__main__ import main, parse_args
+from benchmarks.memory import LiveTensorBytes
+from benchmarks.report import fmt_bytes, markdown, plot
+from benchmarks.variants import parse_variants
 from lightning_fsdp.demo.data import default_text_path
 from lightning_fsdp.demo.gpt import GPT, GPTConfig
 
@@ -60,7 +60,7 @@ def test_writes_table_plot_and_json_with_every_variant(tiny_run):
     for row in results["variants"]:  # torch >= 2.6 (pyproject) has FSDP1 and FSDP2: every variant must run
         assert row["status"] == "ok", (row["name"], row.get("error"), row.get("traceback"))
         assert row["median_step_ms"] > 0
-    assert "python -m lightning_fsdp.benchmark" in table and "How each column is measured" in table
+    assert "python -m benchmarks" in table and "How each column is measured" in table
 
 
 def single_process_losses(steps: int, world: int) -> list[float]:

@@ -319,7 +319,7 @@ from lightning_fsdp.checkpoint.export import export_safetensors
 from lightning_fsdp.checkpoint.sharded import read_sharded_checkpoint_full
 import safetensors.torch
 
-from lightning_fsdp.benchmark.memory import PeakGrowth
+from benchmarks.memory import PeakGrowth
 
 mode, src, out = sys.argv[1:]
 meter = PeakGrowth()

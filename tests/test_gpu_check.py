@@ -17,7 +17,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         [
             sys.executable,
             "-m",
-            "lightning_fsdp.benchmark.gpu_check",
+            "benchmarks.gpu_check",
             "--device",
             "cpu",
             "--tiny",
@@ -48,7 +48,7 @@ def test_gpu_check_refuses_to_pretend_without_cuda(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here: the refusal cannot be shown")
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_fsdp.benchmark.gpu_check", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path)],
         env=clean_env(),
         cwd=tmp_path,
         capture_output=True,

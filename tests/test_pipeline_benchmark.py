@@ -1,7 +1,7 @@
 """The pipeline benchmark command on a tiny GPT: its report's structure, its losses, and its bytes against theory.
 
 Timing is never asserted (the machines are shared). The theory here is computed from the parameter shapes alone,
-independently of lightning_fsdp/benchmark/pipeline.py's own: vocab 65 and seq 18 make ``wte`` and ``wpe`` split
+independently of benchmarks/pipeline.py's own: vocab 65 and seq 18 make ``wte`` and ``wpe`` split
 unevenly over 2 and 4 ranks, so the padding rule is exercised too.
 """
 
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from lightning_fsdp.benchmark.pipeline import PipelineBenchmarkConfig, main
+from benchmarks.pipeline import PipelineBenchmarkConfig, main
 from lightning_fsdp.demo.gpt import Block, PipelineGPT
 
 VOCAB, SEQ, WIDTH, LAYERS, BATCH, MICRO = 65, 18, 32, 2, 8, 2
@@ -73,7 +73,7 @@ def test_report_structure(run):
     out, results = run
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "results.md").read_text()
-    assert "python -m lightning_fsdp.benchmark.pipeline" in table
+    assert "python -m benchmarks.pipeline" in table
     for heading in ("## Bytes per step, per rank", "## Theory", "## How each column is measured"):
         assert heading in table
     assert [r["key"] for r in results["variants"]] == KEYS

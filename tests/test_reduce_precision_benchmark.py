@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from lightning_fsdp.benchmark.reduce_precision import REFERENCES, VARIANTS, main
+from benchmarks.reduce_precision import REFERENCES, VARIANTS, main
 
 STEPS, WARMUP, EVERY = 4, 1, 2
 TINY = [
@@ -32,7 +32,7 @@ def test_report_structure(run):
     out, results, rows = run
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "results.md").read_text()
-    assert "python -m lightning_fsdp.benchmark.reduce_precision" in table
+    assert "python -m benchmarks.reduce_precision" in table
     assert results["environment"]["torch"] in table and results["date"] in table
     for heading in ("## Parameter distance to the group's fp32 reduction", "## How each figure is measured"):
         assert heading in table

@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.processes import ROOT, clean_env, group_members  # noqa: E402
+from tests.processes import ROOT, clean_env, group_members, kill_group  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "scripts" / "soak_run.py"
 
@@ -92,10 +92,7 @@ def run_soak(folder: Path, name: str, *args: str, expect_kill: bool = False) -> 
     except subprocess.TimeoutExpired:
         left = None
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_group(proc.pid)
         proc.wait()
     output = log.read_text(errors="replace")
     assert left is not None, f"{name} timed out after {RUN_TIMEOUT_S}s:\n{output[-6000:]}"

@@ -11,7 +11,7 @@ measure that it needs one concrete model to train, and this package is it:
   tiny-shakespeare excerpt in ``assets/`` (package data).
 
 Its users are ``examples/demo.py`` and the other scripts under ``examples/`` (the CLI configs in ``examples/cli/``,
-the Slurm job), the benchmark (``python -m lightning_fsdp.benchmark``) and the tests. It lives inside the package,
+the Slurm job), the benchmarks (``python -m benchmarks`` in a checkout) and the tests. It lives inside the package,
 rather than under ``examples/``, so that every rank a launcher starts, and every benchmark worker, can import it once
 the package is installed.
 

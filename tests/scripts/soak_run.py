@@ -39,9 +39,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_fsdp.benchmark.memory import _c10_report_flag, _quiet_stderr  # noqa: E402
+from benchmarks.memory import _c10_report_flag, _quiet_stderr  # noqa: E402
 
-# Count every allocation from here on, on every thread (see lightning_fsdp/benchmark/memory.py).
+# Count every allocation from here on, on every thread (see benchmarks/memory.py).
 _FLAG = _c10_report_flag()
 if _FLAG is not None:
     _FLAG.value = True

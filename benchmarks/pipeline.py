@@ -1,6 +1,6 @@
 """Pipeline benchmark: P=2 x D=2 with each schedule against fsdp_custom and DDP over 4 ranks, on one GPT and batch.
 
-``python -m lightning_fsdp.benchmark.pipeline --out DIR`` trains the same GPT (same seed, same global batch every
+``python -m benchmarks.pipeline --out DIR`` trains the same GPT (same seed, same global batch every
 step) in 4 gloo processes on CPU, one thread each, as five variants:
 
 * ``pp_gpipe`` / ``pp_1f1b`` / ``pp_interleaved``: pipeline parallelism P=2 x D=2 with torch's ``GPipe``,
@@ -9,7 +9,7 @@ step) in 4 gloo processes on CPU, one thread each, as five variants:
 * ``fsdp_x4``: fsdp_custom FULL_SHARD over all 4 ranks (P=1);
 * ``ddp_x4``: torch DistributedDataParallel over all 4 ranks.
 
-It writes ``results.json``, ``results.md`` and ``plot.png`` (lightning_fsdp/benchmark/pipeline_report.py).
+It writes ``results.json``, ``results.md`` and ``plot.png`` (benchmarks/pipeline_report.py).
 
 [Note: what the pipeline benchmark runs]
 The model is :class:`~lightning_fsdp.demo.gpt.PipelineGPT`: the demo GPT's ``Block`` s between an embedding
@@ -82,23 +82,18 @@ reduced, padding and flags aside.
 
 [Note: how memory is measured]
 After the timed rounds, each variant runs again on its own, freshly built, for ``mem_steps`` steps inside
-:class:`~lightning_fsdp.benchmark.memory.LiveTensorBytes` (torch.profiler's allocator events, counted on every
+:class:`~benchmarks.memory.LiveTensorBytes` (torch.profiler's allocator events, counted on every
 thread, from before the model is built): the peak live tensor bytes over those steps, per rank. Model state is
-:func:`~lightning_fsdp.benchmark.memory.model_state_bytes` (parameters + gradients + AdamW state this rank holds).
+:func:`~benchmarks.memory.model_state_bytes` (parameters + gradients + AdamW state this rank holds).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
-import shlex
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -108,8 +103,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fsdp.benchmark.memory import LIVE_BYTES_METHOD, MODEL_STATE_METHOD, LiveTensorBytes, model_state_bytes
-from lightning_fsdp.benchmark.report import paired_ratio
+from benchmarks.common import ConfigOption, add_config_options, command_line, config_fields, gpt_config, machine
+from benchmarks.memory import LIVE_BYTES_METHOD, MODEL_STATE_METHOD, LiveTensorBytes, model_state_bytes
+from benchmarks.ranks import join_gloo_group, report_rank, run_ranks
+from benchmarks.report import paired_ratio
 from lightning_fsdp.demo.gpt import Block, GPTConfig, PipelineGPT, next_token_loss
 
 __all__ = [
@@ -175,15 +172,7 @@ class PipelineBenchmarkConfig:
     collective_timeout: float = 300.0
 
     def gpt_config(self) -> GPTConfig:
-        return GPTConfig(
-            vocab_size=self.vocab,
-            block_size=self.seq,
-            n_layer=self.layers,
-            n_head=self.heads,
-            n_embd=self.width,
-            dropout=0.0,
-            tie_weights=False,
-        )
+        return gpt_config(self, tie_weights=False)
 
     def check(self) -> None:
         data = WORLD_SIZE // PIPELINE_SIZE
@@ -520,31 +509,22 @@ def _memory(rank: int, key: str, cfg: PipelineBenchmarkConfig, tokens: torch.Ten
 
 
 def _worker(rank: int, folder: str, cfg_dict: dict[str, Any]) -> None:
-    from lightning_fsdp.benchmark import _token_stream, join_worker_group
-    from lightning_fsdp.shutdown import destroy_process_group
+    from benchmarks import _token_stream
 
     cfg = PipelineBenchmarkConfig(**cfg_dict)
     counter = P2PCounter()
     counter.install()  # before the group exists: every P2P send is counted
-    join_worker_group(folder, rank, WORLD_SIZE, cfg.threads, cfg.collective_timeout)
+    join_gloo_group(folder, rank, WORLD_SIZE, threads=cfg.threads, timeout=cfg.collective_timeout)
     tokens = _token_stream(cfg.vocab)
-    try:
-        payload: dict[str, Any] = {"timing": _timing(rank, cfg, tokens, counter), "memory": {}}
-        for key in VARIANTS:
-            payload["memory"][key] = _memory(rank, key, cfg, tokens)
-        partial = Path(folder, f"rank{rank}.partial")
-        partial.write_text(json.dumps(payload))
-        os.replace(partial, Path(folder, f"rank{rank}.json"))
-    except BaseException:
-        Path(folder, f"error{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        destroy_process_group()
+
+    def measure() -> dict[str, Any]:
+        timing = _timing(rank, cfg, tokens, counter)
+        return {"timing": timing, "memory": {key: _memory(rank, key, cfg, tokens) for key in VARIANTS}}
+
+    report_rank(folder, rank, measure)
 
 
 def _run_processes(cfg: PipelineBenchmarkConfig) -> list[dict[str, Any]]:
-    from lightning_fsdp.benchmark import run_ranks
-
     return run_ranks(
         _worker,
         lambda folder: (folder, asdict(cfg)),
@@ -692,16 +672,11 @@ def run_pipeline_benchmark(
             "2(D-1)/D x tensor, P2P as sent",
         },
         "theory": THEORY_TEXT,
-        "environment": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-        },
+        "environment": machine(),
         "elapsed_s": time.time() - started,
     }
     if out is not None:
-        from lightning_fsdp.benchmark.pipeline_report import write_report
+        from benchmarks.pipeline_report import write_report
 
         write_report(results, Path(out))
     return results
@@ -723,34 +698,33 @@ THEORY_TEXT = [
 
 
 # --------------------------------------------------------------------------------------------------- CLI
+_CONFIG_OPTIONS: tuple[ConfigOption, ...] = (
+    ("layers", int, "GPT n_layer (>= 2)"),
+    ("width", int, "GPT n_embd"),
+    ("heads", int, "GPT n_head"),
+    ("seq", int, "sequence length (= block_size)"),
+    ("vocab", int, "vocabulary size, >= 62"),
+    ("global_batch", int, "sequences per step over all ranks"),
+    ("microbatches", int, "pipeline microbatches per data-parallel rank"),
+    ("steps", int, "timed steps after warmup"),
+    ("warmup", int, "untimed first steps (>= 1: the first pipelined step does a P2P handshake)"),
+    ("mem_steps", int, "steps of each variant's profiled memory run"),
+    ("threads", int, "torch threads per process"),
+    ("lr", float, "AdamW learning rate"),
+    ("seed", int, "model and data seed"),
+    ("loss_rtol", float, "relative tolerance for every step's loss to agree with DDP's"),
+    ("timeout", float, "seconds before the processes are killed"),
+)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    d = PipelineBenchmarkConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_fsdp.benchmark.pipeline",
+        prog="python -m benchmarks.pipeline",
         description="Train one GPT in 4 gloo processes on CPU as P=2 x D=2 pipelines (GPipe, 1F1B, "
         "Interleaved1F1B), fsdp_custom FULL_SHARD x4 and DDP x4, interleaved; report step time, memory, bytes "
         "moved against theory, and losses.",
     )
-    for name, kind, text in (
-        ("layers", int, "GPT n_layer (>= 2)"),
-        ("width", int, "GPT n_embd"),
-        ("heads", int, "GPT n_head"),
-        ("seq", int, "sequence length (= block_size)"),
-        ("vocab", int, "vocabulary size, >= 62"),
-        ("global_batch", int, "sequences per step over all ranks"),
-        ("microbatches", int, "pipeline microbatches per data-parallel rank"),
-        ("steps", int, "timed steps after warmup"),
-        ("warmup", int, "untimed first steps (>= 1: the first pipelined step does a P2P handshake)"),
-        ("mem_steps", int, "steps of each variant's profiled memory run"),
-        ("threads", int, "torch threads per process"),
-        ("lr", float, "AdamW learning rate"),
-        ("seed", int, "model and data seed"),
-        ("loss_rtol", float, "relative tolerance for every step's loss to agree with DDP's"),
-        ("timeout", float, "seconds before the processes are killed"),
-    ):
-        parser.add_argument(
-            f"--{name.replace('_', '-')}", type=kind, default=getattr(d, name), help=f"{text} (default %(default)s)"
-        )
+    add_config_options(parser, PipelineBenchmarkConfig(), _CONFIG_OPTIONS)
     parser.add_argument("--out", default="pipeline-benchmark-results", help="output folder (default %(default)s)")
     args = parser.parse_args(argv)
     for name in ("layers", "width", "heads", "seq", "global_batch", "microbatches", "steps", "mem_steps", "threads"):
@@ -763,17 +737,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    fields = {f: getattr(args, f) for f in asdict(PipelineBenchmarkConfig()) if hasattr(args, f)}
-    cfg = PipelineBenchmarkConfig(**fields)
+    cfg = PipelineBenchmarkConfig(**config_fields(args, _CONFIG_OPTIONS))
     try:
         cfg.check()
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    command = "python -m lightning_fsdp.benchmark.pipeline " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
-    )
-    results = run_pipeline_benchmark(cfg, out=args.out, command=command.strip())
+    results = run_pipeline_benchmark(cfg, out=args.out, command=command_line("benchmarks.pipeline", argv))
     disagree = [r["name"] for r in results["variants"] if r.get("loss_agrees") is False]
     mismatch = [r["name"] for r in results["variants"] if not all(x["matches_theory"] for x in r["ranks"])]
     print(

@@ -1,6 +1,6 @@
 """Where an fsdp_custom training step spends its time: torch.profiler over a few steps of the benchmark's GPT.
 
-``python -m lightning_fsdp.benchmark.profile [--strategy FULL_SHARD] [--steps 3] [--layers 6 --width 512 ...]``
+``python -m benchmarks.profile [--strategy FULL_SHARD] [--steps 3] [--layers 6 --width 512 ...]``
 runs 2 gloo processes (1 thread each), profiles the steps after one warm-up step, and prints rank 0's operators
 by self CPU time, grouped into compute, collectives, the engine's copies and the rest, with the share of each.
 """
@@ -14,8 +14,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from benchmarks.ranks import join_gloo_group, spawn_ranks, wait_ranks
 from lightning_fsdp.shutdown import destroy_process_group
 
 # Operator name fragments -> group. Collectives on gloo run in its own threads: the profiler sees the time the
@@ -74,8 +74,7 @@ def _worker(rank: int, world: int, folder: str, args: argparse.Namespace) -> Non
     from lightning_fsdp.demo.gpt import GPT, Block, GPTConfig
     from lightning_fsdp.engine import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
+    join_gloo_group(folder, rank, world)
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=65, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width)
     model = GPT(config)
@@ -123,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(_worker, args=(2, folder, args), nprocs=2, start_method="spawn")
+        problem = wait_ranks(spawn_ranks(_worker, (2, folder, args), 2))
+    if problem is not None:
+        raise SystemExit(problem)
 
 
 if __name__ == "__main__":

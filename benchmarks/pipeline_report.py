@@ -1,6 +1,6 @@
 """Write the pipeline benchmark's results: ``results.json``, ``results.md`` (tables) and ``plot.png``.
 
-The measurements and the theory are lightning_fsdp/benchmark/pipeline.py's (see its notes); this module only lays
+The measurements and the theory are benchmarks/pipeline.py's (see its notes); this module only lays
 them out.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning_fsdp.benchmark.report import fmt_bytes
+from benchmarks.report import fmt_bytes, label_bar, save_figure, write_outputs
 
 __all__ = ["markdown", "plot", "write_report"]
 
@@ -224,13 +224,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     times = [r["median_step_ms"] or 0.0 for r in rows]
     bars = ax.bar(x, times, color=["tab:blue" if r["pipeline_size"] > 1 else "tab:gray" for r in rows])
     for bar, row in zip(bars, rows):
-        ax.annotate(
-            f"{row['median_step_ms']:.0f}\n{_ratio(row.get('ratio_to_ddp'))} DDP",
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
+        label_bar(ax, bar, f"{row['median_step_ms']:.0f}\n{_ratio(row.get('ratio_to_ddp'))} DDP")
     ax.set_xticks(x, names, fontsize=8)
     ax.set_ylabel("median step time (ms)")
     ax.margins(y=0.18)
@@ -279,17 +273,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=8)
 
     cfg = results["config"]
-    fig.suptitle(
+    save_figure(
+        fig,
         f"PipelineGPT {cfg['layers']}x{cfg['width']} ({results['num_parameters']:,} parameters), global batch "
         f"{cfg['global_batch']}x{cfg['seq']}, M={cfg['microbatches']}, gloo on CPU, torch "
-        f"{results['environment']['torch']}"
+        f"{results['environment']['torch']}",
+        path,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def write_report(results: dict[str, Any], out: Path) -> None:
-    from lightning_fsdp.benchmark.report import write_outputs
-
     write_outputs(results, out, markdown(results), plot)

@@ -1,7 +1,7 @@
 """The GPU check: what only an accelerator can show, in one command that finishes in minutes (``make gpu-check``).
 
-    python -m lightning_fsdp.benchmark.gpu_check --out gpu-check          # on a CUDA machine: nccl, world size 1
-    python -m lightning_fsdp.benchmark.gpu_check --device cpu --tiny      # a dry run of the same code on CPU (gloo)
+    python -m benchmarks.gpu_check --out gpu-check          # on a CUDA machine: nccl, world size 1
+    python -m benchmarks.gpu_check --device cpu --tiny      # a dry run of the same code on CPU (gloo)
 
 Checks, each against plain unsharded training of the same model from the same seed, on the same batches:
 

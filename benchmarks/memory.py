@@ -57,7 +57,7 @@ LIVE_BYTES_METHOD = (
     "gloo's worker threads count), profiling from before the model is built, in a separate short run"
 )
 
-_WINDOW = "lightning_fsdp.benchmark.steps"
+_WINDOW = "benchmarks.steps"
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

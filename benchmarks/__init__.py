@@ -1,7 +1,7 @@
 """Benchmark: fsdp_custom against torch's DDP, FSDP1 and FSDP2 on one GPT model, machine and batch.
 
-``python -m lightning_fsdp.benchmark --out results/`` trains the same GPT (same seed, each ``Block`` a unit) with
-every variant of :mod:`lightning_fsdp.benchmark.variants` in 2 gloo processes on CPU, each for ``warmup + steps``
+``python -m benchmarks --out results/`` trains the same GPT (same seed, each ``Block`` a unit) with
+every variant of :mod:`benchmarks.variants` in 2 gloo processes on CPU, each for ``warmup + steps``
 timed steps and then for a short separately profiled run that measures memory. The scaling run then times and
 measures ``scaling_variants`` (fsdp_custom FULL_SHARD and its baseline, torch DDP) interleaved in the same way at
 each of ``world_sizes``, batch per rank fixed, to show how step time and per-rank memory scale. It writes
@@ -23,8 +23,6 @@ from __future__ import annotations
 import gc
 import json
 import math
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -38,17 +36,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from lightning_fsdp.benchmark.memory import (
+from benchmarks.common import gpt_config, machine
+from benchmarks.memory import (
     LIVE_BYTES_METHOD,
     MODEL_STATE_METHOD,
     CollectiveCounter,
     LiveTensorBytes,
     model_state_bytes,
 )
-from lightning_fsdp.benchmark.report import paired_ratio
-from lightning_fsdp.benchmark.variants import REFERENCE, VARIANTS, engine_options
+from benchmarks.ranks import environment, join_gloo_group, quiet_env, spawn_ranks, wait_ranks, write_json
+from benchmarks.report import paired_ratio
+from benchmarks.variants import REFERENCE, VARIANTS, engine_options
 from lightning_fsdp.shutdown import destroy_process_group
 
 __all__ = ["BenchmarkConfig", "run_benchmark", "VARIANTS", "REFERENCE", "SCALING_BASELINE"]
@@ -84,16 +83,7 @@ class BenchmarkConfig:
     collective_timeout: float = 300.0  # gloo timeout of each process group
 
     def gpt_config(self) -> Any:
-        from lightning_fsdp.demo.gpt import GPTConfig
-
-        return GPTConfig(
-            vocab_size=self.vocab,
-            block_size=self.seq,
-            n_layer=self.layers,
-            n_head=self.heads,
-            n_embd=self.width,
-            dropout=0.0,
-        )
+        return gpt_config(self)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -310,100 +300,22 @@ def _memory_run(rank: int, world: int, key: str, cfg: BenchmarkConfig, tokens: t
 def _mark(folder: str, rank: int, phase: str, budget: float) -> None:
     """Tell the parent which phase started, and how long it may take before the processes count as hung."""
     if rank == 0:
-        _write_json(Path(folder, "phase.json"), {"phase": phase, "since": time.time(), "budget": budget})
-
-
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Write whole or not at all: the parent polls for these files while the workers run."""
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(payload))
-    os.replace(partial, path)
-
-
-def run_ranks(
-    worker: Callable[..., None],
-    args_of: Callable[[str], tuple],
-    nprocs: int,
-    *,
-    threads: int,
-    timeout: float,
-    name: str,
-) -> list[dict[str, Any]]:
-    """Spawn ``nprocs`` processes of ``worker(rank, *args_of(folder))`` with one thread count each, wait for them (at
-    most ``timeout`` seconds), and return the ``rank{r}.json`` each wrote into ``folder``. A rank that fails writes
-    ``error{r}.txt``; the first one's text goes into the RuntimeError. The smaller benchmarks share this."""
-    env = {
-        "OMP_NUM_THREADS": str(threads),
-        "MKL_NUM_THREADS": str(threads),
-        "KINETO_LOG_LEVEL": "5",
-        "TORCH_CPP_LOG_LEVEL": "ERROR",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # spawned children inherit it
-    try:
-        with tempfile.TemporaryDirectory(prefix="lfsdp-bench-") as folder:
-            context = mp.start_processes(worker, args=args_of(folder), nprocs=nprocs, start_method="spawn", join=False)
-            deadline = time.time() + timeout
-            problem = None
-            while True:
-                try:
-                    if context.join(timeout=1.0):
-                        break
-                except Exception as error:  # noqa: BLE001 - a rank raised or died: report its traceback
-                    problem = str(error)
-                    break
-                if time.time() > deadline:
-                    problem = f"timed out after {timeout:.0f} s"
-                    break
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                process.join(timeout=10)
-            files = [Path(folder, f"rank{r}.json") for r in range(nprocs)]
-            if problem is not None or not all(f.exists() for f in files):
-                errors = [p.read_text() for p in sorted(Path(folder).glob("error*.txt"))]
-                raise RuntimeError(
-                    f"{name} failed: {problem or 'a rank exited without its results'}"
-                    + ("\n" + errors[0] if errors else "")
-                )
-            return [json.loads(f.read_text()) for f in files]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def join_worker_group(folder: str, rank: int, world: int, threads: int, collective_timeout: float) -> None:
-    """A benchmark process's set-up: its thread counts, then the gloo group of all ranks (``file://`` rendezvous)."""
-    torch.set_num_threads(threads)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{folder}/rendezvous",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=collective_timeout),
-    )
+        write_json(Path(folder, "phase.json"), {"phase": phase, "since": time.time(), "budget": budget})
 
 
 def _worker(rank: int, world: int, folder: str, keys: list[str], cfg_dict: dict[str, Any], timing: bool) -> None:
     cfg = BenchmarkConfig(**cfg_dict)
-    join_worker_group(folder, rank, world, cfg.threads, cfg.collective_timeout)
+    join_gloo_group(folder, rank, world, threads=cfg.threads, timeout=cfg.collective_timeout)
     tokens = _token_stream(cfg.vocab)
     try:
         if timing:
             _mark(folder, rank, "timing", cfg.variant_timeout * len(keys))
             for key, payload in _Interleaved(rank, world, keys, cfg).run(tokens).items():
-                _write_json(Path(folder, f"timing-{key}-rank{rank}.json"), payload)
+                write_json(Path(folder, f"timing-{key}-rank{rank}.json"), payload)
         for key in keys:
             _mark(folder, rank, f"memory-{key}", cfg.variant_timeout)
             payload = _memory_run(rank, world, key, cfg, tokens)
-            _write_json(Path(folder, f"memory-{key}-rank{rank}.json"), payload)
+            write_json(Path(folder, f"memory-{key}-rank{rank}.json"), payload)
     finally:
         destroy_process_group()
 
@@ -421,31 +333,18 @@ def _run_group(world: int, keys: list[str], cfg: BenchmarkConfig, *, timing: boo
     results: dict[str, dict[str, list]] = {k: {} for k in keys}
     remaining = list(keys)
     need_timing = timing
-    env = {
-        "OMP_NUM_THREADS": str(cfg.threads),
-        "MKL_NUM_THREADS": str(cfg.threads),
-        "KINETO_LOG_LEVEL": "5",
-        "TORCH_CPP_LOG_LEVEL": "ERROR",
-    }
-    saved_env = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # spawned children inherit it at start
-    try:
+    with environment(quiet_env(cfg.threads)):
         while remaining:
             with tempfile.TemporaryDirectory(prefix="lfsdp-bench-") as folder:
-                context = mp.start_processes(
-                    _worker,
-                    args=(world, folder, remaining, asdict(cfg), need_timing),
-                    nprocs=world,
-                    start_method="spawn",
-                    join=False,
-                )
+                context = spawn_ranks(_worker, (world, folder, remaining, asdict(cfg), need_timing), world)
                 expected = [
                     f"{kind}-{k}-rank{r}.json"
                     for k in remaining
                     for r in range(world)
                     for kind in (("timing", "memory") if need_timing else ("memory",))
                 ]
-                problem = _wait(context, folder, expected) or "processes exited before reporting"
+                problem = wait_ranks(context, _watch(folder, expected))
+                problem = problem.splitlines()[0] if problem else "processes exited before reporting"
                 if need_timing:
                     for key in remaining:
                         results[key]["timing"] = _read(folder, "timing", key, world) or [
@@ -470,44 +369,27 @@ def _run_group(world: int, keys: list[str], cfg: BenchmarkConfig, *, timing: boo
                     for key in remaining:
                         results[key]["memory"] = [{"status": "failed", "error": f"start-up: {problem}"}]
                     remaining = []
-    finally:
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return results
 
 
-def _wait(context: Any, folder: str, expected: list[str], grace: float = 60.0) -> str | None:
-    """Join the processes; kill them when a phase runs past its budget, or when every result is written and they
-    still have not exited ``grace`` seconds later (a teardown that hangs). Returns what went wrong, if anything."""
+def _watch(folder: str, expected: list[str], grace: float = 60.0) -> Callable[[], str | None]:
+    """When to give up on the processes: a phase ran past its budget, or every result is written and they still
+    have not exited ``grace`` seconds later (a teardown that hangs)."""
     all_written_at = None
-    while True:
-        try:
-            if context.join(timeout=1.0):
-                return None
-        except Exception as error:  # noqa: BLE001 - a rank died (signal) or raised outside a variant
-            _kill(context)
-            return f"process failed: {str(error).strip().splitlines()[0]}"
+
+    def stop() -> str | None:
+        nonlocal all_written_at
         if all_written_at is None and all(Path(folder, name).exists() for name in expected):
             all_written_at = time.time()
         if all_written_at is not None and time.time() - all_written_at > grace:
-            _kill(context)
-            return None
+            return f"still running {grace:.0f} s after writing every result"
         marker = Path(folder, "phase.json")
         phase = json.loads(marker.read_text()) if marker.exists() else None
         if phase and time.time() - phase["since"] > phase["budget"]:
-            _kill(context)
             return f"timed out after {phase['budget']:.0f} s"
+        return None
 
-
-def _kill(context: Any) -> None:
-    for process in context.processes:
-        if process.is_alive():
-            process.kill()
-    for process in context.processes:
-        process.join(timeout=10)
+    return stop
 
 
 def _summarise(key: str, parts: dict[str, list[dict]], world: int, param_bytes: int) -> dict[str, Any]:
@@ -619,17 +501,11 @@ def run_benchmark(
         "variants": rows,
         "scaling": scaling,
         "methods": {"model_state": MODEL_STATE_METHOD, "peak_live": LIVE_BYTES_METHOD},
-        "environment": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-            "engine_options": engine_options(),
-        },
+        "environment": {**machine(), "engine_options": engine_options()},
         "elapsed_s": time.time() - started,
     }
     if out is not None:
-        from lightning_fsdp.benchmark.report import write_report
+        from benchmarks.report import write_report
 
         write_report(results, Path(out))
         say(f"wrote {Path(out) / 'results.md'}, results.json, plot.png")

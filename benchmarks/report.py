@@ -287,7 +287,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
             if row["status"] != "ok"
             else (f"{row.get('median_step_ms', 0):.0f}\n{_ratio(row.get('ratio_to_reference'))}")
         )
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+        label_bar(ax, bar, label)
     ax.set_xticks(range(len(rows)), names, fontsize=7)
     ax.set_ylabel("median step time (ms)")
     ax.margins(y=0.15)
@@ -357,10 +357,23 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax_time.legend(fontsize=8)
 
     cfg = results["config"]
-    fig.suptitle(
+    save_figure(
+        fig,
         f"GPT {cfg['layers']}x{cfg['width']} ({results['num_parameters']:,} parameters), "
-        f"batch {cfg['batch']}x{cfg['seq']} per rank, gloo on CPU, torch {results['environment']['torch']}"
+        f"batch {cfg['batch']}x{cfg['seq']} per rank, gloo on CPU, torch {results['environment']['torch']}",
+        path,
     )
+
+
+def label_bar(ax: Any, bar: Any, text: str) -> None:
+    """``text`` just above ``bar``, centred."""
+    ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+
+
+def save_figure(fig: Any, title: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,6 +1,6 @@
 """Gradient-reduction precision on the GPT: fp32 reductions, bf16 reductions, and bf16 on the wire summed in fp32.
 
-``python -m lightning_fsdp.benchmark.reduce_precision --out DIR`` trains the demo GPT with the engine (FULL_SHARD,
+``python -m benchmarks.reduce_precision --out DIR`` trains the demo GPT with the engine (FULL_SHARD,
 each ``Block`` a unit, the root the rest) in a plain torch loop in ``--world-size`` gloo processes on CPU, one thread
 each, as six variants in two groups (``MixedPrecision`` fields as passed to ``fully_shard``):
 
@@ -39,13 +39,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
-import shlex
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -54,7 +50,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_fsdp.benchmark.report import paired_ratio
+from benchmarks.common import ConfigOption, add_config_options, command_line, config_fields, gpt_config, machine
+from benchmarks.ranks import join_gloo_group, report_rank, run_ranks
+from benchmarks.report import fmt_bytes, label_bar, paired_ratio, save_figure, write_outputs
 from lightning_fsdp.demo.gpt import GPTConfig
 
 __all__ = ["ReducePrecisionConfig", "VARIANTS", "REFERENCES", "run_reduce_precision_benchmark", "main"]
@@ -118,14 +116,7 @@ class ReducePrecisionConfig:
     collective_timeout: float = 300.0
 
     def gpt_config(self) -> GPTConfig:
-        return GPTConfig(
-            vocab_size=self.vocab,
-            block_size=self.seq,
-            n_layer=self.layers,
-            n_head=self.heads,
-            n_embd=self.width,
-            dropout=0.0,
-        )
+        return gpt_config(self)
 
     def check(self) -> None:
         for name in ("world_size", "layers", "width", "heads", "seq", "batch", "steps", "distance_every", "threads"):
@@ -228,7 +219,7 @@ def _distances(runs: dict[str, _Run], control: dist.ProcessGroup) -> dict[str, f
 
 
 def _train(rank: int, world: int, cfg: ReducePrecisionConfig, tokens: torch.Tensor) -> dict[str, Any]:
-    from lightning_fsdp.benchmark import _batch, _global_losses, _new_group
+    from benchmarks import _batch, _global_losses, _new_group
     from lightning_fsdp.shutdown import destroy_process_group
 
     control = _new_group(cfg)
@@ -301,24 +292,14 @@ def _train(rank: int, world: int, cfg: ReducePrecisionConfig, tokens: torch.Tens
 
 
 def _worker(rank: int, world: int, folder: str, cfg_dict: dict[str, Any]) -> None:
-    from lightning_fsdp.benchmark import _token_stream, _write_json, join_worker_group
-    from lightning_fsdp.shutdown import destroy_process_group
+    from benchmarks import _token_stream
 
     cfg = ReducePrecisionConfig(**cfg_dict)
-    join_worker_group(folder, rank, world, cfg.threads, cfg.collective_timeout)
-    try:
-        payload = _train(rank, world, cfg, _token_stream(cfg.vocab))
-        _write_json(Path(folder, f"rank{rank}.json"), payload)
-    except BaseException:
-        Path(folder, f"error{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        destroy_process_group()
+    join_gloo_group(folder, rank, world, threads=cfg.threads, timeout=cfg.collective_timeout)
+    report_rank(folder, rank, lambda: _train(rank, world, cfg, _token_stream(cfg.vocab)))
 
 
 def _run_processes(cfg: ReducePrecisionConfig) -> list[dict[str, Any]]:
-    from lightning_fsdp.benchmark import run_ranks
-
     return run_ranks(
         _worker,
         lambda folder: (cfg.world_size, folder, asdict(cfg)),
@@ -413,12 +394,7 @@ def run_reduce_precision_benchmark(
             "param_distance": ranks[0]["distances"].get("scale"),
         },
         "methods": METHODS,
-        "environment": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-        },
+        "environment": machine(),
         "elapsed_s": time.time() - started,
     }
     if out is not None:
@@ -456,8 +432,6 @@ def _ratio(value: float | None) -> str:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    from lightning_fsdp.benchmark.report import fmt_bytes
-
     cfg, env, rows = results["config"], results["environment"], results["variants"]
     methods = results["methods"]
     steps = results["distance_steps"]
@@ -580,13 +554,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     kib = [r["reduction_bytes_per_step"] / 2**10 for r in rows]
     bars = ax.bar(x, kib, color=colors)
     for bar, row in zip(bars, rows):
-        ax.annotate(
-            _ratio(row.get("reduction_bytes_ratio")),
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
+        label_bar(ax, bar, _ratio(row.get("reduction_bytes_ratio")))
     ax.set_xticks(x, names, fontsize=7)
     ax.set_ylabel("KiB into gradient reductions per rank per step")
     ax.margins(y=0.12)
@@ -596,80 +564,68 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ms = [r["median_step_ms"] for r in rows]
     bars = ax.bar(x, ms, color=colors)
     for bar, row in zip(bars, rows):
-        ax.annotate(
-            f"{row['median_step_ms']:.0f}\n{_ratio(row.get('step_ratio'))}",
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
+        label_bar(ax, bar, f"{row['median_step_ms']:.0f}\n{_ratio(row.get('step_ratio'))}")
     ax.set_xticks(x, names, fontsize=7)
     ax.set_ylabel("median step time (ms), slowest rank per step")
     ax.margins(y=0.15)
     ax.set_title("Step time (interleaved, shared 2-core machine)")
 
     cfg = results["config"]
-    fig.suptitle(
+    save_figure(
+        fig,
         f"GPT {cfg['layers']}x{cfg['width']} ({results['num_parameters']:,} parameters), {results['world_size']} "
         f"gloo processes, batch {cfg['batch']}x{cfg['seq']} per rank, {cfg['steps']} steps, torch "
-        f"{results['environment']['torch']}"
+        f"{results['environment']['torch']}",
+        path,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def write_report(results: dict[str, Any], out: Path) -> None:
-    from lightning_fsdp.benchmark.report import write_outputs
-
     write_outputs(results, out, markdown(results), plot)
 
 
 # --------------------------------------------------------------------------------------------------- CLI
+_CONFIG_OPTIONS: tuple[ConfigOption, ...] = (
+    ("world_size", int, "gloo processes (>= 2)"),
+    ("layers", int, "GPT n_layer"),
+    ("width", int, "GPT n_embd"),
+    ("heads", int, "GPT n_head"),
+    ("seq", int, "sequence length (= block_size)"),
+    ("vocab", int, "vocabulary size, >= 62"),
+    ("batch", int, "sequences per rank per step"),
+    ("steps", int, "training steps, warmup included"),
+    ("warmup", int, "first steps left out of the step-time median"),
+    ("distance_every", int, "steps between parameter-distance measurements"),
+    ("lr", float, "AdamW learning rate"),
+    ("seed", int, "model and data seed"),
+    ("threads", int, "torch threads per process"),
+    ("timeout", float, "seconds before the processes are killed"),
+)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    d = ReducePrecisionConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_fsdp.benchmark.reduce_precision",
+        prog="python -m benchmarks.reduce_precision",
         description="Train the demo GPT with the engine (FULL_SHARD) in gloo processes on CPU with fp32 gradient "
         "reductions, bf16 reductions, and bf16 on the wire summed in fp32, under bf16 and fp32 compute, interleaved "
         "step by step; report reduction bytes, step time, the step-0 gradient error and the parameter distance to "
         "the fp32 reduction, and losses.",
     )
-    for name, kind, text in (
-        ("world_size", int, "gloo processes (>= 2)"),
-        ("layers", int, "GPT n_layer"),
-        ("width", int, "GPT n_embd"),
-        ("heads", int, "GPT n_head"),
-        ("seq", int, "sequence length (= block_size)"),
-        ("vocab", int, "vocabulary size, >= 62"),
-        ("batch", int, "sequences per rank per step"),
-        ("steps", int, "training steps, warmup included"),
-        ("warmup", int, "first steps left out of the step-time median"),
-        ("distance_every", int, "steps between parameter-distance measurements"),
-        ("lr", float, "AdamW learning rate"),
-        ("seed", int, "model and data seed"),
-        ("threads", int, "torch threads per process"),
-        ("timeout", float, "seconds before the processes are killed"),
-    ):
-        parser.add_argument(
-            f"--{name.replace('_', '-')}", type=kind, default=getattr(d, name), help=f"{text} (default %(default)s)"
-        )
+    add_config_options(parser, ReducePrecisionConfig(), _CONFIG_OPTIONS)
     parser.add_argument("--out", default="reduce-precision-results", help="output folder (default %(default)s)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = ReducePrecisionConfig(**{f: getattr(args, f) for f in asdict(ReducePrecisionConfig()) if hasattr(args, f)})
+    cfg = ReducePrecisionConfig(**config_fields(args, _CONFIG_OPTIONS))
     try:
         cfg.check()
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    command = "python -m lightning_fsdp.benchmark.reduce_precision " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
-    )
-    results = run_reduce_precision_benchmark(cfg, out=args.out, command=command.strip())
+    command = command_line("benchmarks.reduce_precision", argv)
+    results = run_reduce_precision_benchmark(cfg, out=args.out, command=command)
     missing = [r["name"] for r in results["variants"] if r["status"] != "ok"]
     print(f"results in {args.out}/results.md" + (f"; not run: {', '.join(missing)}" if missing else ""))
     return 0

@@ -1,4 +1,4 @@
-"""``python -m lightning_fsdp.benchmark``: fsdp_custom against torch DDP, FSDP1 and FSDP2 on CPU/gloo.
+"""``python -m benchmarks``: fsdp_custom against torch DDP, FSDP1 and FSDP2 on CPU/gloo.
 
 Writes results.json, results.md and plot.png into ``--out``; progress lines go to stderr.
 """
@@ -6,12 +6,10 @@ Writes results.json, results.md and plot.png into ``--out``; progress lines go t
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
-from collections.abc import Callable
-from typing import Any
 
-from lightning_fsdp.benchmark.variants import VARIANTS
+from benchmarks.common import ConfigOption, add_config_options, command_line, config_fields
+from benchmarks.variants import VARIANTS
 
 
 def _world_sizes(text: str) -> list[int]:
@@ -25,7 +23,7 @@ def _world_sizes(text: str) -> list[int]:
 
 
 def _variant_keys(text: str) -> list[str]:
-    from lightning_fsdp.benchmark.variants import parse_variants
+    from benchmarks.variants import parse_variants
 
     try:
         return parse_variants(text)
@@ -33,10 +31,8 @@ def _variant_keys(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-# The options that set a BenchmarkConfig field, in --help order: (field, parser of the value, help without the
-# default). Each becomes --<field with dashes>, defaults to the field's default, and main() passes it on by name, so
-# an option is declared once here instead of three times (the flag, its default, the config argument).
-_CONFIG_OPTIONS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
+# The options that set a BenchmarkConfig field, in --help order.
+_CONFIG_OPTIONS: tuple[ConfigOption, ...] = (
     ("layers", int, "GPT n_layer"),
     ("width", int, "GPT n_embd"),
     ("heads", int, "GPT n_head"),
@@ -57,23 +53,16 @@ _CONFIG_OPTIONS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from lightning_fsdp.benchmark import BenchmarkConfig
-    from lightning_fsdp.benchmark.variants import parse_variants
+    from benchmarks import BenchmarkConfig
+    from benchmarks.variants import parse_variants
 
-    d = BenchmarkConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_fsdp.benchmark",
+        prog="python -m benchmarks",
         description="Train one GPT with fsdp_custom (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD), torch DDP, FSDP1 and "
         "FSDP2 in 2 gloo processes on CPU; report step time, memory, communication and final loss; then time "
         "fsdp_custom FULL_SHARD against torch DDP at several world sizes.",
     )
-    for name, parse, text in _CONFIG_OPTIONS:
-        default = getattr(d, name)
-        # A list default is written the way the option takes it ("1,2,4"), not as Python prints it.
-        shown = ",".join(map(str, default)) if isinstance(default, list) else "%(default)s"
-        parser.add_argument(
-            f"--{name.replace('_', '-')}", type=parse, default=default, help=f"{text} (default {shown})"
-        )
+    add_config_options(parser, BenchmarkConfig(), _CONFIG_OPTIONS)
     parser.add_argument(
         "--variants", default="all", help=f"'all' or a comma-separated subset of: {', '.join(VARIANTS)}"
     )
@@ -96,14 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lightning_fsdp.benchmark import BenchmarkConfig, run_benchmark
+    from benchmarks import BenchmarkConfig, run_benchmark
 
     args = parse_args(argv)
-    cfg = BenchmarkConfig(**{name: getattr(args, name) for name, _, _ in _CONFIG_OPTIONS}, variants=args.variant_keys)
-    command = "python -m lightning_fsdp.benchmark " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
-    )
-    results = run_benchmark(cfg, out=args.out, command=command.strip())
+    cfg = BenchmarkConfig(**config_fields(args, _CONFIG_OPTIONS), variants=args.variant_keys)
+    results = run_benchmark(cfg, out=args.out, command=command_line("benchmarks", argv))
     failed = [r["name"] for r in results["variants"] + results["scaling"] if r["status"] != "ok"]
     disagree = [r["name"] for r in results["variants"] if r.get("loss_agrees") is False]
     print(
