@@ -56,7 +56,7 @@ from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.registry import find_engine
-from lightning_fsdp.engine.state import TrainingState
+from lightning_fsdp.engine.states import TrainingState
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -286,3 +286,10 @@ def gather_rows(local: torch.Tensor, layout: ShardLayout, comm: Communicator) ->
     else:
         all_gather_flat(out, padded, group=comm.group)
     return out[: layout.rows].reshape(layout.shape)
+
+
+def wait_works(works: list[Any]) -> None:
+    """Wait for a collective's work handles (None where it completed synchronously, e.g. on one rank)."""
+    for work in works:
+        if work is not None:
+            work.wait()

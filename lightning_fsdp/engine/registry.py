@@ -2,19 +2,19 @@
 
 torch has only process-wide optimizer hooks, so one pair is registered for every live engine (held weakly): before
 a step an engine refuses gradients held with sync off, after it it reshards what the step made stale (see
-[Note: engine controls] in ``state.py``).
+[Note: engine controls] in ``controls.py``).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-if TYPE_CHECKING:
-    from lightning_fsdp.engine.state import ShardingEngine
+# A ShardingEngine (state.py, which imports this module): named, not imported, so the two form no import cycle.
+ShardingEngine = Any
 
 _ENGINE_ATTR = "_lightning_fsdp_engine"
 _LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()

@@ -1,4 +1,5 @@
-"""The runtime of a sharded model: forward/backward hooks, per-step state, gradient norm and accounting.
+"""The engine: the hooks on a sharded model, its training state, and the scheduling of its units (order, prefetch,
+one reduction in flight, the end of backward). Each unit does its own part of a phase (``FlatUnit.pre_forward`` ...).
 
 [Note: a unit's training step]
 Per unit and step: unshard before forward; reshard after forward (FULL_SHARD, except the root, whose parameters
@@ -18,66 +19,29 @@ raised leaves the state at BACKWARD; the next root forward outside any backward 
 really are counts stay counters: the forward depth of the engine and of each unit, and each unit's calls per step
 (``UnitStepState``).
 
-[Note: engine controls]
-The controls (named as torch FSDP2's, for pipeline schedules and gradient accumulation) are per-unit state, not
-arguments of a call: each is read by the unit's hook at the moment that hook acts, so setting one between
-microbatches changes what the next hook does, and what a unit holds (kept parameters, a secondary shard, gradients)
-stays until a later hook or call releases it. The engine's setters set every unit alike; every rank must set the
-same values at the same points, as the collectives depend on them.
-
-* ``requires_gradient_sync`` is read when a unit's backward ends. True: its gradients, plus any it holds, are reduced
-  into the shards' ``.grad`` (one reduction, as always). False: they are added to the full-size gradients it holds
-  (``FlatUnit.hold_grads``), with no communication; the next backward with sync on reduces the sum once (DDP's and
-  FSDP2's ``no_sync``). An optimizer step over a unit that holds gradients raises before stepping: its shards'
-  ``.grad`` lacks them. ``zero_grad`` does not see held gradients (they are not ``.grad``). Parameters the engine
-  keeps whole (ignored ones) are still averaged at every backward: the result is the same, only the traffic is not.
-* ``reshard_after_backward`` is read when a unit's backward ends. False: the unit stays unsharded and ``kept``.
-* ``unshard()`` unshards every unit now and keeps it; ``reshard()`` reshards every unit now.
-* A ``kept`` unit is left alone by every reshard the engine does on its own: after its forward (whatever
-  ``reshard_after_forward`` says), after its backward, at the next root forward, and to make room for prefetches. So
-  the next microbatches' forwards and backwards gather nothing. (torch's FSDP2 still reshards such a unit after its
-  next forward when ``reshard_after_forward`` is True, and gathers it again in backward.) It never computes with
-  stale weights: every optimizer step reshards every unit, kept ones too, so the next use gathers the updated
-  shards; so do ``reshard()``, ``reshard_idle()`` (checkpoints) and ``restore_unsharded()``.
-* ``reshard_after_forward`` is read when a unit's forward ends (never for the root, whose parameters backward needs
-  first, nor for a kept unit). False: the unit stays unsharded until its backward ends. True: it is resharded. An int
-  N: it is resharded, but first keeps this rank's 1/N of the full parameters (``SecondaryShard``), so its backward's
-  unshard all-gathers over the N consecutive ranks of the shard group this rank belongs to (ZeRO++ hpZ) instead of
-  the whole group. The secondary shard is used up by that unshard and dropped by any other reshard (an optimizer step
-  between a forward and its backward would have made it stale); the unshard then gathers from the shard group.
-* The flags are independent of one another: no_sync with reshard_after_backward off is gradient accumulation that
-  neither communicates gradients nor gathers parameters again until the last microbatch and the optimizer step.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from enum import Enum, auto
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
+from lightning_fsdp.engine.clip import clip_grad_norm_
 from lightning_fsdp.engine.comm import Communicator
 from lightning_fsdp.engine.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
-from lightning_fsdp.engine.groups import consecutive_subgroup
+from lightning_fsdp.engine.controls import EngineControls
+from lightning_fsdp.engine.diagnostics import TAG_IGNORED_GRAD, describe_collective, report_nonfinite
 from lightning_fsdp.engine.layout import ShardLayout
-from lightning_fsdp.engine.options import check_flag, check_reshard_after_forward
 from lightning_fsdp.engine.registry import detach_engine, unwatch_optimizer_steps, watch_optimizer_steps
+from lightning_fsdp.engine.restore import restore_full_parameters
+from lightning_fsdp.engine.states import ParamSlot, TrainingState
 from lightning_fsdp.engine.streams import CollectiveStreams, streams_for
-from lightning_fsdp.engine.unit import CollectiveKind, FlatUnit, ParamSlot
-
-
-class TrainingState(Enum):
-    """What the engine is doing (see [Note: the engine's training state])."""
-
-    IDLE = auto()  # between steps: no unit forward open, no backward in flight
-    FORWARD = auto()  # some unit's forward is open, no backward in flight
-    BACKWARD = auto()  # a backward reached a unit; ends when ``_finish_backward`` has run
+from lightning_fsdp.engine.unit import FlatUnit
 
 
 def _current_graph_task_id() -> int:
@@ -85,41 +49,7 @@ def _current_graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
-# ``Communicator.agree`` tags of collectives that belong to no unit (unit tags are non-negative).
-_TAG_IGNORED_GRAD, _TAG_CLIP, _TAG_ANOMALY = -1, -2, -3
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs once the gradients of those inputs are known: by then the
-    autograd engine has run every node the unit's forward created (they were created later, and it runs ready nodes
-    newest first), including the gradient accumulation of the unit's parameters."""
-
-    @staticmethod
-    def forward(ctx: Any, callback: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.callback = callback
-        return tensors
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.callback()
-        return (None, *grads)
-
-
-class UnshardHandle:
-    """What ``ShardingEngine.unshard(async_op=True)`` returns: ``wait()`` completes the all-gathers it issued."""
-
-    def __init__(self, engine: ShardingEngine, units: list[FlatUnit]) -> None:
-        self._engine = engine
-        self._units = units
-
-    def wait(self) -> None:
-        for unit in self._units:
-            if unit.is_prefetched:  # not yet waited for by its forward, nor resharded since
-                unit.unshard()
-        self._engine._update_peak()
-
-
-class ShardingEngine:
+class ShardingEngine(EngineControls):
     """Owns the units of one root module and drives them from module hooks."""
 
     def __init__(
@@ -180,7 +110,7 @@ class ShardingEngine:
         self._host_copies = any(unit.pinned for unit in units)
         for comm in (shard_comm, replicate_comm):
             if comm is not None:
-                comm.describe_tag = self._describe_tag
+                comm.describe_tag = self._describe_collective
         self._ignored_names = {id(p): names.get(id(p), "?") for p in self.ignored_params}
         self._ignored_hooked: set[int] = set()
         self._hook_ignored_params()
@@ -262,46 +192,33 @@ class ShardingEngine:
         self._forward_depth += 1
         if self._training_state is TrainingState.IDLE:
             self._training_state = TrainingState.FORWARD
+        if first and unit is self.root_unit:
+            self._begin_root_forward()
+        in_backward = self._training_state is TrainingState.BACKWARD
         if first:
-            if unit is self.root_unit:
-                self._begin_root_forward()
-            in_backward = self._training_state is TrainingState.BACKWARD
             if not in_backward:
                 unit.sync_requires_grad()
                 if not self._order_frozen and unit is not self.root_unit and id(unit) not in self._position:
                     self._position[id(unit)] = len(self._order)
                     self._order.append(unit)
             self._make_room(unit)
-            unit.unshard()
+        mp = self.mixed_precision
+        cast = mp.param_dtype is not None and (
+            mp.cast_forward_inputs or (unit is self.root_unit and mp.cast_root_forward_inputs)
+        )
+        changed = unit.pre_forward(
+            args,
+            kwargs,
+            first=first,
+            in_backward=in_backward,
+            cast_dtype=mp.param_dtype if cast else None,
+            on_backward_end=lambda: self._post_backward(unit),
+        )
+        if first:
             self._update_peak()
             if self.forward_prefetch and not in_backward:
                 self._prefetch(self._neighbour(unit, +1))
-        mp = self.mixed_precision
-        changed = False
-        if mp.param_dtype is not None and (
-            mp.cast_forward_inputs or (unit is self.root_unit and mp.cast_root_forward_inputs)
-        ):
-            args, kwargs = _cast_floating(args, mp.param_dtype), _cast_floating(kwargs, mp.param_dtype)
-            changed = True
-        if (
-            first
-            and unit.trainable_slots
-            and torch.is_grad_enabled()
-            and self._training_state is not TrainingState.BACKWARD
-        ):
-            flat, spec = tree_flatten((args, kwargs))
-            wanted = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if not wanted:
-                unit.step_state.untrack_call()
-            else:
-                unit.step_state.track_call()
-                unit.marked_call = True
-                marked = _PostBackward.apply(lambda: self._post_backward(unit), *(flat[i] for i in wanted))
-                for i, tensor in zip(wanted, marked):
-                    flat[i] = tensor
-                args, kwargs = tree_unflatten(flat, spec)
-                changed = True
-        return (args, kwargs) if changed else None
+        return changed
 
     def _begin_root_forward(self) -> None:
         if self._training_state is TrainingState.BACKWARD:
@@ -331,21 +248,8 @@ class ShardingEngine:
                         other.reshard()
 
     def _end_forward(self, unit: FlatUnit, output: Any) -> None:
-        marked, unit.marked_call = unit.marked_call, False
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if torch.is_grad_enabled() and tensors:
-            for tensor in tensors:
-                tensor.register_hook(lambda _grad: self._pre_backward(unit))
-            if unit.reshard_after_forward and unit is not self.root_unit and not unit.kept and not self._next_up(unit):
-                unit.reshard(secondary=unit.secondary_comm)
-            return
-        if marked:
-            # The forward raised (its output is None then) or returned nothing that needs a gradient: no backward
-            # will signal the end of this call, so the end of backward reduces the unit.
-            unit.step_state.untrack_call(was_tracked=True)
-        # No backward will come through this forward (eval, no_grad, nothing requires grad, or it raised).
-        if not unit.kept:
-            unit.reshard()
+        may_reshard = unit is not self.root_unit and not self._next_up(unit)
+        unit.post_forward(output, may_reshard=may_reshard, on_backward_start=lambda: self._pre_backward(unit))
 
     def _next_up(self, unit: FlatUnit) -> bool:
         """Whether ``unit``'s backward is the first after this forward: the last unit of the recorded forward order,
@@ -432,7 +336,7 @@ class ShardingEngine:
     def _pre_backward(self, unit: FlatUnit) -> None:
         self._start_backward()
         self._make_room(unit)
-        unit.unshard()
+        unit.pre_backward()
         self._update_peak()
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             self._prefetch(self._neighbour(unit, -1))
@@ -440,35 +344,12 @@ class ShardingEngine:
     def _post_backward(self, unit: FlatUnit) -> None:
         if not unit.step_state.backward_ended():
             return  # not every call's backward has ended (or one cannot signal it: then _finish_backward reduces)
-        # Reshard before the reduction allocates its buffers (the gradients do not need the full parameters).
-        self._reshard_after_backward(unit)
-        self._reduce(unit)
+        if unit.post_backward(self.finish_reductions):
+            self._reduced_units.append(unit)
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch(self._neighbour(unit, -1))
 
-    def _reshard_after_backward(self, unit: FlatUnit) -> None:
-        if unit.kept:
-            return
-        if not unit.reshard_after_backward and unit.is_unsharded:
-            unit.kept = True
-            return
-        unit.reshard()
-
-    def _reduce(self, unit: FlatUnit) -> None:
-        """The unit's gradients of this backward are complete: reduce them (with any it holds), or hold them when
-        its gradient sync is off (see [Note: engine controls])."""
-        if not unit.requires_gradient_sync:
-            unit.hold_grads()
-            unit.step_state.reduced = True
-            return
-        # One reduction in flight at a time: the previous unit's had this unit's whole backward to complete, and
-        # waiting for it here bounds the full-size gradient buffers kept alive to two units'.
-        self._finish_reductions()
-        unit.reduce_grads()
-        unit.step_state.reduced = True
-        self._reduced_units.append(unit)
-
-    def _finish_reductions(self) -> None:
+    def finish_reductions(self) -> None:
         # Only the latest reduction can still be in flight: each one waited for its predecessor before starting.
         if self._reduced_units:
             self._reduced_units[-1].finish_reduce()
@@ -511,16 +392,20 @@ class ShardingEngine:
                     continue
                 # Inside the root's forward too (manual optimization): the modules then show the user's parameters
                 # (weight clipping after the step edits the shards), and the next module using the root unshards it.
-                self._reshard_after_backward(unit)
-                if unit.trainable_slots and not unit.step_state.reduced:
-                    self._reduce(unit)
-            self._finish_reductions()
+                unit.free_after_backward()
+                if unit.trainable_slots and not unit.step_state.reduced and unit.reduce_or_hold(self.finish_reductions):
+                    self._reduced_units.append(unit)
+            self.finish_reductions()
             if self._host_copies:
                 self._wait_host_copies()
             self._check_no_late_gradients()
             self._restore_none_gradients()
             if torch.is_anomaly_enabled():
-                self._report_nonfinite()
+                local = [name for u in self._reduced_units for name in u.nonfinite] + self._nonfinite_ignored
+                self._nonfinite_ignored = []
+                for unit in self._reduced_units:
+                    unit.nonfinite = []
+                report_nonfinite(local, self._comms())
         finally:
             self._reduced_units.clear()
             self._begin_step()
@@ -555,19 +440,6 @@ class ShardingEngine:
     def _in_scope(self, unit: FlatUnit) -> bool:
         return self._backward_scope is None or id(unit) in self._backward_scope
 
-    @contextmanager
-    def backward_scope(self, units: Iterable[FlatUnit]) -> Iterator[None]:
-        """Backwards run inside this block concern ``units`` only: their end reduces (or holds) and forgets the step
-        of these units and leaves every other unit as it is. For parts of a model whose backwards run separately,
-        such as two pipeline stages on one rank: a backward of one must neither reduce the other's units early nor
-        drop the records of their forwards, whose backwards are still to come."""
-        previous = self._backward_scope
-        self._backward_scope = {id(unit) for unit in units}
-        try:
-            yield
-        finally:
-            self._backward_scope = previous
-
     def _check_no_late_gradients(self) -> None:
         # A gradient that arrived after its unit was reduced would silently join the next step's reduction.
         late = [s.fqn for u in self.units if self._in_scope(u) for s in u.slots if s.full.grad is not None]
@@ -585,166 +457,15 @@ class ShardingEngine:
             for unit in self._reduced_units:
                 unit.drop_unused_grads()
 
-    def _report_nonfinite(self) -> None:
-        """Anomaly checking: name every parameter whose gradient was NaN or Inf on some rank, on every rank."""
-        local = [name for u in self._reduced_units for name in u.nonfinite] + self._nonfinite_ignored
-        self._nonfinite_ignored = []
-        for unit in self._reduced_units:
-            unit.nonfinite = []
-        comms = [self.shard_comm] + ([self.replicate_comm] if self.replicate_comm is not None else [])
-        found: dict[str, set[str]] = {}
-        for name in local:
-            found.setdefault(name, set()).add(f"rank {dist.get_rank() if dist.is_initialized() else 0}")
-        for comm in comms:
-            comm.agree(_TAG_ANOMALY)
-            merged: dict[str, set[str]] = {}
-            for other in comm.all_gather_object(found):
-                for name, where in other.items():
-                    merged.setdefault(name, set()).update(where)
-            found = merged
-        if found:
-            listing = ", ".join(f"{name!r} ({', '.join(sorted(where))})" for name, where in sorted(found.items()))
-            raise FloatingPointError(
-                f"Non-finite gradient (NaN or Inf) in parameter(s) {listing}, found by anomaly checking before "
-                "the gradients were reduced; the ranks named are those whose own gradient was not finite."
-            )
+    def _describe_collective(self, tag: int) -> str:
+        return describe_collective(self.units, tag)
 
-    def _describe_tag(self, tag: int) -> str:
-        fixed = {
-            _TAG_IGNORED_GRAD: "all-reduce of an ignored parameter's gradient",
-            _TAG_CLIP: "all-reduce of the gradient norm",
-            _TAG_ANOMALY: "the end-of-backward anomaly report",
-        }
-        if tag in fixed:
-            return fixed[tag]
-        index, kind = divmod(tag, len(CollectiveKind))
-        what = {
-            CollectiveKind.ALL_GATHER: "all-gather of",
-            CollectiveKind.REDUCE: "gradient reduction of",
-            CollectiveKind.REPLICATE: "replica all-reduce of",
-        }[CollectiveKind(kind)]
-        name = self.units[index].name if 0 <= index < len(self.units) else f"#{index}"
-        return f"{what} unit {name or '<root>'!r}"
+    def _comms(self) -> list[Communicator]:
+        return [self.shard_comm] + ([self.replicate_comm] if self.replicate_comm is not None else [])
 
     def _update_peak(self) -> None:
         stats = self.shard_comm.stats
         stats.peak_gathered_units = max(stats.peak_gathered_units, self._alive_units())
-
-    # ------------------------------------------------------------------------------------- user utilities
-    @contextmanager
-    def unsharded(self, units: Iterable[FlatUnit] | None = None) -> Iterator[None]:
-        """Hold full parameters of ``units`` (default: all) in their modules, e.g. for inspection; no autograd.
-        Units unsharded before are left so; the others are resharded on exit."""
-        units = list(self.units if units is None else units)
-        was = [u.is_unsharded for u in units]
-        try:
-            with torch.no_grad():
-                for unit in units:
-                    unit.unshard()
-            yield
-        finally:
-            for unit, keep in zip(units, was):
-                if not keep:
-                    unit.reshard()
-
-    # ------------------------------------------------------------------------------------------- controls
-    # Per-unit state read by the hooks; see [Note: engine controls]. Call each on every rank at the same point.
-    def set_requires_gradient_sync(self, requires: bool, units: Iterable[FlatUnit] | None = None) -> None:
-        """Whether each unit's backward reduces its gradients across ranks (default True; torch FSDP2's name).
-
-        With False, a unit's backward only adds its full-size gradients to the ones it holds (memory: one full
-        gradient per unit, until reduced); the next backward with True reduces the accumulated sum once, as
-        syncing every backward would have (gradient accumulation without communication on all but the last
-        micro-batch). An optimizer step while gradients are held raises ``RuntimeError``. ``units``: only these
-        (default: all; pipeline stages on one rank reduce at different backwards).
-        """
-        check_flag(requires, "requires")
-        for unit in self.units if units is None else units:
-            unit.requires_gradient_sync = requires
-
-    @contextmanager
-    def no_sync(self, units: Iterable[FlatUnit] | None = None) -> Iterator[None]:
-        """``set_requires_gradient_sync(False, units)`` inside the block; each unit's previous value is restored on
-        exit."""
-        chosen = list(self.units if units is None else units)
-        previous = [unit.requires_gradient_sync for unit in chosen]
-        self.set_requires_gradient_sync(False, chosen)
-        try:
-            yield
-        finally:
-            for unit, requires in zip(chosen, previous):
-                unit.requires_gradient_sync = requires
-
-    def set_prefetch_groups(self, groups: Iterable[Iterable[FlatUnit]]) -> None:
-        """Prefetching never crosses from one group of units to another. The order units are prefetched in is the
-        forward order of the first step; where separate parts of the model run in an order that does not predict
-        (pipeline stages on one rank, driven by a schedule), each part is a group and prefetches only within it."""
-        self._prefetch_group = {id(unit): index for index, group in enumerate(groups) for unit in group}
-
-    def set_reshard_after_backward(self, flag: bool) -> None:
-        """Whether each unit frees its full parameters when its backward ends (default True; torch FSDP2's name).
-
-        With False a unit stays unsharded after its backward, so the next micro-batches' forwards and backwards
-        all-gather nothing; the next optimizer step (or ``reshard()``) frees it, so it never computes with stale
-        weights. Costs the unit's full parameters in memory from its backward to that step.
-        """
-        check_flag(flag, "flag")
-        for unit in self.units:
-            unit.reshard_after_backward = flag
-
-    def set_reshard_after_forward(self, value: bool | int | None) -> None:
-        """What each unit (except the root) does with its full parameters when its forward ends.
-
-        True frees them (backward all-gathers them again over the shard group); False keeps them until backward;
-        an int N (1 < N < shard group size, dividing it) frees them but keeps this rank's 1/N of them, so
-        backward's all-gather runs over N consecutive ranks of the shard group only (ZeRO++ hpZ: less traffic
-        across nodes, 1/N of the unit in memory meanwhile). None: the sharding strategy's default (FULL_SHARD and
-        HYBRID_SHARD True, the others False). A bad value raises ``ValueError`` before any collective. The first
-        use of an N creates torch process groups: call on every rank of the world, with the same value.
-        """
-        check_reshard_after_forward(value, self.root_unit.world_size)
-        if value is None:
-            value = self.sharding_strategy.reshard_after_forward
-        secondary = None if isinstance(value, bool) else self._secondary_group(value)
-        self.secondary_comm = secondary
-        for unit in self.units:
-            unit.reshard_after_forward = bool(value)
-            unit.secondary_comm = secondary
-
-    def _secondary_group(self, size: int) -> Communicator:
-        comm = self._secondary_comms.get(size)
-        if comm is None:
-            comm = Communicator(consecutive_subgroup(self.shard_comm, size), self.shard_comm.device)
-            comm.describe_tag = self._describe_tag
-            self._secondary_comms[size] = comm
-        return comm
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather every unit now and keep it unsharded (torch FSDP2's ``unshard``, for the whole model).
-
-        Forwards and backwards then gather nothing and free nothing until ``reshard()`` or the next optimizer step
-        frees the units. With ``async_op`` the all-gathers are only issued and the returned handle's ``wait()``
-        completes them (a unit's forward also completes its own). Call on every rank of the shard group.
-        """
-        check_flag(async_op, "async_op")
-        for unit in self.units:
-            if async_op:
-                unit.start_unshard(async_op=True)
-            else:
-                unit.unshard()
-            unit.kept = True
-        self._update_peak()
-        return UnshardHandle(self, list(self.units)) if async_op else None
-
-    def reshard(self) -> None:
-        """Free every unit's full parameters now, kept ones included (torch FSDP2's ``reshard``, for the whole
-        model); a prefetch or an ``unshard(async_op=True)`` in flight is completed first. Not during a backward."""
-        if self._training_state is TrainingState.BACKWARD:
-            raise RuntimeError(
-                "ShardingEngine.reshard() was called during a backward: the units still computing their gradients "
-                "need their full parameters. Call it between steps."
-            )
-        self._reshard_all()
 
     def _average_ignored_grad(self, grad: torch.Tensor, name: str) -> torch.Tensor:
         # An ignored parameter is whole on every rank; its incoming gradient (this backward's contribution, before
@@ -753,10 +474,10 @@ class ShardingEngine:
             self._nonfinite_ignored.append(name)
         grad = grad.clone()
         ranks = self.shard_comm.world_size
-        self.shard_comm.agree(_TAG_IGNORED_GRAD)
+        self.shard_comm.agree(TAG_IGNORED_GRAD)
         self.shard_comm.all_reduce(grad)
         if self.replicate_comm is not None and self.replicate_comm.world_size > 1:
-            self.replicate_comm.agree(_TAG_IGNORED_GRAD)
+            self.replicate_comm.agree(TAG_IGNORED_GRAD)
             self.replicate_comm.all_reduce(grad)
             ranks *= self.replicate_comm.world_size
         return grad.div_(ranks)
@@ -784,7 +505,6 @@ class ShardingEngine:
         """IDLE between steps, FORWARD or BACKWARD inside one (see [Note: the engine's training state])."""
         return self._training_state
 
-    @torch.no_grad()
     def clip_grad_norm_(
         self,
         parameters: Iterable[nn.Parameter],
@@ -793,34 +513,17 @@ class ShardingEngine:
         *,
         stage_group: dist.ProcessGroup | None = None,
     ) -> torch.Tensor:
-        """Clip gradients by the global norm over all shards: the value an unsharded run computes.
-
-        Must be called on every rank of the shard group with the same parameters (it all-reduces one scalar).
-        ``stage_group``: the ranks holding the other pipeline stages (different parameters): the norm is combined
-        over it too, so every stage clips by the whole model's norm.
-        """
-        norm_type = float(norm_type)
-        params = [p for p in parameters if p.grad is not None]
-        sharded = [p.grad for p in params if self.is_sharded(p)]
-        replicated = [p.grad for p in params if not self.is_sharded(p)]
-        device = self.root_unit.device
-        local = _norm_term(sharded, norm_type, device)
-        self.shard_comm.agree(_TAG_CLIP)
-        if math.isinf(norm_type):
-            self.shard_comm.all_reduce(local, op=dist.ReduceOp.MAX)
-            total = torch.maximum(local, _norm_term(replicated, norm_type, device))
-            if stage_group is not None:
-                _all_reduce_on(total, stage_group, dist.ReduceOp.MAX)
-        else:
-            self.shard_comm.all_reduce(local)
-            total = local + _norm_term(replicated, norm_type, device)
-            if stage_group is not None:
-                _all_reduce_on(total, stage_group, dist.ReduceOp.SUM)
-            total = total ** (1.0 / norm_type)
-        # torch's own scaling by a given total norm groups the gradients by device and dtype: with cpu_offload the
-        # sharded ones live in host memory, the replicated ones (ignored parameters) and the norm on the accelerator.
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total
+        """Clip gradients by the global norm over all shards (and over ``stage_group``, the other pipeline stages):
+        the value an unsharded run computes. Call on every rank with the same parameters (see ``clip.py``)."""
+        return clip_grad_norm_(
+            parameters,
+            max_norm,
+            norm_type,
+            shard_comm=self.shard_comm,
+            is_sharded=self.is_sharded,
+            device=self.root_unit.device,
+            stage_group=stage_group,
+        )
 
     @torch.no_grad()
     def restore_unsharded(self, device: torch.device | str = "cpu") -> None:
@@ -833,16 +536,8 @@ class ShardingEngine:
         """
         if self.closed:
             return
-        self._finish_reductions()
-        for unit in self.units:
-            unit.reshard()
-            fulls = unit.full_tensors()
-            for slot, full in zip(unit.slots, fulls):
-                slot.param.data = full.to(device)
-                slot.param.grad = None
-                for module, attr in slot.uses:
-                    module._parameters[attr] = slot.param
-            unit.release_buffers()
+        self.finish_reductions()
+        restore_full_parameters(self.units, device)
         self.remove_hooks()
         self.closed = True
         unwatch_optimizer_steps(self)
@@ -875,39 +570,3 @@ class ShardingEngine:
             for s in u.slots
             if s.param.grad is not None
         )
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
-
-
-# [Note: the global gradient norm]
-# The norm of all gradients is a reduction of per-tensor norms: the sum of their p-th powers, or their maximum for
-# the inf norm. Each rank computes that term for its shards, one all-reduce (SUM, or MAX) combines the ranks, and
-# the term of the parameters every rank holds whole (ignored ones) is added once, after it. torch's public
-# ``get_total_norm`` (torch >= 2.6) computes the same local term's root, but it is not used: it returns the norm in
-# the gradients' dtype, so with low-precision shards (``precision="bf16-true"``) each rank's term would be rounded
-# to bfloat16 before the ranks are combined (measured 0.03-0.5% off the float32 value, against 3e-7 for float32
-# gradients), and its inf norm raises on an empty tensor, which a rank past the last row of a parameter holds.
-# The per-tensor norms are torch's (``_foreach_norm``, the kernel ``get_total_norm`` uses too), combined in
-# float32; the scaling by the total is torch's ``clip_grads_with_norm_``.
-def _all_reduce_on(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp) -> None:
-    """In place, on ``group``; through host memory where the group is gloo's and the tensor is not."""
-    if dist.get_backend(group) == "gloo" and tensor.device.type != "cpu":
-        host = tensor.cpu()
-        dist.all_reduce(host, op=op, group=group)
-        tensor.copy_(host)
-    else:
-        dist.all_reduce(tensor, op=op, group=group)
-
-
-def _norm_term(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """This rank's part of the total ``norm_type``-norm of ``grads``: the sum of the per-tensor norms' p-th powers,
-    or their maximum for the inf norm; zero for none (float32, on ``device``)."""
-    if math.isinf(norm_type):
-        grads = [g for g in grads if g.numel()]  # an empty shard adds nothing, and torch's inf norm refuses one
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack([n.float() for n in torch._foreach_norm(grads, norm_type)])
-    term = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
-    return term.to(device)

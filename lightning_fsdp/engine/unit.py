@@ -8,164 +8,34 @@ so the optimizer updates the buffer in place and the all-gather input needs no c
 in the unit's full buffer. Resharding shrinks that buffer's storage to zero bytes; unsharding again grows it back
 and refills it. Autograd keeps references to the same tensor objects, so tensors it saved stay valid after a
 re-unshard.
-
-[Note: a unit's states]
-``ShardedState`` says where the unit's parameters are (SHARDED, UNSHARDING: an all-gather issued ahead of need,
-UNSHARDED); ``UnitStepState`` counts the unit's calls in the current training step, which decide when its
-gradients can be reduced (see ``ShardingEngine``). Both are declared here; the engine only drives them. Three more
-pieces of state outlive a step; the engine's controls set them (see [Note: engine controls] in ``state.py``):
-
-* ``kept``: the unit stays unsharded (an explicit ``ShardingEngine.unshard``, or the end of a backward with
-  ``reshard_after_backward`` off) until ``reshard()`` is called on it; the engine's own reshards leave it alone.
-* the secondary shard (``reshard(secondary=comm)`` after a forward, ZeRO++ hpZ): this rank's 1/N of the full
-  parameters, enough for the next unshard to all-gather over the N ranks of ``comm`` instead of the shard group.
-  The next unshard consumes it; any other reshard drops it (the shards may have changed since).
-* held gradients (``hold_grads``, gradient sync off): each parameter's full-size gradient summed over the backwards
-  since the last reduction (``ParamSlot.unsynced_grad``), added to the next backward's before it is reduced; and
-  ``grads_unsynced``, the same on every rank, which keeps the held parameters in the next reduction's plan.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import Enum, IntEnum, auto
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_fsdp.engine.comm import Communicator, all_gather_flat
+from lightning_fsdp.engine.comm import Communicator, all_gather_flat, wait_works
 from lightning_fsdp.engine.config import check_wire_narrower
-from lightning_fsdp.engine.layout import ShardLayout
+from lightning_fsdp.engine.reduction import GradientReduction
+from lightning_fsdp.engine.states import (
+    CollectiveKind,
+    ParamSlot,
+    PendingGather,
+    PendingReduce,
+    ReducePlan,
+    SecondaryShard,
+    ShardedState,
+    UnitStepState,
+)
 from lightning_fsdp.engine.streams import INACTIVE, CollectiveStreams, pins_host_memory
-from lightning_fsdp.engine.wrap import ParamUse
 
 
-class CollectiveKind(IntEnum):
-    """The kinds of a unit's collectives, for ``FlatUnit.tag``."""
-
-    ALL_GATHER = 0  # unshard
-    REDUCE = 1  # gradient reduction over the shard group
-    REPLICATE = 2  # all-reduce of the reduced gradients across replicas (hybrid sharding)
-
-
-class ShardedState(Enum):
-    """Where a unit's parameters are (torch FSDP2's ``ShardedState``, plus the in-flight state of a prefetch)."""
-
-    SHARDED = auto()  # the modules hold the shards; the full buffer has no storage
-    UNSHARDING = auto()  # the all-gather was issued (a prefetch) and not yet waited on; the modules hold the shards
-    UNSHARDED = auto()  # the modules hold the full-size stand-ins
-
-
-@dataclass
-class UnitStepState:
-    """A unit's calls in the current training step; ``FlatUnit.begin_step`` starts it afresh.
-
-    A call whose inputs need a gradient signals the end of its backward (a ``_PostBackward`` on its inputs); a call
-    whose inputs need none (an untracked call) gives no such signal, so the end of backward reduces the unit.
-    """
-
-    forward_calls: int = 0  # outermost calls this step that will signal the end of their backward
-    backward_calls: int = 0  # of those, how many have signalled
-    untracked_calls: int = 0  # calls whose inputs need no gradient: no signal when their backward ends
-    reduced: bool = False  # this step's gradient reduction was issued (or, gradient sync off, its gradients held)
-
-    def track_call(self) -> None:
-        self.forward_calls += 1
-
-    def untrack_call(self, *, was_tracked: bool = False) -> None:
-        """Count a call that will not signal; ``was_tracked``: it had been counted as one that would."""
-        if was_tracked:
-            self.forward_calls -= 1
-        self.untracked_calls += 1
-
-    def backward_ended(self) -> bool:
-        """Count one signalled end of backward; True when the unit's gradients are complete and can be reduced: the
-        backward of every tracked call ended (a unit that ran more than once this step waits for the backward of its
-        first call), no call was untracked, and the reduction was not issued yet."""
-        self.backward_calls += 1
-        return self.backward_calls == self.forward_calls and not self.untracked_calls and not self.reduced
-
-
-@dataclass(eq=False)
-class ParamSlot:
-    """One managed parameter: the user's Parameter object (holds the local shard) and where modules use it."""
-
-    fqn: str
-    param: nn.Parameter
-    uses: list[ParamUse]
-    layout: ShardLayout
-    offset: int = 0  # element offset of this parameter's padded chunk in the flat shard buffer
-    full: nn.Parameter | None = None
-    # Took part with requires_grad=True in a forward of the current step: its gradient may still arrive even if the
-    # user has frozen it since, so the step's reduction keeps a place for it.
-    in_graph: bool = False
-    # The requires_grad the engine last gave ``full``: if ``full`` differs at the next sync, the user flipped it
-    # through the module while it was installed there (after a forward whose backward never came).
-    synced_requires_grad: bool = True
-    # Gradient sync off: the full-size gradient of the backwards since the last reduction (``FlatUnit.hold_grads``).
-    unsynced_grad: torch.Tensor | None = None
-
-    @property
-    def trainable(self) -> bool:
-        return self.param.requires_grad
-
-
-class ReducePlan(NamedTuple):
-    """The parameters one gradient reduction carries and where each lands: one plan per set of trainable parameters.
-
-    ``requires_grad`` may change at any time (fine-tuning schedules, ``toggle_optimizer``), so the reduction's layout
-    follows what is trainable now instead of what was trainable when the model was sharded; gradient memory follows
-    it too. Every rank freezes the same parameters, so every rank builds the same plan and the collectives match.
-    """
-
-    slots: list[ParamSlot]
-    offsets: list[int]  # element offset of each parameter's padded chunk in the reduction's output
-    numel: int  # gradient elements per rank, padding included, before the used-flags
-    direct: list[int]  # indices into ``slots`` reduced on their own, in place (large, rows split evenly)
-    staged: list[int]  # indices packed through the padded rank-major copy
-
-
-class PendingGather(NamedTuple):
-    """An unshard's all-gathers in flight (see ``FlatUnit.start_unshard``)."""
-
-    works: list[Any]
-    inputs: list[torch.Tensor]  # kept alive until the collectives complete
-    staged_out: torch.Tensor | None  # the staging buffer's output, copied into the full buffer when done
-    ranks: int  # the ranks gathered over: the shard group's, or a secondary group's (each sent 1/ranks of the unit)
-    # On an accelerator: recorded on the all-gather stream after the collectives (see [Note: collectives on their own
-    # streams]); the compute stream waits for it before reading the full parameters. None on CPU.
-    event: Any = None
-
-
-class SecondaryShard(NamedTuple):
-    """After a forward resharded to a smaller group (``FlatUnit.reshard(secondary=...)``): this rank's part of the
-    full parameters for an all-gather over ``comm``. Laid out as the full buffer is (parameter after parameter), each
-    parameter's piece being the padded chunks of the ``world_size / comm.world_size`` consecutive shard-group ranks
-    whose rows this rank keeps: the pieces of ``comm``'s ranks, end to end, are the whole parameter."""
-
-    comm: Communicator
-    buffer: torch.Tensor
-
-
-class PendingReduce(NamedTuple):
-    """A gradient reduction in flight (see ``FlatUnit.reduce_grads``)."""
-
-    works: list[Any]
-    output: torch.Tensor  # this rank's reduced gradients, then one used-flag per parameter
-    inputs: list[torch.Tensor]  # kept alive until the collectives complete
-    staged_out: torch.Tensor | None  # the packed collective's output, copied into ``output`` when done
-    pre_divide: bool
-    ranks: int
-    plan: ReducePlan
-    # On an accelerator the post-reduce work is queued at once, on the reduce-scatter stream: ``event`` is recorded
-    # after it, ``result`` is what ``_post_reduce`` returned. Both None on CPU (see [Note: collectives on their own
-    # streams]).
-    event: Any = None
-    result: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-class FlatUnit:
+class FlatUnit(GradientReduction):
     """Unshard, reshard and gradient reduction for one unit's parameters: flat collectives over its shard buffer."""
 
     # Parameters whose full (padded) size reaches this many elements are all-gathered on their own, straight into
@@ -408,7 +278,9 @@ class FlatUnit:
             self._allocate_full()
         with streams.all_gather_side():
             self._issue_unshard(secondary, async_op, non_blocking=True)
-            _wait(self._pending_unshard.works)  # NCCL, HCCL: this stream waits for the collectives, the host does not
+            wait_works(
+                self._pending_unshard.works
+            )  # NCCL, HCCL: this stream waits for the collectives, the host does not
             event = streams.record_event()
         self._pending_unshard = self._pending_unshard._replace(works=[], event=event)
 
@@ -473,7 +345,7 @@ class FlatUnit:
         if pending is not None:
             if pending.event is not None:
                 self.streams.wait_event(pending.event)  # before any read of what the collectives wrote
-            _wait(pending.works)
+            wait_works(pending.works)
             gathered, ranks = pending.staged_out, pending.ranks
             if gathered is not None:
                 self._allocate_full()
@@ -564,239 +436,107 @@ class FlatUnit:
             for module, attr in slot.uses:
                 module._parameters[attr] = tensor
 
-    # ------------------------------------------------------------------------------------------ gradients
+    # ------------------------------------------------------------------------------ the phases of a step
+    # [Note: a unit's phases]
+    # The engine's hooks call these in the order a step runs them (see [Note: a unit's training step] in state.py):
+    # pre_forward, post_forward, then in backward pre_backward and post_backward. The engine decides when and around
+    # what (the training state, the recorded order, prefetching, the one reduction in flight); each phase here is
+    # what the unit itself does then.
+    def pre_forward(
+        self,
+        args: tuple,
+        kwargs: dict,
+        *,
+        first: bool,
+        in_backward: bool,
+        cast_dtype: torch.dtype | None,
+        on_backward_end: Callable[[], None],
+    ) -> tuple[tuple, dict] | None:
+        """Before the module's forward: unshard (the outermost call), cast floating inputs to ``cast_dtype``, and put
+        a ``_PostBackward`` on the inputs that need a gradient, whose backward calls ``on_backward_end`` once the
+        unit's whole backward is done. Returns the new ``(args, kwargs)``, or None when unchanged."""
+        if first:
+            self.unshard()
+        changed = False
+        if cast_dtype is not None:
+            args, kwargs = _cast_floating(args, cast_dtype), _cast_floating(kwargs, cast_dtype)
+            changed = True
+        if first and self.trainable_slots and torch.is_grad_enabled() and not in_backward:
+            flat, spec = tree_flatten((args, kwargs))
+            wanted = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not wanted:
+                self.step_state.untrack_call()
+            else:
+                self.step_state.track_call()
+                self.marked_call = True
+                marked = _PostBackward.apply(on_backward_end, *(flat[i] for i in wanted))
+                for i, tensor in zip(wanted, marked):
+                    flat[i] = tensor
+                args, kwargs = tree_unflatten(flat, spec)
+                changed = True
+        return (args, kwargs) if changed else None
+
+    def post_forward(self, output: Any, *, may_reshard: bool, on_backward_start: Callable[[], None]) -> None:
+        """After the outermost call's forward: hook the outputs that need a gradient (``on_backward_start`` runs when
+        the first gradient reaches one), and reshard, to the secondary group if one is set, when
+        ``reshard_after_forward`` says so and the engine allows it (``may_reshard``: not the root, nor the unit whose
+        backward comes next). A forward no backward will follow reshards whatever the flags say."""
+        marked, self.marked_call = self.marked_call, False
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if torch.is_grad_enabled() and tensors:
+            for tensor in tensors:
+                tensor.register_hook(lambda _grad: on_backward_start())
+            if self.reshard_after_forward and may_reshard and not self.kept:
+                self.reshard(secondary=self.secondary_comm)
+            return
+        if marked:
+            # The forward raised (its output is None then) or returned nothing that needs a gradient: no backward
+            # will signal the end of this call, so the end of backward reduces the unit.
+            self.step_state.untrack_call(was_tracked=True)
+        # No backward will come through this forward (eval, no_grad, nothing requires grad, or it raised).
+        if not self.kept:
+            self.reshard()
+
+    def pre_backward(self) -> None:
+        """The first gradient of the unit's outputs arrived: its backward needs the full parameters."""
+        self.unshard()
+
+    def post_backward(self, finish_previous_reduction: Callable[[], None]) -> bool:
+        """The unit's whole backward is done: free the full parameters, then reduce or hold the gradients (see
+        ``reduce_or_hold``). Returns whether a reduction was started."""
+        self.free_after_backward()
+        return self.reduce_or_hold(finish_previous_reduction)
+
+    def free_after_backward(self) -> None:
+        """Reshard now that backward no longer needs the full parameters, unless ``reshard_after_backward`` is off,
+        which keeps the unit unsharded (``kept``) until the next optimizer step or ``reshard()``. Before the reduction
+        allocates its buffers: the gradients do not need the full parameters."""
+        if self.kept:
+            return
+        if not self.reshard_after_backward and self.is_unsharded:
+            self.kept = True
+            return
+        self.reshard()
+
+    def reduce_or_hold(self, finish_previous_reduction: Callable[[], None]) -> bool:
+        """Reduce this backward's gradients (with any held ones) across ranks, or hold them while gradient sync is off
+        (see [Note: engine controls] in controls.py). Returns whether a reduction was started.
+
+        ``finish_previous_reduction`` is called first: one reduction in flight at a time (the previous unit's had this
+        unit's whole backward to complete), which bounds the full-size gradient buffers kept alive to two units'."""
+        if not self.requires_gradient_sync:
+            self.hold_grads()
+            self.step_state.reduced = True
+            return False
+        finish_previous_reduction()
+        self.reduce_grads()
+        self.step_state.reduced = True
+        return True
+
+    # ------------------------------------------------------------------------------------------ collectives
     def tag(self, kind: int) -> int:
         """This unit's collective of ``kind`` as one integer for ``Communicator.agree`` (``describe_tag`` reads it)."""
         return self.index * len(CollectiveKind) + kind
-
-    def reduce_grads(self) -> None:
-        """Start averaging this step's full gradients across ranks into the shards' ``.grad``; ``finish_reduce``
-        completes it. The collective runs while backward goes on with other units.
-
-        Each rank also contributes, per parameter, 1 if it has a gradient and 0 if not, packed behind its chunk of
-        the same collective: the engine reads the sums at the end of backward and leaves ``.grad`` as ``None`` for
-        parameters no rank used, as a single process would.
-
-        On an accelerator all of it, the post-reduce work included, is queued at once on the reduce-scatter stream
-        (see [Note: collectives on their own streams]); ``finish_reduce`` makes the compute stream wait for it.
-        """
-        streams = self.streams
-        if not streams.active:
-            self._start_reduce()
-            return
-        plan = self.reduce_plan()
-        if not plan.slots:
-            return
-        with streams.reduce_scatter_side() as compute:
-            for slot in plan.slots:
-                for grad in (slot.full.grad, slot.unsynced_grad):
-                    if grad is not None:
-                        # Allocated on the compute stream, read by this one: freed as soon as the copy-in is queued,
-                        # so not handed out again before this stream has read it.
-                        streams.record_stream(grad, streams.reduce_scatter_stream)
-            self._start_reduce()
-            pending = self._pending_reduce
-            _wait(pending.works)  # NCCL, HCCL: this stream waits for the collectives, the host does not
-            grads, used_counts = self._post_reduce(pending)
-            # Allocated on this stream, read by the compute stream (as .grad, and by the engine).
-            if grads.device == self.device:
-                streams.record_stream(grads, compute)
-            streams.record_stream(used_counts, compute)
-            event = streams.record_event()
-        # What the collectives read can go now: this stream is past them.
-        self._pending_reduce = pending._replace(
-            works=[], inputs=[], staged_out=None, event=event, result=(grads, used_counts)
-        )
-
-    def _start_reduce(self) -> None:
-        plan = self.reduce_plan()
-        if not plan.slots:
-            return
-        grads = []
-        used = []
-        self.grads_unsynced = False
-        for slot in plan.slots:
-            grad = self._take_grad(slot)
-            used.append(grad is not None)
-            if grad is None:
-                # Unused in this step on this rank; another rank may have used it, so it still takes part.
-                grad = torch.zeros(slot.layout.shape, dtype=self.compute_dtype, device=self.device)
-            grads.append(grad.reshape(slot.layout.rows, -1) if grad.dim() == 0 else grad)
-        if torch.is_anomaly_enabled():
-            finite = torch.stack([torch.isfinite(g).all() for g in grads]).tolist()
-            self.nonfinite = [s.fqn for s, ok in zip(plan.slots, finite) if not ok]
-        n = self.world_size
-        k = len(grads)
-        ranks = self.shard_comm.world_size * (self.replicate_comm.world_size if self.replicate_comm else 1)
-        flags = self._used_flags(used)  # the gradients' dtype
-        # float16 sums can overflow: divide before summing there, after summing everywhere else.
-        pre_divide = self.reduce_dtype == torch.float16
-        staged_out = None
-        if self.sharded:
-            reduced = torch.empty(plan.numel + k, dtype=self.reduce_dtype, device=self.device)
-            self.shard_comm.agree(self.tag(CollectiveKind.REDUCE))
-            works, inputs = [], []
-            for j in plan.direct:
-                flat = grads[j].reshape(-1).to(self.reduce_dtype)
-                if pre_divide:
-                    flat = flat / ranks
-                out = reduced[plan.offsets[j] : plan.offsets[j] + plan.slots[j].layout.padded_numel]
-                works.append(self._reduce_scatter(out, flat))
-                if self.reduce_wire_dtype is None:
-                    inputs.append(flat)  # the wire reduction keeps its own narrow copy: the full gradient can go
-            # _chunk_cat pads each gradient to ceil(d0/N) rows per rank and lays the ranks out one after another;
-            # the flags, repeated once per rank, end every rank's chunk.
-            staged = [grads[j] for j in plan.staged] + [flags.expand(n, k)]
-            flat_in = torch._chunk_cat(staged, dim=0, num_chunks=n).view(-1).to(self.reduce_dtype)
-            if pre_divide:
-                flat_in.div_(ranks)
-            staged_out = (
-                torch.empty(flat_in.numel() // n, dtype=self.reduce_dtype, device=self.device)
-                if plan.direct
-                else reduced
-            )
-            works.append(self._reduce_scatter(staged_out, flat_in))
-            if self.reduce_wire_dtype is None:
-                inputs.append(flat_in)
-            if staged_out is reduced:
-                staged_out = None
-        else:
-            reduced = torch.cat([g.reshape(-1).to(self.reduce_dtype) for g in grads] + [flags])
-            if pre_divide:
-                reduced.div_(ranks)
-            self.shard_comm.agree(self.tag(CollectiveKind.REDUCE))
-            works, inputs = [self.shard_comm.all_reduce(reduced, async_op=True)], []
-        self._pending_reduce = PendingReduce(works, reduced, inputs, staged_out, pre_divide, ranks, plan)
-
-    def _used_flags(self, used: list[bool]) -> torch.Tensor:
-        if not self.streams.active:
-            return torch.tensor(used, dtype=self.compute_dtype, device=self.device)
-        # No host-to-device copy on an accelerator: a blocking one makes the host wait until the stream (which has
-        # just waited for the compute stream) drains, once per reduction. Fills queue without waiting.
-        flags = torch.ones(len(used), dtype=self.compute_dtype, device=self.device)
-        for j, had_grad in enumerate(used):
-            if not had_grad:
-                flags[j].fill_(0)
-        return flags
-
-    def _reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> Any:
-        if self.reduce_wire_dtype is None:
-            return self.shard_comm.reduce_scatter(output, full, async_op=True)
-        return self.shard_comm.reduce_scatter_wide(output, full, self.reduce_wire_dtype, async_op=True)
-
-    def _take_grad(self, slot: ParamSlot) -> torch.Tensor | None:
-        """``slot``'s full gradient to reduce: this backward's plus what earlier ones held (gradient sync off)."""
-        grad, held = slot.full.grad, slot.unsynced_grad
-        slot.full.grad = slot.unsynced_grad = None
-        if held is None:
-            return grad
-        if grad is not None:
-            held.add_(grad)
-        return held.to(self.compute_dtype)
-
-    def hold_grads(self) -> None:
-        """Gradient sync off: instead of reducing, add this backward's full gradients to the ones held (no
-        communication); the next ``reduce_grads`` reduces the sum once. Held in the reduction's dtype when that is
-        the wider one (mixed precision), as torch's FSDP2 accumulates unsharded gradients."""
-        plan = self.reduce_plan()
-        if not plan.slots:
-            return
-        self.grads_unsynced = True
-        for slot in plan.slots:
-            grad, slot.full.grad = slot.full.grad, None
-            if grad is None:
-                continue
-            if slot.unsynced_grad is None:
-                # The gradient autograd accumulated belongs to this unit alone: kept as it is unless widened.
-                slot.unsynced_grad = grad.to(torch.promote_types(grad.dtype, self.reduce_dtype))
-            else:
-                slot.unsynced_grad.add_(grad)
-
-    def held_grad_bytes(self) -> int:
-        """Bytes of the full-size gradients held for a later reduction (gradient sync off)."""
-        return sum(
-            s.unsynced_grad.numel() * s.unsynced_grad.element_size() for s in self.slots if s.unsynced_grad is not None
-        )
-
-    def finish_reduce(self) -> None:
-        """Wait for the reduction ``reduce_grads`` started and add its result to the shards' ``.grad``."""
-        pending = self._pending_reduce
-        if pending is None:
-            return
-        self._pending_reduce = None
-        if pending.event is None:
-            _wait(pending.works)
-            reduced, self.used_counts = self._post_reduce(pending)
-        else:
-            # Queued on the reduce-scatter stream by reduce_grads: the compute stream waits for all of it first.
-            self.streams.wait_event(pending.event)
-            reduced, self.used_counts = pending.result
-        plan = pending.plan
-        self._last_plan = plan
-        self._had_grad = [slot.param.grad is not None for slot in plan.slots]
-        if pending.event is not None and self.pinned and any(self._had_grad):
-            # Offloaded and accumulating: the host adds to its gradients now, so the copy to it must be done.
-            self.streams.synchronize_event(pending.event)
-        for slot, offset in zip(plan.slots, plan.offsets):
-            layout = slot.layout
-            grad = reduced[offset : offset + layout.local_numel].view(layout.local_shape)
-            if slot.param.grad is None:
-                slot.param.grad = grad
-            else:
-                slot.param.grad += grad
-
-    def _post_reduce(self, pending: PendingReduce) -> tuple[torch.Tensor, torch.Tensor]:
-        """Once the collectives are done: the packed parameters and the flags into their places, the replicas'
-        all-reduce, the division. Returns this rank's flat gradients (the shards' dtype, on the shard device) and the
-        used-flags' sums."""
-        plan, reduced = pending.plan, pending.output
-        if pending.staged_out is not None:
-            # Parameters reduced through the padded copy, and the flags: into their places in ``reduced``.
-            regions = [
-                reduced[plan.offsets[j] : plan.offsets[j] + plan.slots[j].layout.padded_numel] for j in plan.staged
-            ]
-            sizes = [r.numel() for r in regions] + [len(plan.slots)]
-            torch.split_with_sizes_copy(pending.staged_out, sizes, out=regions + [reduced[plan.numel :]])
-        if self.replicate_comm is not None and self.replicate_comm.world_size > 1:
-            self.replicate_comm.agree(self.tag(CollectiveKind.REPLICATE))
-            self.replicate_comm.all_reduce(reduced)
-        if not pending.pre_divide:
-            reduced.div_(pending.ranks)
-        # Divided, the sums stay > 0 exactly where some rank had a gradient, which is all the engine asks. A copy:
-        # a view would keep the whole reduction buffer, which the gradients are views of, alive after zero_grad.
-        used_counts = reduced[plan.numel :].clone()
-        return self._to_shard_device(reduced[: plan.numel]), used_counts
-
-    def _to_shard_device(self, reduced: torch.Tensor) -> torch.Tensor:
-        if self.pinned and self.streams.active:
-            # Offloaded from an accelerator: into pinned host memory, asynchronously on the reduce-scatter stream. The
-            # host waits for it before reading it (the end of backward, or an accumulation in finish_reduce).
-            host = torch.empty(reduced.shape, dtype=self.dtype, pin_memory=True)
-            host.copy_(reduced.to(self.dtype), non_blocking=True)
-            return host
-        return reduced.to(self.shard_device, self.dtype)
-
-    def abandon(self) -> None:
-        """After a backward that raised: complete whatever is in flight (every rank issued it), keep none of it."""
-        pending, self._pending_reduce = self._pending_reduce, None
-        if pending is not None:
-            _wait(pending.works)
-            if pending.event is not None:
-                self.streams.wait_event(pending.event)
-        self.reshard()
-        for slot in self.slots:
-            slot.full.grad = None
-        self.used_counts = None
-        self.begin_step()
-
-    def drop_unused_grads(self) -> None:
-        """After the engine saw that some parameter of this unit had no gradient on any rank: give it ``None``
-        again (its reduced gradient is exactly zero) unless an earlier micro-batch had given it one."""
-        used = self.used_counts.tolist() if self.used_counts is not None else []
-        slots = self._last_plan.slots if self._last_plan is not None else []
-        for slot, count, had in zip(slots, used, self._had_grad):
-            if count == 0 and not had:
-                slot.param.grad = None
 
     # ------------------------------------------------------------------------------------------- accounting
     def local_param_bytes(self) -> int:
@@ -807,8 +547,21 @@ class FlatUnit:
         return sum(s.param.element_size() * s.layout.rows * s.layout.row_numel for s in self.slots)
 
 
-def _wait(works: list[Any]) -> None:
-    """Wait for a collective's work handles (None where it completed synchronously, e.g. on one rank)."""
-    for work in works:
-        if work is not None:
-            work.wait()
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the gradients of those inputs are known: by then the
+    autograd engine has run every node the unit's forward created (they were created later, and it runs ready nodes
+    newest first), including the gradient accumulation of the unit's parameters."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)

@@ -1,0 +1,58 @@
+"""What the engine tells the user when something goes wrong: which collective a rank was in (for timeouts and for
+ranks that disagree, through ``Communicator.agree`` tags) and which parameters had non-finite gradients (anomaly
+checking)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from lightning_fsdp.engine.states import CollectiveKind
+
+if TYPE_CHECKING:
+    from lightning_fsdp.engine.comm import Communicator
+    from lightning_fsdp.engine.unit import FlatUnit
+
+# ``Communicator.agree`` tags of collectives that belong to no unit (a unit's tags, ``FlatUnit.tag``, are >= 0).
+TAG_IGNORED_GRAD, TAG_CLIP, TAG_ANOMALY = -1, -2, -3
+
+
+def describe_collective(units: list[FlatUnit], tag: int) -> str:
+    """What the collective ``tag`` names is, in words: "all-gather of unit 'blocks.0'"."""
+    fixed = {
+        TAG_IGNORED_GRAD: "all-reduce of an ignored parameter's gradient",
+        TAG_CLIP: "all-reduce of the gradient norm",
+        TAG_ANOMALY: "the end-of-backward anomaly report",
+    }
+    if tag in fixed:
+        return fixed[tag]
+    index, kind = divmod(tag, len(CollectiveKind))
+    what = {
+        CollectiveKind.ALL_GATHER: "all-gather of",
+        CollectiveKind.REDUCE: "gradient reduction of",
+        CollectiveKind.REPLICATE: "replica all-reduce of",
+    }[CollectiveKind(kind)]
+    name = units[index].name if 0 <= index < len(units) else f"#{index}"
+    return f"{what} unit {name or '<root>'!r}"
+
+
+def report_nonfinite(local: list[str], comms: list[Communicator]) -> None:
+    """Anomaly checking: name every parameter whose gradient was NaN or Inf on some rank (``local``: this rank's), on
+    every rank of ``comms`` (the shard group, then the replicas)."""
+    found: dict[str, set[str]] = {}
+    for name in local:
+        found.setdefault(name, set()).add(f"rank {dist.get_rank() if dist.is_initialized() else 0}")
+    for comm in comms:
+        comm.agree(TAG_ANOMALY)
+        merged: dict[str, set[str]] = {}
+        for other in comm.all_gather_object(found):
+            for name, where in other.items():
+                merged.setdefault(name, set()).update(where)
+        found = merged
+    if found:
+        listing = ", ".join(f"{name!r} ({', '.join(sorted(where))})" for name, where in sorted(found.items()))
+        raise FloatingPointError(
+            f"Non-finite gradient (NaN or Inf) in parameter(s) {listing}, found by anomaly checking before "
+            "the gradients were reduced; the ranks named are those whose own gradient was not finite."
+        )

@@ -1,0 +1,164 @@
+"""The states of the engine and its units (torch FSDP2's ``_fsdp_common``): the engine's training state, where a
+unit's parameters are, its calls in a step, its parameters' slots, and the collectives it has in flight (named
+tuples, as FSDP2's in-flight work).
+
+[Note: a unit's states]
+``ShardedState`` says where the unit's parameters are (SHARDED, UNSHARDING: an all-gather issued ahead of need,
+UNSHARDED); ``UnitStepState`` counts the unit's calls in the current training step, which decide when its
+gradients can be reduced (see ``ShardingEngine``). Both are declared here; the engine only drives them. Three more
+pieces of state outlive a step; the engine's controls set them (see [Note: engine controls] in ``controls.py``):
+
+* ``kept``: the unit stays unsharded (an explicit ``ShardingEngine.unshard``, or the end of a backward with
+  ``reshard_after_backward`` off) until ``reshard()`` is called on it; the engine's own reshards leave it alone.
+* the secondary shard (``reshard(secondary=comm)`` after a forward, ZeRO++ hpZ): this rank's 1/N of the full
+  parameters, enough for the next unshard to all-gather over the N ranks of ``comm`` instead of the shard group.
+  The next unshard consumes it; any other reshard drops it (the shards may have changed since).
+* held gradients (``hold_grads``, gradient sync off): each parameter's full-size gradient summed over the backwards
+  since the last reduction (``ParamSlot.unsynced_grad``), added to the next backward's before it is reduced; and
+  ``grads_unsynced``, the same on every rank, which keeps the held parameters in the next reduction's plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, IntEnum, auto
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from lightning_fsdp.engine.comm import Communicator
+from lightning_fsdp.engine.layout import ShardLayout
+from lightning_fsdp.engine.wrap import ParamUse
+
+
+class TrainingState(Enum):
+    """What the engine is doing (see [Note: the engine's training state])."""
+
+    IDLE = auto()  # between steps: no unit forward open, no backward in flight
+    FORWARD = auto()  # some unit's forward is open, no backward in flight
+    BACKWARD = auto()  # a backward reached a unit; ends when ``_finish_backward`` has run
+
+
+class CollectiveKind(IntEnum):
+    """The kinds of a unit's collectives, for ``FlatUnit.tag``."""
+
+    ALL_GATHER = 0  # unshard
+    REDUCE = 1  # gradient reduction over the shard group
+    REPLICATE = 2  # all-reduce of the reduced gradients across replicas (hybrid sharding)
+
+
+class ShardedState(Enum):
+    """Where a unit's parameters are (torch FSDP2's ``ShardedState``, plus the in-flight state of a prefetch)."""
+
+    SHARDED = auto()  # the modules hold the shards; the full buffer has no storage
+    UNSHARDING = auto()  # the all-gather was issued (a prefetch) and not yet waited on; the modules hold the shards
+    UNSHARDED = auto()  # the modules hold the full-size stand-ins
+
+
+@dataclass
+class UnitStepState:
+    """A unit's calls in the current training step; ``FlatUnit.begin_step`` starts it afresh.
+
+    A call whose inputs need a gradient signals the end of its backward (a ``_PostBackward`` on its inputs); a call
+    whose inputs need none (an untracked call) gives no such signal, so the end of backward reduces the unit.
+    """
+
+    forward_calls: int = 0  # outermost calls this step that will signal the end of their backward
+    backward_calls: int = 0  # of those, how many have signalled
+    untracked_calls: int = 0  # calls whose inputs need no gradient: no signal when their backward ends
+    reduced: bool = False  # this step's gradient reduction was issued (or, gradient sync off, its gradients held)
+
+    def track_call(self) -> None:
+        self.forward_calls += 1
+
+    def untrack_call(self, *, was_tracked: bool = False) -> None:
+        """Count a call that will not signal; ``was_tracked``: it had been counted as one that would."""
+        if was_tracked:
+            self.forward_calls -= 1
+        self.untracked_calls += 1
+
+    def backward_ended(self) -> bool:
+        """Count one signalled end of backward; True when the unit's gradients are complete and can be reduced: the
+        backward of every tracked call ended (a unit that ran more than once this step waits for the backward of its
+        first call), no call was untracked, and the reduction was not issued yet."""
+        self.backward_calls += 1
+        return self.backward_calls == self.forward_calls and not self.untracked_calls and not self.reduced
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """One managed parameter: the user's Parameter object (holds the local shard) and where modules use it."""
+
+    fqn: str
+    param: nn.Parameter
+    uses: list[ParamUse]
+    layout: ShardLayout
+    offset: int = 0  # element offset of this parameter's padded chunk in the flat shard buffer
+    full: nn.Parameter | None = None
+    # Took part with requires_grad=True in a forward of the current step: its gradient may still arrive even if the
+    # user has frozen it since, so the step's reduction keeps a place for it.
+    in_graph: bool = False
+    # The requires_grad the engine last gave ``full``: if ``full`` differs at the next sync, the user flipped it
+    # through the module while it was installed there (after a forward whose backward never came).
+    synced_requires_grad: bool = True
+    # Gradient sync off: the full-size gradient of the backwards since the last reduction (``FlatUnit.hold_grads``).
+    unsynced_grad: torch.Tensor | None = None
+
+    @property
+    def trainable(self) -> bool:
+        return self.param.requires_grad
+
+
+class ReducePlan(NamedTuple):
+    """The parameters one gradient reduction carries and where each lands: one plan per set of trainable parameters.
+
+    ``requires_grad`` may change at any time (fine-tuning schedules, ``toggle_optimizer``), so the reduction's layout
+    follows what is trainable now instead of what was trainable when the model was sharded; gradient memory follows
+    it too. Every rank freezes the same parameters, so every rank builds the same plan and the collectives match.
+    """
+
+    slots: list[ParamSlot]
+    offsets: list[int]  # element offset of each parameter's padded chunk in the reduction's output
+    numel: int  # gradient elements per rank, padding included, before the used-flags
+    direct: list[int]  # indices into ``slots`` reduced on their own, in place (large, rows split evenly)
+    staged: list[int]  # indices packed through the padded rank-major copy
+
+
+class PendingGather(NamedTuple):
+    """An unshard's all-gathers in flight (see ``FlatUnit.start_unshard``)."""
+
+    works: list[Any]
+    inputs: list[torch.Tensor]  # kept alive until the collectives complete
+    staged_out: torch.Tensor | None  # the staging buffer's output, copied into the full buffer when done
+    ranks: int  # the ranks gathered over: the shard group's, or a secondary group's (each sent 1/ranks of the unit)
+    # On an accelerator: recorded on the all-gather stream after the collectives (see [Note: collectives on their own
+    # streams]); the compute stream waits for it before reading the full parameters. None on CPU.
+    event: Any = None
+
+
+class SecondaryShard(NamedTuple):
+    """After a forward resharded to a smaller group (``FlatUnit.reshard(secondary=...)``): this rank's part of the
+    full parameters for an all-gather over ``comm``. Laid out as the full buffer is (parameter after parameter), each
+    parameter's piece being the padded chunks of the ``world_size / comm.world_size`` consecutive shard-group ranks
+    whose rows this rank keeps: the pieces of ``comm``'s ranks, end to end, are the whole parameter."""
+
+    comm: Communicator
+    buffer: torch.Tensor
+
+
+class PendingReduce(NamedTuple):
+    """A gradient reduction in flight (see ``FlatUnit.reduce_grads``)."""
+
+    works: list[Any]
+    output: torch.Tensor  # this rank's reduced gradients, then one used-flag per parameter
+    inputs: list[torch.Tensor]  # kept alive until the collectives complete
+    staged_out: torch.Tensor | None  # the packed collective's output, copied into ``output`` when done
+    pre_divide: bool
+    ranks: int
+    plan: ReducePlan
+    # On an accelerator the post-reduce work is queued at once, on the reduce-scatter stream: ``event`` is recorded
+    # after it, ``result`` is what ``_post_reduce`` returned. Both None on CPU (see [Note: collectives on their own
+    # streams]).
+    event: Any = None
+    result: tuple[torch.Tensor, torch.Tensor] | None = None
