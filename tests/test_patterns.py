@@ -2,7 +2,9 @@
 
 Every pattern (tests/scripts/patterns_run.py: BackboneFinetuning, add_param_group, a GAN with toggle_optimizer,
 manual optimization, several forwards per backward, no-grad forwards in another order under every prefetch option,
-LoRA, requires_grad flipped mid-training, the model used after fit) runs as a user's script runs it, on 2 ranks and
+LoRA, requires_grad flipped mid-training, the model used after fit, the model called from callbacks and hooks outside
+the steps, between accumulation steps, by rank 0 alone inside ``engine.unsharded()`` and through transformers'
+``generate()``) runs as a user's script runs it, on 2 ranks and
 on one device, on the same global batches (rank r takes samples r, r+N, ...). Both sides run all their patterns in
 one launch each, cached for the module; each test compares one pattern: final weights (every state entry, fp32,
 rtol 1e-5, atol 1e-6), per-step losses and the pattern's own probes, snapshots and flags. A pattern may instead be
@@ -254,6 +256,14 @@ def test_reference_exercises_the_patterns(sides):
     second = ref["second_trainer"]
     assert _changed(second["snapshots"]["after_first_fit"], second["state"], "net.")
     assert ref["rank0_inference"]["values"]["inference"].shape[0] == 24
+    # Calls from outside the steps: every call site gave its output (fit start 1, batch ends 8, two epoch ends 5
+    # each, two validation epoch ends; two per accumulation window; rank 0's three calls per epoch; two generated
+    # sequences of 3 + 4 tokens per epoch).
+    assert len(ref["calls_from_callbacks"]["values"]["probes"]) == 1 + 8 + 2 * 5 + 2
+    for name in ("calls_between_accumulation", "calls_between_held_accumulation"):
+        assert len(ref[name]["values"]["probes"]) == 2 * 2 * 2, name
+    assert len(ref["rank0_in_full_weights"]["values"]["probes"]) == 2 * 3
+    assert len(ref["hf_generate"]["values"]["probes"]) == 2 * 2 * (3 + 4)
     assert set(OPTIONS) >= {
         "default",
         "forward_prefetch",

@@ -66,18 +66,23 @@ class EngineControls:
 
     @contextmanager
     def unsharded(self, units: Iterable[FlatUnit] | None = None) -> Iterator[None]:
-        """Hold full parameters of ``units`` (default: all) in their modules, e.g. for inspection; no autograd.
-        Units unsharded before are left so; the others are resharded on exit."""
+        """Hold the full parameters of ``units`` (default: all) in their modules for the block (torch FSDP's
+        ``summon_full_params``): enter it on every rank, after which calls of the model inside it make no
+        collective, so one rank may run the model alone (sampling on rank 0). The units stay unsharded during the
+        block (kept); those unsharded before are left so on exit, the others are resharded. The gathering runs
+        without autograd; use it between steps, not inside one."""
         units = list(self.units if units is None else units)
-        was = [u.is_unsharded for u in units]
+        was = [(u.is_unsharded, u.kept) for u in units]
         try:
             with torch.no_grad():
                 for unit in units:
                     unit.unshard()
+                    unit.kept = True
             yield
         finally:
-            for unit, keep in zip(units, was):
-                if not keep:
+            for unit, (unsharded, kept) in zip(units, was):
+                unit.kept = kept
+                if not unsharded:
                     unit.reshard()
 
     def set_requires_gradient_sync(self, requires: bool, units: Iterable[FlatUnit] | None = None) -> None:

@@ -130,6 +130,16 @@ class ShardingEngine(EngineControls):
     #   module using it unshards again (see [Note: engine controls]).
     # * ``requires_grad`` is read at each unit's forward (``FlatUnit.sync_requires_grad``), so freezing and
     #   unfreezing at any time trains as in a single process.
+    #
+    # [Note: calls from outside a step]
+    # Under Lightning the root unit is the LightningModule and a step is its forward; its parameters outside any
+    # Block (embeddings, heads, norms) are unsharded by the modules that use them. Code may call the model outside a
+    # step (callbacks sampling at epoch end, checks in ``on_fit_start``, ``generate()``): each unit's hooks unshard
+    # and reshard it as in a step, and the root is unsharded by the first module that uses it. Every rank must make
+    # the same calls (they all-gather). Such calls do not record the prefetch order, and gradients held for the next
+    # optimizer step are untouched. A call on one rank alone needs the full weights on that rank first:
+    # ``unsharded()`` gathers them on every rank and keeps every unit unsharded until it exits, so the calls inside
+    # it make no collective.
     def _register_hooks(self, unit: FlatUnit) -> None:
         self._handles.append(
             unit.module.register_forward_pre_hook(
@@ -198,7 +208,14 @@ class ShardingEngine(EngineControls):
         if first:
             if not in_backward:
                 unit.sync_requires_grad()
-                if not self._order_frozen and unit is not self.root_unit and id(unit) not in self._position:
+                # The order prefetching follows is a training step's: calls from outside one (a callback sampling
+                # from a part of the model) do not record it.
+                if (
+                    not self._order_frozen
+                    and unit is not self.root_unit
+                    and self.root_unit.forward_depth > 0
+                    and id(unit) not in self._position
+                ):
                     self._position[id(unit)] = len(self._order)
                     self._order.append(unit)
             self._make_room(unit)
@@ -263,7 +280,10 @@ class ShardingEngine(EngineControls):
             return
         root = self.root_unit
         root.sync_requires_grad(slots)
-        if root.forward_depth > 0 and not root.is_unsharded:
+        # Also outside the root's forward: a callback or hook calling part of the model (``pl_module.model(x)``,
+        # ``generate()``) on every rank. The root then stays unsharded until the next root forward, optimizer step or
+        # ``reshard_idle``, each of which reshards it (see [Note: calls from outside a step]).
+        if not root.is_unsharded:
             root.unshard()
 
     def _mark_root_use(self, output: Any) -> None:

@@ -18,6 +18,7 @@ every thread's stack and ends the process, so the caller can rerun the patterns 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import os
 import sys
@@ -73,6 +74,11 @@ PATTERNS = [
     "frozen_from_start",
     "try_except_forward",
     "second_trainer",
+    "calls_from_callbacks",
+    "calls_between_accumulation",
+    "calls_between_held_accumulation",
+    "rank0_in_full_weights",
+    "hf_generate",
     "rank0_inference",  # last: when broken, rank 0 waits in a collective no other rank joins
 ]
 
@@ -486,6 +492,109 @@ class Validated(Base):
         self.val_losses.append(self.global_mean(loss_fn(self.net(x), y)))
 
 
+# 10. calls from outside the steps ------------------------------------------------------------------------------
+PROBE_X = samples(SAMPLES).tensors[0][:4]  # fixed inputs a sampling callback feeds the model
+
+
+def full_weights(trainer):
+    """The documented way to run the model on some ranks only: every rank enters ``engine.unsharded()`` (it gathers),
+    then a rank may call the model alone. Nothing to do on one device."""
+    engine = getattr(trainer.strategy, "engine", None)
+    return engine.unsharded() if engine is not None else contextlib.nullcontext()
+
+
+class CallsEverywhere(L.Callback):
+    """Calls the model from the hooks users sample or check in, on every rank, with and without autograd."""
+
+    def _probe(self, pl_module, out) -> None:
+        pl_module.probes.append(pl_module.global_mean(out.detach().float().mean()))
+
+    def on_fit_start(self, trainer, pl_module):
+        self._probe(pl_module, pl_module.net(PROBE_X))  # a check before training, autograd on as in user code
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        with torch.no_grad():
+            self._probe(pl_module, pl_module.net(PROBE_X))
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        net = pl_module.net
+        self._probe(pl_module, net(PROBE_X))  # autograd on: nothing calls backward on it
+        with torch.no_grad():
+            self._probe(pl_module, pl_module(PROBE_X))  # LightningModule.forward called by user code
+            h = net.emb(PROBE_X)  # submodules on their own: a root module, then a unit
+            self._probe(pl_module, h)
+            self._probe(pl_module, net.blocks[1](h))
+            self._probe(pl_module, net.head(h))
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        with torch.no_grad():
+            self._probe(pl_module, pl_module.net(PROBE_X, reverse=True))
+
+
+class CallsBetweenAccumulation(L.Callback):
+    """With accumulate_grad_batches=2, calls after the first micro-batch's backward, before the optimizer step."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx % 2 == 0:
+            out = pl_module.net(PROBE_X)  # autograd on
+            pl_module.probes.append(pl_module.global_mean(out.detach().mean()))
+            with torch.no_grad():
+                pl_module.probes.append(pl_module.global_mean(pl_module.net(PROBE_X, reverse=True).mean()))
+
+
+class Rank0InFullWeights(L.Callback):
+    """Rank 0 alone samples several times (as a rank_zero_only callback does) inside the full-weights context."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        with full_weights(trainer):
+            if trainer.is_global_zero:
+                with torch.no_grad():
+                    for reverse in (False, True, False):
+                        pl_module.probes.append(pl_module.net(PROBE_X, reverse=reverse).mean().item())
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+class HFLlama(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = tiny_llama()
+
+    def forward(self, ids: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+        return self.net(input_ids=ids).logits
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = loss_fn(self(x), y)
+        self.step_losses.append(self.global_mean(loss))
+        return loss
+
+
+class GenerateAtEpochEnd(L.Callback):
+    """transformers' generate() in a callback, on every rank, as text samplers do."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        ids = pl_module.net.generate(PROBE_X[:2, :3], max_new_tokens=4, do_sample=False, eos_token_id=None)
+        pl_module.probes.extend(float(t) for t in ids.flatten())
+
+
 # ------------------------------------------------------------------------------------------------ running
 def gather_state(trainer, module) -> dict:
     """The full weights: gathered while the module is sharded (rank 0 keeps them, the other ranks get {}); else,
@@ -617,6 +726,25 @@ def run_pattern(name: str, run: Runner) -> dict:
         if run.rank == 0:
             result["snapshots"] = {"after_first_fit": after_first}
         return result
+    if base == "calls_from_callbacks":
+        trainer = run.trainer(max_epochs=2, limit_val_batches=2, callbacks=[CallsEverywhere()])
+        return run.fit(Validated(), trainer, val=True)
+    if base == "calls_between_accumulation":
+        trainer = run.trainer(max_epochs=2, accumulate_grad_batches=2, callbacks=[CallsBetweenAccumulation()])
+        return run.fit(Base(), trainer)
+    if base == "calls_between_held_accumulation":  # the first micro-batch's gradients are held, not reduced
+        options = {"sync_gradients_while_accumulating": False}
+        trainer = run.trainer(
+            options=options, max_epochs=2, accumulate_grad_batches=2, callbacks=[CallsBetweenAccumulation()]
+        )
+        return run.fit(Base(), trainer)
+    if base == "rank0_in_full_weights":
+        return run.fit(Base(), run.trainer(max_epochs=2, callbacks=[Rank0InFullWeights()]))
+    if base == "hf_generate":
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        trainer = run.trainer(max_epochs=2, wrap={LlamaDecoderLayer}, callbacks=[GenerateAtEpochEnd()])
+        return run.fit(HFLlama(), trainer)
     if base == "rank0_inference":
         module = Base()
         trainer = run.trainer(max_epochs=1)
