@@ -1,15 +1,10 @@
 """Gradient clipping by the global norm over every shard (and pipeline stage): the norm an unsharded run computes.
 
 [Note: the global gradient norm]
-The norm of all gradients is a reduction of per-tensor norms: the sum of their p-th powers, or their maximum for
-the inf norm. Each rank computes that term for its shards, one all-reduce (SUM, or MAX) combines the ranks, and
-the term of the parameters every rank holds whole (ignored ones) is added once, after it. torch's public
-``get_total_norm`` (torch >= 2.6) computes the same local term's root, but it is not used: it returns the norm in
-the gradients' dtype, so with low-precision shards (``precision="bf16-true"``) each rank's term would be rounded
-to bfloat16 before the ranks are combined (measured 0.03-0.5% off the float32 value, against 3e-7 for float32
-gradients), and its inf norm raises on an empty tensor, which a rank past the last row of a parameter holds.
-The per-tensor norms are torch's (``_foreach_norm``, the kernel ``get_total_norm`` uses too), combined in
-float32; the scaling by the total is torch's ``clip_grads_with_norm_``.
+Each rank computes the sum of its shards' per-tensor norms to the p-th power (or their maximum for the inf norm) in
+float32, one all-reduce combines the ranks, and the term of the parameters every rank holds whole is added once.
+torch's ``get_total_norm`` is not used: it rounds each rank's term to the gradients' dtype and its inf norm refuses
+an empty shard (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -36,12 +31,9 @@ def clip_grad_norm_(
     device: torch.device,
     stage_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Clip gradients by the global norm over all shards: the value an unsharded run computes.
-
-    Must be called on every rank of ``shard_comm`` with the same parameters (it all-reduces one scalar);
-    ``is_sharded`` tells a sharded parameter from one every rank holds whole. ``stage_group``: the ranks holding the
-    other pipeline stages (different parameters): the norm is combined over it too, so every stage clips by the
-    whole model's norm.
+    """Clip gradients by the global norm over all shards; call on every rank of ``shard_comm``. ``is_sharded`` tells
+    a shard from a parameter every rank holds whole; ``stage_group``: the ranks of the other pipeline stages, so that
+    every stage clips by the whole model's norm.
     """
     norm_type = float(norm_type)
     params = [p for p in parameters if p.grad is not None]
@@ -77,8 +69,7 @@ def _all_reduce_on(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.Redu
 
 
 def _norm_term(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """This rank's part of the total ``norm_type``-norm of ``grads``: the sum of the per-tensor norms' p-th powers,
-    or their maximum for the inf norm; zero for none (float32, on ``device``)."""
+    """This rank's term of the total ``norm_type``-norm of ``grads`` (float32, on ``device``; zero for none)."""
     if math.isinf(norm_type):
         grads = [g for g in grads if g.numel()]  # an empty shard adds nothing, and torch's inf norm refuses one
     if not grads:

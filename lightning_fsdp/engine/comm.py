@@ -1,44 +1,24 @@
-"""The collectives the engine uses, behind one small interface that also counts the bytes it moves.
+"""The engine's collectives, behind one small interface that also counts the bytes it moves.
 
 [Note: which collectives]
-Only ``all_gather``/``reduce_scatter``/``all_reduce``/``broadcast`` on flat tensors are used, because those exist on
-gloo, NCCL and HCCL alike. Reductions are always SUM followed by an explicit division: ``ReduceOp.AVG`` and
-``PREMUL_SUM`` are missing on some backends, and gloo on older torch returned SUM for them without a word. With
-anomaly checking on, every collective of the training step is preceded by ``Communicator.agree`` (see there), which
-turns a mismatch between ranks into an error naming what each rank was about to do instead of a hang.
+Only flat collectives that gloo, NCCL and HCCL all have. Reductions are SUM followed by an explicit division:
+``ReduceOp.AVG`` and ``PREMUL_SUM`` are missing on some backends, and gloo on older torch returned SUM for them
+without a word. Under anomaly checking ``Communicator.agree`` precedes every collective of the step, turning ranks
+that disagree into an error naming what each was about to do instead of a hang.
 
 [Note: narrow on the wire, wide in the sum]
-A reduce-scatter in bfloat16 rounds every partial sum: a ring over N ranks rounds N - 1 times, and the small
-gradients of a large sum lose their low bits. A reduce-scatter in float32 is exact enough but moves twice the bytes.
-``MixedPrecision(reduce_wire_dtype=torch.bfloat16)`` takes both halves: each rank casts its full gradient to
-bfloat16, an ``all_to_all_single`` hands rank r every rank's r-th chunk, and rank r adds the N received chunks in
-float32 (``WireReduction.wait``). Bytes into the collective are those of a bfloat16 reduce-scatter, half a float32
-one; each rank's gradient is rounded once, on the way out, and the sum is not rounded at all. When the gradients
-are bfloat16 already (``param_dtype=torch.bfloat16``), the cast is exact and the result is the float32 reduction's.
-The price: the receive buffer is N chunks, a full gradient in bfloat16 (a reduce-scatter receives one chunk), and
-``all_to_all`` is one of the collectives every backend has (gloo, NCCL, HCCL), though not always as fast as their
-reduce-scatter. torch's FSDP has no such option: its reduce-scatter sums in the dtype it sends.
+``reduce_wire_dtype``: each rank casts its full gradient to the wire dtype, an ``all_to_all_single`` hands rank r
+every rank's r-th chunk, and rank r adds the N chunks in the wide dtype (``WireReduction.wait``). The bytes of a
+narrow reduce-scatter, but each rank's gradient is rounded once and the sum not at all, where a narrow
+reduce-scatter rounds every partial sum; the price is a receive buffer of N chunks (docs/options.md).
 
 [Note: collectives on gloo]
-gloo has no reduce-scatter of its own, and its all-gather receives into a temporary buffer that it then copies into
-the output. Measured on the 2-core test machine (2 ranks, a 16 MiB float32 full tensor, median of 9, CPU time of the
-process, gloo's threads included): ``reduce_scatter_tensor`` 14.8 ms of CPU (22.6 ms wall), an ``all_to_all_single``
-of the same tensor plus the local sum 7.6 ms (10.0 ms); ``all_gather_into_tensor`` 6.7 ms (12.2 ms), one
-``broadcast`` per rank straight into that rank's chunk of the output 3.7 ms (5.9 ms). On two cores a training step
-is CPU-bound, so on a gloo group of CPU tensors (``Communicator.on_gloo_cpu``) the engine uses the cheaper forms:
-
-* ``reduce_scatter`` is the wide reduction above with the wire in the gradients' own dtype: the all-to-all, then each
-  rank adds its N received chunks in rank order. The same bytes into the collective (``CommStats`` counts them as a
-  reduce-scatter) and the same sum up to the order of the additions (identical on 2 ranks, where a + b is b + a),
-  with a transient receive buffer of N chunks where a reduce-scatter receives one. float32 and float64 only: a local
-  sum of bfloat16 or float16 chunks accumulates in float32 and rounds once, which would make a bfloat16 reduction on
-  gloo more exact than on NCCL (which rounds every partial sum); ``reduce_dtype`` must mean the same everywhere, and
-  ``reduce_wire_dtype`` stays the way to sum wide.
-* ``all_gather`` copies this rank's shard into its chunk of the output and issues one broadcast per rank, each into
-  that rank's chunk: the same bytes, exact, N collectives where gloo's all-gather is one (up to
-  ``_BROADCAST_GATHER_MAX_RANKS`` ranks; beyond, gloo's own all-gather).
-
-NCCL and HCCL keep their reduce-scatter and all-gather, which are what they are fastest at.
+gloo has no reduce-scatter of its own and its all-gather copies out of a temporary; on a CPU-bound step the forms
+below take about half their CPU time (docs/decisions.md). On a gloo group of CPU tensors (``on_gloo_cpu``),
+``reduce_scatter`` of float32/float64 is the all-to-all above in the gradients' own dtype, each rank adding its N
+chunks in rank order (the same sum up to the order of the additions; narrower dtypes keep gloo's, as a float32
+local sum would be more exact than NCCL's), and ``all_gather`` is one broadcast per rank into its chunk of the
+output (exact; up to ``_BROADCAST_GATHER_MAX_RANKS`` ranks).
 """
 
 from __future__ import annotations
@@ -68,16 +48,14 @@ class CommStats:
     all_gather_calls: int = 0
     reduce_scatter_calls: int = 0
     all_reduce_calls: int = 0
-    # The largest number of non-root units whose full parameters were alive (unsharded, or an unshard in flight) at
-    # once. The root is left out: it stays unsharded from its forward to its backward by design.
+    # Most non-root units alive (unsharded or unsharding) at once; the root stays unsharded into backward by design.
     peak_gathered_units: int = 0
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]
 
 
-# On gloo: the dtypes whose reduce-scatter becomes an all-to-all and a local sum, and the most ranks an all-gather is
-# done by broadcasts for (see [Note: collectives on gloo]).
+# See [Note: collectives on gloo].
 _SUMMED_AS_SENT = (torch.float32, torch.float64)
 _BROADCAST_GATHER_MAX_RANKS = 8
 
@@ -94,9 +72,8 @@ class Works(NamedTuple):
 
 
 def wait_naming_timeout(work: Any, timeout_ms: int | None) -> None:
-    """``work.wait()``; a timeout raised by gloo's broadcast or all-to-all ("Application timeout caused pair
-    closure", which, unlike its all-gather's error, does not say how long it waited) is raised again naming the
-    group's timeout."""
+    """``work.wait()``, naming the group's timeout when gloo's broadcast or all-to-all times out (their error,
+    unlike its all-gather's, does not say how long it waited)."""
     try:
         work.wait()
     except RuntimeError as error:
@@ -170,13 +147,9 @@ class Communicator:
         self.describe_tag: Callable[[int], str] = lambda tag: f"collective #{tag}"
 
     def agree(self, tag: int) -> None:
-        """With anomaly checking on, confirm every rank is about to issue the same collective (``tag``).
-
-        A module that runs on some ranks and not on others (data-dependent control flow) would otherwise pair one
-        rank's all-gather with another rank's reduce-scatter: a hang, or a silent mix of unrelated tensors when the
-        sizes happen to match. Costs one small all-gather per collective, so it only runs under
-        ``torch.autograd.set_detect_anomaly(True)`` (``Trainer(detect_anomaly=True)``).
-        """
+        """Under anomaly checking, confirm every rank is about to issue the same collective (``tag``): otherwise a
+        unit run on some ranks only pairs unrelated collectives, a hang or a silent mix of tensors. One small
+        all-gather per collective."""
         if self.world_size == 1 or not torch.is_anomaly_enabled():
             return
         mine = torch.tensor([tag], dtype=torch.int64, device=self.device)
@@ -200,10 +173,8 @@ class Communicator:
         return out
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False) -> Any:
-        """``output`` (N * shard.numel(),) receives every rank's ``shard`` in rank order.
-
-        With ``async_op`` the returned work handle must be waited on before ``output`` is read.
-        """
+        """``output`` (N * shard.numel(),) receives every rank's ``shard`` in rank order; with ``async_op``, wait on
+        the returned handle before reading it."""
         self.stats.all_gather_bytes += shard.numel() * shard.element_size()
         self.stats.all_gather_calls += 1
         if self.world_size == 1:
@@ -226,10 +197,8 @@ class Communicator:
         return all_gather_flat(output, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, async_op: bool = False) -> Any:
-        """SUM-reduce ``full`` (N * output.numel(),) across ranks; this rank receives its slice in ``output``.
-
-        With ``async_op`` the returned work handle (None when there is nothing to wait for) must be waited on
-        before ``output`` is read, and ``full`` kept alive until then."""
+        """SUM-reduce ``full`` (N * output.numel(),) across ranks into this rank's slice, ``output``; with
+        ``async_op``, keep ``full`` alive and wait on the returned handle (if any) before reading ``output``."""
         if self.on_gloo_cpu and full.dtype in _SUMMED_AS_SENT:
             return self.reduce_scatter_wide(output, full, full.dtype, async_op=async_op)
         self.stats.reduce_scatter_bytes += full.numel() * full.element_size()
@@ -242,10 +211,8 @@ class Communicator:
     def reduce_scatter_wide(
         self, output: torch.Tensor, full: torch.Tensor, wire_dtype: torch.dtype, *, async_op: bool = False
     ) -> WireReduction | None:
-        """``reduce_scatter`` that sends ``full`` as ``wire_dtype`` and sums in ``output``'s dtype on the receiving
-        rank (see [Note: narrow on the wire, wide in the sum]). ``full`` may be freed as soon as this returns.
-
-        With ``async_op`` the returned handle's ``wait()`` completes the exchange and writes the sum into ``output``."""
+        """``reduce_scatter`` sending ``full`` as ``wire_dtype``, summed in ``output``'s dtype (see [Note: narrow on
+        the wire, wide in the sum]); ``full`` may be freed on return, the handle's ``wait()`` writes ``output``."""
         wire = full.to(wire_dtype)
         self.stats.reduce_scatter_bytes += wire.numel() * wire.element_size()
         self.stats.reduce_scatter_calls += 1

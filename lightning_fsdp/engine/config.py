@@ -1,6 +1,5 @@
-"""The engine's public option types (``ShardingStrategy``, ``BackwardPrefetch``, ``MixedPrecision``, ``WrapPolicy``)
-and the parser of each value: the type itself or its spelling in a YAML config (a string, a dict); a bad value raises
-naming it and the valid choices. ``ShardingOptions`` (``options.py``) combines them."""
+"""The engine's public option types and the parser of each value: the type itself or its YAML spelling (a string, a
+dict); a bad value raises naming it and the valid choices."""
 
 from __future__ import annotations
 
@@ -16,12 +15,10 @@ from torch import nn
 class ShardingStrategy(enum.Enum):
     """How parameters, gradients and optimizer state are split across the ranks of the shard group.
 
-    FULL_SHARD: parameters are gathered for each unit's forward, freed, and gathered again for its backward.
-    SHARD_GRAD_OP: parameters stay gathered from a unit's forward until its backward has finished.
-    NO_SHARD: every rank keeps the whole model and gradients are all-reduced, as with DDP.
-    HYBRID_SHARD / HYBRID_SHARD_ZERO2: FULL_SHARD / SHARD_GRAD_OP within a shard group (by default one node's
-    processes), replicated across shard groups; gradients are reduce-scattered within the shard group and then
-    all-reduced across replicas.
+    FULL_SHARD: a unit is gathered for its forward, freed, and gathered again for its backward. SHARD_GRAD_OP: it
+    stays gathered from its forward until its backward ends. NO_SHARD: every rank holds the whole model and gradients
+    are all-reduced (DDP). HYBRID_SHARD / HYBRID_SHARD_ZERO2: FULL_SHARD / SHARD_GRAD_OP within a shard group (by
+    default one node's processes), replicated across shard groups.
     """
 
     FULL_SHARD = "FULL_SHARD"
@@ -72,12 +69,8 @@ WrapPolicyCallable = Callable[[nn.Module, bool, int], bool]
 
 @dataclass(frozen=True)
 class WrapPolicy:
-    """A normalised auto-wrap policy: decides which modules become their own sharded unit.
-
-    ``classes``: modules of these types are units. ``fn``: a callable ``(module, recurse, nonwrapped_numel)``
-    with the meaning torch's FSDP gives it. ``min_num_params``: a module with at least this many parameters
-    not already inside a unit becomes a unit.
-    """
+    """A normalised auto-wrap policy: modules of ``classes``, those ``fn(module, recurse, nonwrapped_numel)`` selects
+    (torch FSDP's meaning), and those with at least ``min_num_params`` parameters not already in a unit."""
 
     classes: tuple[type[nn.Module], ...] = ()
     fn: WrapPolicyCallable | None = None
@@ -135,9 +128,8 @@ def parse_auto_wrap_policy(value: Any) -> WrapPolicy:
 
 
 def check_call_signature(fn: Callable[..., Any], option: str, call: str) -> None:
-    """Raise a ``TypeError`` naming ``option`` if ``fn`` cannot be called with the positional arguments ``call``
-    lists (e.g. ``"(module)"``): caught here, on every rank, rather than as a bare TypeError once sharding starts.
-    Callables whose signature Python cannot inspect are accepted as they are."""
+    """Raise a ``TypeError`` naming ``option`` if ``fn`` cannot take the positional arguments ``call`` lists (e.g.
+    ``"(module)"``), on every rank, before sharding starts. Signatures Python cannot inspect pass."""
     import inspect
 
     try:
@@ -161,19 +153,13 @@ def _wrap_policy_error(value: Any) -> str:
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """Low-precision compute while the full-precision shards stay the optimizer's master weights.
+    """Low-precision compute while the full-precision shards stay the optimizer's master weights (docs/options.md).
 
-    ``param_dtype``: dtype of the gathered (full) parameters the forward and backward compute with; the all-gather
-    moves this dtype. ``reduce_dtype``: dtype gradients are reduce-scattered in (defaults to ``param_dtype``).
-    ``buffer_dtype``: buffers are cast to it when the model is sharded. ``keep_low_precision_grads``: must stay
-    False here: a parameter's ``.grad`` must have the parameter's dtype, and the shards are full-precision master
-    weights, so reduced gradients are converted to the shards' dtype. ``cast_forward_inputs``: every unit casts
-    floating-point inputs to ``param_dtype``;
-    ``cast_root_forward_inputs``: the root unit does (default). ``reduce_wire_dtype`` (``torch.bfloat16`` or
-    ``torch.float16``): gradients travel in this narrower dtype but are summed in the reduce dtype on the rank that
-    receives them (an all-to-all of the chunks, then a local sum; see ``lightning_fsdp.engine.comm``): half the
-    reduction's bytes of a float32 reduce-scatter, with one rounding per rank's gradient instead of one per partial
-    sum. Sharded strategies only (NO_SHARD all-reduces).
+    ``param_dtype``: the dtype units are gathered and compute in. ``reduce_dtype``: the dtype gradients are reduced
+    in (default ``param_dtype``). ``buffer_dtype``: buffers are cast to it at sharding. ``keep_low_precision_grads``
+    must stay False: reduced gradients take the shards' dtype. ``cast_forward_inputs``: every unit casts floating
+    inputs to ``param_dtype``; ``cast_root_forward_inputs``: the root does (default). ``reduce_wire_dtype``
+    (bfloat16 or float16, sharded strategies only): gradients travel in it and are summed in the reduce dtype.
     """
 
     param_dtype: torch.dtype | None = None

@@ -1,35 +1,21 @@
-"""The engine's user-facing controls (torch FSDP2's ``FSDPModule`` methods, for the whole model or chosen units):
-what a pipeline schedule or a gradient-accumulation loop calls between forwards and backwards.
+"""The engine's user-facing controls (torch FSDP2's ``FSDPModule`` methods, for the whole model or chosen units), for
+pipeline schedules and gradient-accumulation loops.
 
 [Note: engine controls]
-The controls (named as torch FSDP2's, for pipeline schedules and gradient accumulation) are per-unit state, not
-arguments of a call: each is read by the unit's hook at the moment that hook acts, so setting one between
-microbatches changes what the next hook does, and what a unit holds (kept parameters, a secondary shard, gradients)
-stays until a later hook or call releases it. The engine's setters set every unit alike; every rank must set the
-same values at the same points, as the collectives depend on them.
+The controls are per-unit state, not arguments of a call: each is read by the unit's hook at the moment it acts, so
+setting one between microbatches changes what the next hook does, and what a unit holds (kept parameters, a
+secondary shard, held gradients) stays until a later hook or call releases it. Every rank must set the same values
+at the same points, as the collectives depend on them. The flags are independent: ``no_sync`` with
+``reshard_after_backward`` off neither communicates gradients nor gathers again until the last microbatch.
 
-* ``requires_gradient_sync`` is read when a unit's backward ends. True: its gradients, plus any it holds, are reduced
-  into the shards' ``.grad`` (one reduction, as always). False: they are added to the full-size gradients it holds
-  (``FlatUnit.hold_grads``), with no communication; the next backward with sync on reduces the sum once (DDP's and
-  FSDP2's ``no_sync``). An optimizer step over a unit that holds gradients raises before stepping: its shards'
-  ``.grad`` lacks them. ``zero_grad`` does not see held gradients (they are not ``.grad``). Parameters the engine
-  keeps whole (ignored ones) are still averaged at every backward: the result is the same, only the traffic is not.
-* ``reshard_after_backward`` is read when a unit's backward ends. False: the unit stays unsharded and ``kept``.
-* ``unshard()`` unshards every unit now and keeps it; ``reshard()`` reshards every unit now.
-* A ``kept`` unit is left alone by every reshard the engine does on its own: after its forward (whatever
-  ``reshard_after_forward`` says), after its backward, at the next root forward, and to make room for prefetches. So
-  the next microbatches' forwards and backwards gather nothing. (torch's FSDP2 still reshards such a unit after its
-  next forward when ``reshard_after_forward`` is True, and gathers it again in backward.) It never computes with
-  stale weights: every optimizer step reshards every unit, kept ones too, so the next use gathers the updated
-  shards; so do ``reshard()``, ``reshard_idle()`` (checkpoints) and ``restore_unsharded()``.
-* ``reshard_after_forward`` is read when a unit's forward ends (never for the root, whose parameters backward needs
-  first, nor for a kept unit). False: the unit stays unsharded until its backward ends. True: it is resharded. An int
-  N: it is resharded, but first keeps this rank's 1/N of the full parameters (``SecondaryShard``), so its backward's
-  unshard all-gathers over the N consecutive ranks of the shard group this rank belongs to (ZeRO++ hpZ) instead of
-  the whole group. The secondary shard is used up by that unshard and dropped by any other reshard (an optimizer step
-  between a forward and its backward would have made it stale); the unshard then gathers from the shard group.
-* The flags are independent of one another: no_sync with reshard_after_backward off is gradient accumulation that
-  neither communicates gradients nor gathers parameters again until the last microbatch and the optimizer step.
+* Held gradients are not ``.grad``: ``zero_grad`` does not see them, and an optimizer step over a unit that holds
+  some raises before stepping. Ignored parameters are still averaged at every backward (same result, more traffic).
+* A ``kept`` unit is left alone by every reshard the engine does on its own (after forward or backward, at the next
+  root forward, for prefetch room), where torch's FSDP2 still reshards it after a forward with
+  ``reshard_after_forward``. It never computes with stale weights: every optimizer step reshards every unit, kept
+  ones too; so do ``reshard()``, ``reshard_idle()`` and ``restore_unsharded()``.
+* An optimizer step between a forward and its backward drops the secondary shard (stale): that backward gathers
+  from the whole shard group.
 """
 
 from __future__ import annotations
@@ -67,10 +53,8 @@ class EngineControls:
     @contextmanager
     def unsharded(self, units: Iterable[FlatUnit] | None = None) -> Iterator[None]:
         """Hold the full parameters of ``units`` (default: all) in their modules for the block (torch FSDP's
-        ``summon_full_params``): enter it on every rank, after which calls of the model inside it make no
-        collective, so one rank may run the model alone (sampling on rank 0). The units stay unsharded during the
-        block (kept); those unsharded before are left so on exit, the others are resharded. The gathering runs
-        without autograd; use it between steps, not inside one."""
+        ``summon_full_params``). Enter it on every rank; calls of the model inside it make no collective, so one
+        rank may run the model alone. On exit, units that were sharded before are resharded. Use it between steps."""
         units = list(self.units if units is None else units)
         was = [(u.is_unsharded, u.kept) for u in units]
         try:
@@ -88,11 +72,9 @@ class EngineControls:
     def set_requires_gradient_sync(self, requires: bool, units: Iterable[FlatUnit] | None = None) -> None:
         """Whether each unit's backward reduces its gradients across ranks (default True; torch FSDP2's name).
 
-        With False, a unit's backward only adds its full-size gradients to the ones it holds (memory: one full
-        gradient per unit, until reduced); the next backward with True reduces the accumulated sum once, as
-        syncing every backward would have (gradient accumulation without communication on all but the last
-        micro-batch). An optimizer step while gradients are held raises ``RuntimeError``. ``units``: only these
-        (default: all; pipeline stages on one rank reduce at different backwards).
+        With False, a backward adds its full-size gradients to the ones the unit holds (one full gradient per unit);
+        the next backward with True reduces the sum once. An optimizer step while gradients are held raises
+        ``RuntimeError``. ``units``: only these (default: all).
         """
         check_flag(requires, "requires")
         for unit in self.units if units is None else units:
@@ -120,9 +102,8 @@ class EngineControls:
     def set_reshard_after_backward(self, flag: bool) -> None:
         """Whether each unit frees its full parameters when its backward ends (default True; torch FSDP2's name).
 
-        With False a unit stays unsharded after its backward, so the next micro-batches' forwards and backwards
-        all-gather nothing; the next optimizer step (or ``reshard()``) frees it, so it never computes with stale
-        weights. Costs the unit's full parameters in memory from its backward to that step.
+        With False the next micro-batches gather nothing, at the cost of the full parameters in memory until the next
+        optimizer step (or ``reshard()``) frees them.
         """
         check_flag(flag, "flag")
         for unit in self.units:
@@ -131,12 +112,9 @@ class EngineControls:
     def set_reshard_after_forward(self, value: bool | int | None) -> None:
         """What each unit (except the root) does with its full parameters when its forward ends.
 
-        True frees them (backward all-gathers them again over the shard group); False keeps them until backward;
-        an int N (1 < N < shard group size, dividing it) frees them but keeps this rank's 1/N of them, so
-        backward's all-gather runs over N consecutive ranks of the shard group only (ZeRO++ hpZ: less traffic
-        across nodes, 1/N of the unit in memory meanwhile). None: the sharding strategy's default (FULL_SHARD and
-        HYBRID_SHARD True, the others False). A bad value raises ``ValueError`` before any collective. The first
-        use of an N creates torch process groups: call on every rank of the world, with the same value.
+        True frees them; False keeps them until backward; an int N (1 < N < shard group size, dividing it) frees
+        them but keeps this rank's 1/N, so backward gathers over N consecutive ranks only (ZeRO++ hpZ). None: the
+        sharding strategy's default. The first use of an N creates process groups: call it on every rank.
         """
         check_reshard_after_forward(value, self.root_unit.world_size)
         if value is None:
@@ -156,11 +134,9 @@ class EngineControls:
         return comm
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather every unit now and keep it unsharded (torch FSDP2's ``unshard``, for the whole model).
-
-        Forwards and backwards then gather nothing and free nothing until ``reshard()`` or the next optimizer step
-        frees the units. With ``async_op`` the all-gathers are only issued and the returned handle's ``wait()``
-        completes them (a unit's forward also completes its own). Call on every rank of the shard group.
+        """All-gather every unit now and keep it unsharded until ``reshard()`` or the next optimizer step (torch
+        FSDP2's ``unshard``). With ``async_op`` the returned handle's ``wait()`` completes the all-gathers. Call on
+        every rank of the shard group.
         """
         check_flag(async_op, "async_op")
         for unit in self.units:
@@ -184,10 +160,8 @@ class EngineControls:
 
     @contextmanager
     def backward_scope(self, units: Iterable[FlatUnit]) -> Iterator[None]:
-        """Backwards run inside this block concern ``units`` only: their end reduces (or holds) and forgets the step
-        of these units and leaves every other unit as it is. For parts of a model whose backwards run separately,
-        such as two pipeline stages on one rank: a backward of one must neither reduce the other's units early nor
-        drop the records of their forwards, whose backwards are still to come."""
+        """Backwards run inside this block end the step of ``units`` only and leave every other unit as it is: for
+        parts of a model whose backwards run separately, such as two pipeline stages on one rank."""
         previous = self._backward_scope
         self._backward_scope = {id(unit) for unit in units}
         try:

@@ -1,6 +1,4 @@
-"""What the engine tells the user when something goes wrong: which collective a rank was in (for timeouts and for
-ranks that disagree, through ``Communicator.agree`` tags) and which parameters had non-finite gradients (anomaly
-checking)."""
+"""What the engine says when something goes wrong: the collective a rank was in, and non-finite gradients."""
 
 from __future__ import annotations
 
@@ -38,8 +36,7 @@ def describe_collective(units: list[FlatUnit], tag: int) -> str:
 
 
 def report_nonfinite(local: list[str], comms: list[Communicator]) -> None:
-    """Anomaly checking: name every parameter whose gradient was NaN or Inf on some rank (``local``: this rank's), on
-    every rank of ``comms`` (the shard group, then the replicas)."""
+    """Anomaly checking: raise on every rank of ``comms`` naming each parameter whose gradient was not finite."""
     found: dict[str, set[str]] = {}
     for name in local:
         found.setdefault(name, set()).add(f"rank {dist.get_rank() if dist.is_initialized() else 0}")

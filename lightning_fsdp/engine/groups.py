@@ -1,5 +1,4 @@
-"""The process groups the engine checks and builds: the shard / replicate groups ``fully_shard`` is given, and the
-smaller groups ``reshard_after_forward=N`` (ZeRO++ hpZ) gathers over."""
+"""The process groups the engine checks (``fully_shard``'s) and builds (hpZ, ``reshard_after_forward=N``)."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ def is_process_group(value: Any) -> bool:
 
 
 def check_engine_groups(strategy: ShardingStrategy, process_group: Any, replicate_group: Any) -> None:
-    """``fully_shard``'s group arguments: ``ProcessGroup`` objects or ``None``, and a replicate group for the hybrid
-    strategies."""
+    """``ProcessGroup`` objects or ``None``, and a replicate group for the hybrid strategies."""
     if strategy.is_hybrid and replicate_group is None:
         raise ValueError(f"sharding_strategy={strategy.value!r} needs a replicate_group beside the shard group.")
     for name, group in (("process_group", process_group), ("replicate_group", replicate_group)):

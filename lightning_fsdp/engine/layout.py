@@ -1,13 +1,8 @@
-"""One parameter's shard layout: which rows of it each rank holds, and how big its slot in a flat collective is.
-
-(This module is the chunking rule only; ``sharding.py`` is ``fully_shard``, which applies it to a whole model.)
+"""One parameter's shard layout (the chunking rule; ``sharding.py`` applies it to a model).
 
 [Note: the chunking rule]
-Rank ``r`` of ``N`` holds rows ``[r*c, min((r+1)*c, d0))`` with ``c = ceil(d0 / N)``: ``torch.chunk`` semantics on
-dim 0, as torch's FSDP shards (so ranks past the end hold zero rows, and a 0-dim parameter counts as one row of one
-element). Communication buffers give every rank ``c`` rows so that one flat collective serves a whole unit; the
-padding rows are zero and never reach a user-visible tensor. Checkpoints of the local format store these rows, so
-the rule must not change.
+``torch.chunk`` semantics on dim 0, as torch's FSDP shards (docs/how-it-works.md); a 0-dim parameter counts as one
+row of one element. Checkpoints of the local format store these rows, so the rule must not change.
 """
 
 from __future__ import annotations
@@ -28,7 +23,6 @@ class ShardLayout:
 
     @property
     def rows(self) -> int:
-        # A 0-dim parameter is laid out as one row of one element.
         return self.shape[0] if len(self.shape) > 0 else 1
 
     @property

@@ -2,14 +2,9 @@
 
 [Note: validate before the first collective]
 Every option is checked on every rank before any process group exists (``FSDPStrategy.__init__``) or before the
-first collective (``fully_shard``): a bad value then raises the same ``TypeError`` / ``ValueError`` on every rank,
-naming the value and the valid choices, instead of failing on one rank while the others wait in a collective.
-``ShardingOptions.parse`` is the only place the options of the engine are checked; the strategy builds one from its
-constructor's arguments, and ``fully_shard`` builds one from its keyword arguments (parsing an already parsed value
-returns it unchanged, so the strategy can hand its options on).
-
-The value parsers live in ``config.py`` beside the types they produce; the checks of the Lightning-only arguments
-live outside the engine, in ``lightning_fsdp/options.py``.
+first collective (``fully_shard``), so a bad value raises the same error everywhere instead of failing on one rank
+while the others wait in a collective. Parsing a parsed value returns it unchanged, so the strategy hands its options
+on to ``fully_shard``.
 """
 
 from __future__ import annotations
@@ -37,12 +32,8 @@ from lightning_fsdp.engine.config import (
 
 @dataclass(frozen=True)
 class ShardingOptions:
-    """The validated options of the sharding engine (see ``fully_shard`` and ``FSDPStrategy`` for their meaning).
-
-    Built with ``ShardingOptions.parse(...)``, never directly: ``parse`` is where every value is checked.
-    ``mixed_precision`` is ``None`` when not given (the strategy then takes it from ``Trainer(precision=...)``).
-    ``ignored_modules`` / ``ignored_states`` are tuples of objects, or also of names where ``names=True``.
-    """
+    """The validated options of the sharding engine; build it with ``parse``, where every value is checked.
+    ``mixed_precision`` is None when not given (the strategy then takes it from ``Trainer(precision=...)``)."""
 
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
     auto_wrap_policy: WrapPolicy = WrapPolicy()
@@ -77,10 +68,8 @@ class ShardingOptions:
     ) -> ShardingOptions:
         """Check and normalise the user's values; raises ``TypeError`` / ``ValueError`` naming the bad one.
 
-        ``cpu_offload`` also takes torch's ``CPUOffload(offload_params=...)``. ``names``: ``ignored_modules`` /
-        ``ignored_states`` may also name submodules and parameters (strings, handy in YAML configs), as the
-        strategy's options may; ``resolve_names`` turns them into objects once the model exists.
-        """
+        ``names``: ``ignored_modules`` / ``ignored_states`` may also hold names (strings, as in YAML configs), which
+        the strategy resolves once the model exists."""
         cpu_offload = getattr(cpu_offload, "offload_params", cpu_offload)  # torch's CPUOffload(offload_params=...)
         for option, flag in (
             ("forward_prefetch", forward_prefetch),
@@ -112,14 +101,13 @@ class ShardingOptions:
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any], *, names: bool = False) -> ShardingOptions:
-        """``parse`` over the entries of ``arguments`` named like the fields. ``FSDPStrategy.__init__`` and
-        ``fully_shard`` pass their ``locals()``: their option parameters carry the fields' names, so the list of
-        options is written once, here (a caller missing one raises ``KeyError``: it must take every option)."""
+        """``parse`` over the entries of ``arguments`` named like the fields (callers pass their ``locals()``, so the
+        list of options is written once, here; a caller missing one raises ``KeyError``)."""
         fields = [field.name for field in dataclasses.fields(cls)]
         return cls.parse(**{name: arguments[name] for name in fields}, names=names)
 
     def as_kwargs(self) -> dict[str, Any]:
-        """The options as ``fully_shard`` keyword arguments (a shallow copy: modules stay the same objects)."""
+        """The options as ``fully_shard`` keyword arguments."""
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
 
@@ -130,12 +118,8 @@ def check_flag(value: Any, option: str) -> None:
 
 
 def check_reshard_after_forward(value: Any, shard_group_size: int | None = None) -> None:
-    """``reshard_after_forward``: None (the sharding strategy decides), True, False, or an int N, the size of the
-    smaller group each unit reshards to after forward (ZeRO++ hpZ), with 1 < N < the shard group's size, dividing it.
-
-    Without ``shard_group_size`` (options given before any process group exists) only what does not depend on it is
-    checked; ``fully_shard`` and ``ShardingEngine.set_reshard_after_forward`` check the rest, before any collective.
-    """
+    """None, True, False, or an int N with 1 < N < ``shard_group_size`` dividing it (ZeRO++ hpZ). Without
+    ``shard_group_size`` (no process group yet) only what does not depend on it is checked."""
     if value is None or isinstance(value, bool):
         return
     expected = "True, False, None (the sharding strategy decides) or an int N"
@@ -158,11 +142,8 @@ def check_reshard_after_forward(value: Any, shard_group_size: int | None = None)
 
 
 def item_list(value: Any, option: str, kinds: tuple[type, ...]) -> tuple:
-    """``ignored_modules`` / ``ignored_states`` as a tuple: an iterable of entries, or one entry on its own.
-
-    A module (even an iterable one such as ``nn.ModuleList``), a tensor, a string or a mapping is one entry; every
-    entry must be an instance of one of ``kinds`` (``str`` among them where names are allowed).
-    """
+    """An iterable of entries, or one entry (a module, even an ``nn.ModuleList``, a tensor, a string, a mapping), as a
+    tuple whose entries are all instances of ``kinds``."""
     if value is None:
         return ()
     names = [_KIND_NAMES.get(kind, kind.__name__) for kind in kinds]
@@ -185,11 +166,7 @@ _KIND_NAMES = {nn.Module: "nn.Module", nn.Parameter: "nn.Parameter"}
 
 
 def split_ignored(root: nn.Module, options: ShardingOptions) -> tuple[list[nn.Module], list[nn.Parameter]]:
-    """The ignored modules and the ignored parameters of ``root`` (``ignored_states`` holds both kinds).
-
-    Raises ``ValueError`` for an entry that does not belong to ``root`` (a module of another model instance), which
-    would otherwise be silently sharded.
-    """
+    """The ignored modules and the ignored parameters of ``root`` (``ignored_states`` holds both kinds)."""
     modules = list(options.ignored_modules)
     params = []
     for item in options.ignored_states:
@@ -209,8 +186,7 @@ def split_ignored(root: nn.Module, options: ShardingOptions) -> tuple[list[nn.Mo
 def _refuse_foreign(
     option: str, items: list, own: Iterable[Any], root: nn.Module, kind: str, describe: Callable[[Any], str]
 ) -> None:
-    """Raise for an entry of ``option`` that is not one of ``root``'s own ``kind`` (e.g. a module of another model
-    instance): it would otherwise be silently sharded."""
+    """Raise for an entry that is not ``root``'s own (a module of another model instance would be silently sharded)."""
     own_ids = {id(x) for x in own}
     for item in items:
         if id(item) not in own_ids:

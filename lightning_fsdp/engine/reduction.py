@@ -1,5 +1,5 @@
-"""A unit's gradient half: reducing its gradients across ranks into the shards' ``.grad``, or holding them while
-gradient sync is off. ``FlatUnit`` inherits it; ``FlatUnit.post_backward`` is where a step reaches it.
+"""A unit's gradient half, inherited by ``FlatUnit``: reducing its gradients across ranks into the shards' ``.grad``,
+or holding them while gradient sync is off.
 """
 
 from __future__ import annotations
@@ -16,16 +16,9 @@ class GradientReduction:
     """The gradient methods of ``FlatUnit`` (its attributes are the unit's; see ``FlatUnit.__init__``)."""
 
     def reduce_grads(self) -> None:
-        """Start averaging this step's full gradients across ranks into the shards' ``.grad``; ``finish_reduce``
-        completes it. The collective runs while backward goes on with other units.
-
-        Each rank also contributes, per parameter, 1 if it has a gradient and 0 if not, packed behind its chunk of
-        the same collective: the engine reads the sums at the end of backward and leaves ``.grad`` as ``None`` for
-        parameters no rank used, as a single process would.
-
-        On an accelerator all of it, the post-reduce work included, is queued at once on the reduce-scatter stream
-        (see [Note: collectives on their own streams]); ``finish_reduce`` makes the compute stream wait for it.
-        """
+        """Start averaging this step's full gradients across ranks, with one used-flag per parameter behind each
+        rank's chunk; ``finish_reduce`` completes it. On an accelerator all of it is queued at once on the
+        reduce-scatter stream (see [Note: collectives on their own streams])."""
         streams = self.streams
         if not streams.active:
             self._start_reduce()
@@ -37,8 +30,7 @@ class GradientReduction:
             for slot in plan.slots:
                 for grad in (slot.full.grad, slot.unsynced_grad):
                     if grad is not None:
-                        # Allocated on the compute stream, read by this one: freed as soon as the copy-in is queued,
-                        # so not handed out again before this stream has read it.
+                        # Freed once the copy-in is queued: not reused before this stream has read it.
                         streams.record_stream(grad, streams.reduce_scatter_stream)
             self._start_reduce()
             pending = self._pending_reduce
@@ -117,8 +109,7 @@ class GradientReduction:
     def _used_flags(self, used: list[bool]) -> torch.Tensor:
         if not self.streams.active:
             return torch.tensor(used, dtype=self.compute_dtype, device=self.device)
-        # No host-to-device copy on an accelerator: a blocking one makes the host wait until the stream (which has
-        # just waited for the compute stream) drains, once per reduction. Fills queue without waiting.
+        # Filled on the device: a blocking host-to-device copy would stall the host until the stream drained.
         flags = torch.ones(len(used), dtype=self.compute_dtype, device=self.device)
         for j, had_grad in enumerate(used):
             if not had_grad:
@@ -197,7 +188,6 @@ class GradientReduction:
         used-flags' sums."""
         plan, reduced = pending.plan, pending.output
         if pending.staged_out is not None:
-            # Parameters reduced through the padded copy, and the flags: into their places in ``reduced``.
             regions = [
                 reduced[plan.offsets[j] : plan.offsets[j] + plan.slots[j].layout.padded_numel] for j in plan.staged
             ]
@@ -215,8 +205,7 @@ class GradientReduction:
 
     def _to_shard_device(self, reduced: torch.Tensor) -> torch.Tensor:
         if self.pinned and self.streams.active:
-            # Offloaded from an accelerator: into pinned host memory, asynchronously on the reduce-scatter stream. The
-            # host waits for it before reading it (the end of backward, or an accumulation in finish_reduce).
+            # Offloaded from an accelerator: copied asynchronously into pinned memory, waited for before the host reads.
             host = torch.empty(reduced.shape, dtype=self.dtype, pin_memory=True)
             host.copy_(reduced.to(self.dtype), non_blocking=True)
             return host

@@ -1,8 +1,5 @@
-"""Which engine sharded which module, and the engines still live.
-
-torch has only process-wide optimizer hooks, so one pair is registered for every live engine (held weakly): before
-a step an engine refuses gradients held with sync off, after it it reshards what the step made stale (see
-[Note: engine controls] in ``controls.py``).
+"""Which engine sharded which module, the live engines (held weakly), and one pair of process-wide optimizer-step
+hooks for all of them: before a step an engine refuses held gradients, after it it reshards what the step made stale.
 """
 
 from __future__ import annotations

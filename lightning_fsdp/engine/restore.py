@@ -1,5 +1,4 @@
-"""Giving a module its full parameters back: how an engine ends (``ShardingEngine.restore_unsharded``), after which
-the module is an ordinary one."""
+"""Giving a module its full parameters back when its engine ends (``ShardingEngine.restore_unsharded``)."""
 
 from __future__ import annotations
 
@@ -10,9 +9,8 @@ from lightning_fsdp.engine.unit import FlatUnit
 
 @torch.no_grad()
 def restore_full_parameters(units: list[FlatUnit], device: torch.device | str) -> None:
-    """Every parameter of ``units`` gets its full value on ``device`` and is put back into the modules using it in
-    place of the stand-ins; the units' buffers are released. One unit is unsharded at a time (peak memory on the
-    accelerator: one unit in full). Gradients are dropped: they were shards."""
+    """Every parameter of ``units`` gets its full value on ``device``, back in its modules; the buffers are released.
+    One unit at a time (peak: one unit in full). Gradients, which were shards, are dropped."""
     for unit in units:
         unit.reshard()
         fulls = unit.full_tensors()

@@ -1,21 +1,12 @@
-"""The states of the engine and its units (torch FSDP2's ``_fsdp_common``): the engine's training state, where a
-unit's parameters are, its calls in a step, its parameters' slots, and the collectives it has in flight (named
-tuples, as FSDP2's in-flight work).
+"""The states of the engine and its units (torch FSDP2's ``_fsdp_common``), and the collectives in flight.
 
 [Note: a unit's states]
-``ShardedState`` says where the unit's parameters are (SHARDED, UNSHARDING: an all-gather issued ahead of need,
-UNSHARDED); ``UnitStepState`` counts the unit's calls in the current training step, which decide when its
-gradients can be reduced (see ``ShardingEngine``). Both are declared here; the engine only drives them. Three more
-pieces of state outlive a step; the engine's controls set them (see [Note: engine controls] in ``controls.py``):
-
-* ``kept``: the unit stays unsharded (an explicit ``ShardingEngine.unshard``, or the end of a backward with
-  ``reshard_after_backward`` off) until ``reshard()`` is called on it; the engine's own reshards leave it alone.
-* the secondary shard (``reshard(secondary=comm)`` after a forward, ZeRO++ hpZ): this rank's 1/N of the full
-  parameters, enough for the next unshard to all-gather over the N ranks of ``comm`` instead of the shard group.
-  The next unshard consumes it; any other reshard drops it (the shards may have changed since).
-* held gradients (``hold_grads``, gradient sync off): each parameter's full-size gradient summed over the backwards
-  since the last reduction (``ParamSlot.unsynced_grad``), added to the next backward's before it is reduced; and
-  ``grads_unsynced``, the same on every rank, which keeps the held parameters in the next reduction's plan.
+``ShardedState`` says where the unit's parameters are; ``UnitStepState`` counts its calls in the current step, which
+decide when its gradients can be reduced. Three more pieces of state outlive a step, set by the engine's controls
+(see [Note: engine controls] in ``controls.py``): ``kept`` (stays unsharded until ``reshard()``; the engine's own
+reshards leave it alone), the secondary shard (hpZ; used up by the next unshard, dropped by any other reshard, as
+the shards may have changed), and held gradients (``ParamSlot.unsynced_grad``, with ``grads_unsynced`` keeping
+the held parameters in the next reduction's plan).
 """
 
 from __future__ import annotations
@@ -58,11 +49,8 @@ class ShardedState(Enum):
 
 @dataclass
 class UnitStepState:
-    """A unit's calls in the current training step; ``FlatUnit.begin_step`` starts it afresh.
-
-    A call whose inputs need a gradient signals the end of its backward (a ``_PostBackward`` on its inputs); a call
-    whose inputs need none (an untracked call) gives no such signal, so the end of backward reduces the unit.
-    """
+    """A unit's calls in the current training step. A call whose inputs need no gradient (untracked) does not
+    signal the end of its backward, so the end of backward reduces the unit."""
 
     forward_calls: int = 0  # outermost calls this step that will signal the end of their backward
     backward_calls: int = 0  # of those, how many have signalled
@@ -79,9 +67,8 @@ class UnitStepState:
         self.untracked_calls += 1
 
     def backward_ended(self) -> bool:
-        """Count one signalled end of backward; True when the unit's gradients are complete and can be reduced: the
-        backward of every tracked call ended (a unit that ran more than once this step waits for the backward of its
-        first call), no call was untracked, and the reduction was not issued yet."""
+        """Count one signalled end of backward; True when the unit can be reduced: every tracked call's backward
+        ended, no call was untracked, and the reduction was not issued yet."""
         self.backward_calls += 1
         return self.backward_calls == self.forward_calls and not self.untracked_calls and not self.reduced
 
@@ -111,12 +98,8 @@ class ParamSlot:
 
 
 class ReducePlan(NamedTuple):
-    """The parameters one gradient reduction carries and where each lands: one plan per set of trainable parameters.
-
-    ``requires_grad`` may change at any time (fine-tuning schedules, ``toggle_optimizer``), so the reduction's layout
-    follows what is trainable now instead of what was trainable when the model was sharded; gradient memory follows
-    it too. Every rank freezes the same parameters, so every rank builds the same plan and the collectives match.
-    """
+    """The parameters one gradient reduction carries and where each lands: one plan per set of trainable parameters,
+    as ``requires_grad`` may change at any time (every rank freezes alike, so the plans match)."""
 
     slots: list[ParamSlot]
     offsets: list[int]  # element offset of each parameter's padded chunk in the reduction's output
@@ -132,16 +115,13 @@ class PendingGather(NamedTuple):
     inputs: list[torch.Tensor]  # kept alive until the collectives complete
     staged_out: torch.Tensor | None  # the staging buffer's output, copied into the full buffer when done
     ranks: int  # the ranks gathered over: the shard group's, or a secondary group's (each sent 1/ranks of the unit)
-    # On an accelerator: recorded on the all-gather stream after the collectives (see [Note: collectives on their own
-    # streams]); the compute stream waits for it before reading the full parameters. None on CPU.
+    # Recorded on the all-gather stream after the collectives; None on CPU.
     event: Any = None
 
 
 class SecondaryShard(NamedTuple):
-    """After a forward resharded to a smaller group (``FlatUnit.reshard(secondary=...)``): this rank's part of the
-    full parameters for an all-gather over ``comm``. Laid out as the full buffer is (parameter after parameter), each
-    parameter's piece being the padded chunks of the ``world_size / comm.world_size`` consecutive shard-group ranks
-    whose rows this rank keeps: the pieces of ``comm``'s ranks, end to end, are the whole parameter."""
+    """This rank's part of the full parameters for an all-gather over ``comm`` (hpZ): per parameter, the padded
+    chunks of the ``world_size / comm.world_size`` consecutive shard-group ranks whose rows it keeps."""
 
     comm: Communicator
     buffer: torch.Tensor
@@ -157,8 +137,7 @@ class PendingReduce(NamedTuple):
     pre_divide: bool
     ranks: int
     plan: ReducePlan
-    # On an accelerator the post-reduce work is queued at once, on the reduce-scatter stream: ``event`` is recorded
-    # after it, ``result`` is what ``_post_reduce`` returned. Both None on CPU (see [Note: collectives on their own
-    # streams]).
+    # On an accelerator: recorded after the post-reduce work on the reduce-scatter stream, and what ``_post_reduce``
+    # returned. Both None on CPU.
     event: Any = None
     result: tuple[torch.Tensor, torch.Tensor] | None = None

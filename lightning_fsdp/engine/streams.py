@@ -1,56 +1,37 @@
 """The accelerator streams a sharded model's collectives run on, and the events that order them against compute.
 
 [Note: collectives on their own streams]
-On CPU every kernel runs when it is called, so a work handle's ``wait()`` is all the ordering there is, and this
-module is inactive (``CollectiveStreams.active`` False): the units take their plain path, which reads that flag and
-nothing else here. On an accelerator (CUDA, HPU) a kernel is only queued on a stream, so the engine follows torch's
-FSDP2 (``_fsdp_param_group.py``, ``_fsdp_collectives.py``): an all-gather stream and a reduce-scatter stream per
-compute device, both high priority (their small copies should not queue behind long compute kernels), and events
-between them and the *compute* stream (whatever stream is current when a hook runs, normally the default one).
+On CPU every kernel runs when called, so this module is inactive (``CollectiveStreams.active`` False) and the units
+take their plain path. On an accelerator the engine follows torch's FSDP2 (``_fsdp_param_group.py``,
+``_fsdp_collectives.py``): an all-gather and a reduce-scatter stream per compute device, high priority so that their
+small copies do not queue behind long compute kernels, ordered by events against the *compute* stream (whatever is
+current when a hook runs). docs/how-it-works.md says what runs where; this says why it is safe.
 
-* Unshard (``FlatUnit.start_unshard``): the all-gather stream first waits for the compute stream (the optimizer, a
-  checkpoint load or a reshard may just have written or freed what it reads), then does the copy-in (the shard to
-  the device and the compute dtype, the concatenation of the staged pieces) and the all-gathers; an event is
-  recorded after them. ``_finish_unshard`` makes the compute stream wait for that event before the copy-out, or
-  before the modules see the full parameters when a collective wrote them in place. Units with no collective
-  (NO_SHARD casting or offloading) copy on the compute stream.
-* Reduce (``FlatUnit.reduce_grads``): the reduce-scatter stream waits for the compute stream (backward just produced
-  the gradients there), then does the copy-in (casts, ``_chunk_cat``), the reduce-scatter and the post-reduce work
-  (the split copy, the replicas' all-reduce, the division, the cast and copy to the shard device); an event is
-  recorded after all of it. ``finish_reduce`` makes the compute stream wait for that event before ``.grad`` is set.
-  The engine finishes every reduction by the end of backward, so the optimizer (compute stream) comes after all of
-  them. The used-flags are filled on the device: a blocking host-to-device copy would stall the host until the
-  stream drained.
-* Collectives are issued inside the side stream's context and their work handles waited for there, right away:
-  NCCL and HCCL run a collective on a stream of their own that first waits for the current one (the copy-in), and
-  ``wait()`` makes the current stream (the side stream) wait for the collective without blocking the host. That is
-  FSDP2's ``async_op=False`` inside the stream, spelled so that the unit's code stays the CPU's, including work
-  handles whose ``wait()`` runs kernels (the wire-dtype reduction's sum), which then run on the side stream too.
-  gloo blocks the host instead: correct, without the overlap.
-* Memory: the caching allocator gives a block back to the stream it was allocated on, and hands it out again to
-  that stream's next allocation, ordered after that stream's earlier uses only. So the full buffer, which outlives
-  the unshard and which reshard frees on the compute stream, is allocated there before switching; autograd's
-  full-size gradients (and held ones), compute-stream allocations that the reduce-scatter stream reads, get
-  ``record_stream(reduce_scatter_stream)``: they are dropped as soon as the copy-in is queued and their memory is
-  reused once it is done (FSDP2 copies them in on the compute stream instead, in line with compute). Side-stream
-  allocations that the compute stream reads (the all-gather's staging output, the reduced gradients and their
-  used-flags) get ``record_stream(compute)``; that is belt and braces, as every side-stream block starts by waiting
-  for the compute stream. The collectives' inputs stay referenced until the side stream has waited for them.
-* cpu_offload on an accelerator: the host shards and the reduced gradients' host buffers are pinned; the shard is
-  copied to the device ``non_blocking`` on the all-gather stream, the reduced gradient to the host ``non_blocking``
-  on the reduce-scatter stream. The host must not read those gradients, nor write the shards, before the copies
-  are done: at the end of backward the engine makes the host wait for both side streams, before clipping and the
-  optimizer (which runs on the host, where the shards and its state are); a reduction that adds into an existing
-  host gradient (accumulation) makes the host wait for its own event first.
+* Each side-stream block first waits for the compute stream (the optimizer, a checkpoint load or a reshard may just
+  have written or freed what it reads) and ends by recording an event, which the compute stream waits for before
+  reading the result (``_finish_unshard``, ``finish_reduce``). Every reduction is finished by the end of backward,
+  so the optimizer comes after all of them.
+* Collectives are issued inside the side stream's context and their work handles waited for there at once: NCCL and
+  HCCL run a collective on a stream of their own that waits for the current one, and ``wait()`` makes the side
+  stream wait for it without blocking the host. That is FSDP2's ``async_op=False`` inside the stream, spelled so
+  that the unit's code stays the CPU's (a handle whose ``wait()`` runs kernels, the wire-dtype sum, runs them on the
+  side stream too). gloo blocks the host instead: correct, without the overlap.
+* Memory: the caching allocator hands a freed block to its own stream's next allocation, ordered only after that
+  stream's earlier uses. So the full buffer, which reshard frees on the compute stream, is allocated there;
+  autograd's full-size gradients (and held ones), read by the reduce-scatter stream, get ``record_stream`` on it and
+  are dropped as soon as the copy-in is queued (FSDP2 copies them in on the compute stream instead). Side-stream
+  allocations the compute stream reads get ``record_stream(compute)`` too, belt and braces. The used-flags are
+  filled on the device: a blocking host-to-device copy would stall the host until the stream drained.
+* cpu_offload: the host must not read the reduced gradients, nor write the shards, before the asynchronous copies
+  are done, so it waits for both side streams at the end of backward.
 
 What differs from FSDP2: the all-gather stream waits for the compute stream at every unshard (FSDP2 once per
-forward, and it gathers into side-stream memory only), so without ``forward_prefetch`` a forward's all-gather
-starts only when the previous unit's kernels are done; no separate copy-in stream; the replicas' all-reduce runs
-on the reduce-scatter stream (FSDP2 has a third stream for it); the compute stream waits for a unit's reduction
-when the next unit's starts (one in flight), as on CPU.
+forward, and it gathers into side-stream memory only), so without ``forward_prefetch`` a forward's all-gather starts
+only when the previous unit's kernels are done; no separate copy-in stream; the replicas' all-reduce runs on the
+reduce-scatter stream (FSDP2 has a third stream); one reduction in flight, as on CPU.
 
-Every stream, event and ``record_stream`` call goes through ``CollectiveStreams``, so a test on CPU can give it a
-fake device module (and its own ``record_stream``) and check the protocol (``tests/test_streams.py``).
+Every stream, event and ``record_stream`` call goes through ``CollectiveStreams``, so ``tests/test_streams.py``
+checks the protocol on CPU with a fake device module.
 """
 
 from __future__ import annotations
@@ -122,13 +103,11 @@ class CollectiveStreams:
             yield compute
 
     def all_gather_side(self) -> Any:
-        """A block run on the all-gather stream after it waited for the current (compute) stream; yields that
-        compute stream."""
+        """A block on the all-gather stream, after it waited for the compute stream (yielded)."""
         return self._on(self.all_gather_stream)
 
     def reduce_scatter_side(self) -> Any:
-        """A block run on the reduce-scatter stream after it waited for the current (compute) stream; yields that
-        compute stream."""
+        """A block on the reduce-scatter stream, after it waited for the compute stream (yielded)."""
         return self._on(self.reduce_scatter_stream)
 
     def record_event(self) -> Any:
@@ -140,8 +119,7 @@ class CollectiveStreams:
         self.current_stream().wait_event(event)
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        """``tensor``'s memory is not handed out again, once freed, before ``stream`` has done what was queued on it
-        until the free."""
+        """Once freed, ``tensor``'s memory is not reused before ``stream`` has done what was queued until then."""
         tensor.record_stream(stream)
 
     def synchronize_event(self, event: Any) -> None:

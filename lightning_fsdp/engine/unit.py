@@ -1,13 +1,11 @@
-"""One sharded unit: a module chosen by the wrap policy and the parameters it owns (torch FSDP2's
-``FSDPParamGroup``): unshard, reshard and gradient reduction, each a flat collective over the unit's buffers.
+"""One sharded unit (torch FSDP2's ``FSDPParamGroup``): unshard, reshard and gradient reduction, each a flat
+collective over the unit's buffers.
 
 [Note: flat buffers and stand-in parameters]
-Between steps a unit holds one contiguous flat shard buffer; every managed parameter's ``.data`` is a view into it,
-so the optimizer updates the buffer in place and the all-gather input needs no copy. While the unit computes
-(unsharded), each parameter is replaced in its module(s) by a full-size ``nn.Parameter`` stand-in whose data lives
-in the unit's full buffer. Resharding shrinks that buffer's storage to zero bytes; unsharding again grows it back
-and refills it. Autograd keeps references to the same tensor objects, so tensors it saved stay valid after a
-re-unshard.
+Each managed parameter's ``.data`` is a view into the unit's flat shard buffer, so the optimizer updates it in place
+and the all-gather needs no copy-in. While unsharded, each parameter is replaced in its module(s) by a full-size
+stand-in viewing the full buffer; resharding shrinks that buffer's storage to zero and unsharding refills it, so
+tensors autograd saved stay valid.
 """
 
 from __future__ import annotations
@@ -38,10 +36,8 @@ from lightning_fsdp.engine.streams import INACTIVE, CollectiveStreams, pins_host
 class FlatUnit(GradientReduction):
     """Unshard, reshard and gradient reduction for one unit's parameters: flat collectives over its shard buffer."""
 
-    # Parameters whose full (padded) size reaches this many elements are all-gathered on their own, straight into
-    # place: for one parameter the ranks' chunks laid end to end are its rows, so it needs no staging buffer and no
-    # copy-out. Smaller ones share one collective through a staging buffer, which keeps the number of collectives
-    # per unit small. 2**18 float32 elements are 1 MiB.
+    # From this full size (1 MiB of float32) a parameter is gathered on its own, in place, with no staging copy;
+    # smaller ones share one collective through a staging buffer.
     direct_gather_min_numel = 2**18
 
     def __init__(
@@ -65,14 +61,13 @@ class FlatUnit(GradientReduction):
         self.replicate_comm = replicate_comm
         self.sharded = sharded
         self.reshard_after_forward = reshard_after_forward
-        # Parameters trainable at sharding time first (the shard layout of earlier releases; checkpoints of the local
-        # format depend on it). Which parameters are reduced is decided per step: see ``ReducePlan``.
+        # Trainable-at-sharding parameters first: the local checkpoint format depends on this layout.
         self.slots = sorted(slots, key=lambda s: not s.trainable)
         self._plans: dict[tuple[bool, ...], ReducePlan] = {}
         self._last_plan: ReducePlan | None = None
         self.sharded_state = ShardedState.SHARDED
         self._pending_unshard: PendingGather | None = None  # UNSHARDING with collectives to wait for
-        # The engine's controls (see [Note: a unit's states]); the engine sets them, the unit only applies them.
+        # The engine's controls (see [Note: a unit's states]).
         self.requires_gradient_sync = True  # read when the unit's backward ends: reduce, or hold the gradients
         self.reshard_after_backward = True  # read when the unit's backward ends: reshard, or stay (``kept``)
         self.secondary_comm: Communicator | None = None  # reshard after forward to this smaller group (hpZ)
@@ -83,20 +78,16 @@ class FlatUnit(GradientReduction):
         # Fixed now: once sharded, the parameters may live elsewhere (CPU offload).
         self.dtype = self.slots[0].param.dtype if self.slots else torch.float32
         self.device = self.slots[0].param.device if self.slots else torch.device("cpu")
-        # Mixed precision: the shards keep their dtype (the master weights); unshards move and compute in
-        # param_dtype, gradients are reduced in reduce_dtype.
         self.compute_dtype = param_dtype or self.dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
-        # Sent in this narrower dtype, summed in reduce_dtype (see [Note: narrow on the wire, wide in the sum]).
+        # See [Note: narrow on the wire, wide in the sum].
         if reduce_wire_dtype is not None:
             check_wire_narrower(reduce_wire_dtype, self.reduce_dtype)
         self.reduce_wire_dtype = reduce_wire_dtype
-        # CPU offload keeps the shards (and so their gradients and the optimizer state) in host memory.
+        # CPU offload: host shards, pinned when computing on an accelerator so that the copies are asynchronous.
         self.shard_device = shard_device or self.device
-        # ... pinned when the units compute on an accelerator, so that the copies to and from it are asynchronous.
         offloaded = self.shard_device.type == "cpu" and self.device != self.shard_device
         self.pinned = offloaded and pins_host_memory(self.device)
-        # The engine gives every unit the streams of its device (see [Note: collectives on their own streams]).
         self.streams: CollectiveStreams = INACTIVE
         self.index = 0  # position in the engine's unit list: names this unit's collectives for ``Communicator.agree``
         # The engine's view of the unit's forward: calls open right now (the outermost one, and nested or
@@ -136,7 +127,6 @@ class FlatUnit(GradientReduction):
         self.flat_shard = torch.zeros(
             self.shard_numel, dtype=self.dtype, device=self.shard_device, pin_memory=self.pinned
         )
-        # Unsharded units compute on the shard buffer itself and need no second copy of their parameters.
         # A NO_SHARD unit in full precision computes on its shard buffer directly.
         self._aliases_shard = not self.sharded and self.compute_dtype == self.dtype and self.shard_device == self.device
         full_numel = 0 if self._aliases_shard else n * self.shard_numel
@@ -214,8 +204,7 @@ class FlatUnit(GradientReduction):
         for slot in slots:
             offsets.append(numel)
             numel += slot.layout.padded_numel
-        # Like unshards, large gradients are reduced on their own when their rows split evenly over the ranks: the
-        # full gradient is then already the reduce-scatter's rank-major input and needs no padded copy.
+        # Large gradients whose rows split evenly over the ranks are reduced on their own, with no padded copy.
         many = self.sharded and len(self.slots) > 1
         direct = [
             j
@@ -255,12 +244,8 @@ class FlatUnit(GradientReduction):
         self._finish_unshard()
 
     def start_unshard(self, *, async_op: bool = True) -> None:
-        """Issue this unit's all-gather; with ``async_op`` it overlaps whatever runs until ``unshard()``.
-
-        From the shard group, or, when a forward left a secondary shard, over that smaller group (which uses it up).
-        On an accelerator it is queued on the all-gather stream either way (see [Note: collectives on their own
-        streams]), and ``unshard()`` makes the compute stream wait for it.
-        """
+        """Issue this unit's all-gather (over the secondary group when a forward left a secondary shard); with
+        ``async_op`` it overlaps whatever runs until ``unshard()`` (see [Note: collectives on their own streams])."""
         if self.is_alive:
             return
         self.sharded_state = ShardedState.UNSHARDING
@@ -273,14 +258,12 @@ class FlatUnit(GradientReduction):
             self._issue_unshard(secondary, async_op)
             return
         if len(self.slots) == 1 or self._direct:
-            # Written in place by a collective: the full buffer outlives the unshard and reshard frees it on the
-            # compute stream, so it is allocated there, before switching (see [Note: collectives on their own streams]).
+            # Written in place by a collective: allocated on the compute stream, which frees it (see the streams Note).
             self._allocate_full()
         with streams.all_gather_side():
             self._issue_unshard(secondary, async_op, non_blocking=True)
-            wait_works(
-                self._pending_unshard.works
-            )  # NCCL, HCCL: this stream waits for the collectives, the host does not
+            # NCCL, HCCL: this stream waits for the collectives, the host does not.
+            wait_works(self._pending_unshard.works)
             event = streams.record_event()
         self._pending_unshard = self._pending_unshard._replace(works=[], event=event)
 
@@ -312,8 +295,7 @@ class FlatUnit(GradientReduction):
                 works.append(comm.all_gather(self._full_regions[i].view(-1), piece, async_op=async_op))
         inputs, gathered = [source], None
         if self._staged:
-            # The full buffer is allocated at copy-out, not now (unless a parameter is gathered in place): a
-            # prefetched unit in flight then holds one unit-sized buffer (this staging one), not two.
+            # The full buffer waits for the copy-out: a prefetch in flight holds one unit-sized buffer, not two.
             if self._direct:
                 staged_in = torch.cat(
                     [
@@ -386,12 +368,8 @@ class FlatUnit(GradientReduction):
         ]
 
     def reshard(self, *, secondary: Communicator | None = None) -> None:
-        """Put the shards back into the modules and release the full parameters' memory; ends ``kept``.
-
-        ``secondary`` (after a forward, ZeRO++ hpZ): first keep this rank's part of the full parameters for an
-        all-gather over that smaller group of ranks (see ``SecondaryShard``), which the next unshard uses. Any other
-        reshard drops a secondary shard: the shards it was taken from may have changed since (an optimizer step).
-        """
+        """Put the shards back into the modules and free the full parameters; ends ``kept``. ``secondary`` (after a
+        forward, hpZ) first keeps a ``SecondaryShard`` for the next unshard; any other reshard drops it."""
         self.kept = False
         if self.is_prefetched:
             # A prefetch that was not used (the execution order changed): complete it, then drop it.
@@ -437,11 +415,7 @@ class FlatUnit(GradientReduction):
                 module._parameters[attr] = tensor
 
     # ------------------------------------------------------------------------------ the phases of a step
-    # [Note: a unit's phases]
-    # The engine's hooks call these in the order a step runs them (see [Note: a unit's training step] in state.py):
-    # pre_forward, post_forward, then in backward pre_backward and post_backward. The engine decides when and around
-    # what (the training state, the recorded order, prefetching, the one reduction in flight); each phase here is
-    # what the unit itself does then.
+    # Called by the engine's hooks in this order (see [Note: a unit's training step] in state.py).
     def pre_forward(
         self,
         args: tuple,
@@ -477,10 +451,9 @@ class FlatUnit(GradientReduction):
         return (args, kwargs) if changed else None
 
     def post_forward(self, output: Any, *, may_reshard: bool, on_backward_start: Callable[[], None]) -> None:
-        """After the outermost call's forward: hook the outputs that need a gradient (``on_backward_start`` runs when
-        the first gradient reaches one), and reshard, to the secondary group if one is set, when
-        ``reshard_after_forward`` says so and the engine allows it (``may_reshard``: not the root, nor the unit whose
-        backward comes next). A forward no backward will follow reshards whatever the flags say."""
+        """After the outermost call's forward: hook the outputs that need a gradient (``on_backward_start``), and
+        reshard if ``reshard_after_forward`` and ``may_reshard`` (not the root, nor the unit whose backward comes
+        next). A forward no backward will follow reshards whatever the flags say."""
         marked, self.marked_call = self.marked_call, False
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if torch.is_grad_enabled() and tensors:
@@ -519,11 +492,9 @@ class FlatUnit(GradientReduction):
         self.reshard()
 
     def reduce_or_hold(self, finish_previous_reduction: Callable[[], None]) -> bool:
-        """Reduce this backward's gradients (with any held ones) across ranks, or hold them while gradient sync is off
-        (see [Note: engine controls] in controls.py). Returns whether a reduction was started.
-
-        ``finish_previous_reduction`` is called first: one reduction in flight at a time (the previous unit's had this
-        unit's whole backward to complete), which bounds the full-size gradient buffers kept alive to two units'."""
+        """Reduce this backward's gradients (with any held ones), or hold them while gradient sync is off; returns
+        whether a reduction started. The previous one is finished first: one in flight bounds the full-size
+        gradients alive to two units'."""
         if not self.requires_gradient_sync:
             self.hold_grads()
             self.step_state.reduced = True

@@ -1,9 +1,5 @@
-"""Choosing the units: which modules get their own flat buffer, and which unit owns each parameter.
-
-[Note: wrapping and ownership]
-``select_unit_modules`` follows torch FSDP's recursive auto-wrapping (children before their parent; a parent counts
-only the parameters no wrapped descendant took). ``assign_owners`` then gives each parameter to the innermost unit
-that encloses every module using it, so tied weights belong to one unit and are unsharded once, around all uses.
+"""Choosing the units (torch FSDP's recursive auto-wrap) and the unit that owns each parameter: the innermost one
+enclosing every module using it, so a tied weight is unsharded once, around all its uses.
 """
 
 from __future__ import annotations
@@ -56,11 +52,8 @@ def _has_forward(module: nn.Module) -> bool:
 
 
 def select_unit_modules(root: nn.Module, policy: WrapPolicy, ignored: Iterable[nn.Module] = ()) -> list[nn.Module]:
-    """Modules that become units, root first, then in module registration (pre-)order.
-
-    Follows torch FSDP's recursive wrapping: children are decided before their parent, and a parent's
-    ``nonwrapped_numel`` counts only the parameters not already inside a wrapped descendant.
-    """
+    """Modules that become units, root first, then in module (pre-)order. As torch FSDP's recursive wrapping, children
+    are decided first and a parent's ``nonwrapped_numel`` counts only parameters no wrapped descendant took."""
     ignored_ids = {id(m) for m in ignored}
     wrapped: set[int] = set()
     seen_params: set[int] = set()
@@ -132,10 +125,7 @@ def assign_owners(
     ignored_ids: set[int],
     ignored_param_ids: frozenset[int] = frozenset(),
 ) -> dict[int, ParamOwner]:
-    """Map each managed parameter (by id) to its owning unit module, its uses and its fully qualified name.
-
-    A parameter used by several modules (tied weights) belongs to the innermost unit that encloses all its uses.
-    """
+    """Map each managed parameter (by id) to its owning unit module, its uses and its fully qualified name."""
     chains = enclosing_units(root, unit_modules, ignored_ids)
     names = {id(p): name for name, p in root.named_parameters()}
     uses: dict[int, list[ParamUse]] = {}
