@@ -15,11 +15,17 @@ Two ways of starting the ranks:
   process group's timeout) and exit non-zero.
 
 Every time is measured from the moment the faulty rank injected its fault (it prints ``time.time()``), so process
-start-up on a loaded machine does not count. A hang can only be noticed through the timeout: those cases must end
-after about ``TIMEOUT_S`` (the error names it: gloo's "Timed out waiting 10000ms", or, where the engine's
-broadcast or all-to-all timed out, the engine's "process group's timeout (10000 ms)"), which shows the configured value
-is the one in force, not torch's 30-minute default. Everything is started in sessions of its own and killed by
-process group at the end of each test, whatever happened.
+start-up on a loaded machine does not count: nothing is timed from launch. Start-up is only guarded against never
+finishing (``STARTUP_S`` without any rank printing progress), and ``FSDPStrategy(timeout=...)`` does not bound it
+(the strategy's ``startup_timeout`` does, 30 minutes by default). A hang can only be noticed through the timeout:
+those cases must end after about ``TIMEOUT_S`` (the error names it: gloo's "Timed out waiting 10000ms", or, where
+the engine's broadcast or all-to-all timed out, the engine's "process group's timeout (10000 ms)"), which shows the
+configured value is the one in force, not torch's 30-minute default. Everything is started in sessions of its own
+and killed by process group at the end of each test, whatever happened.
+
+``test_late_rank_joins_then_a_hang_still_ends_in_the_timeout``: 4 independent ranks with a 5 s timeout, one started
+20 s after the others reached the rendezvous, train like one process, then a rank hangs and every other rank ends
+within the timeout.
 """
 
 from __future__ import annotations
@@ -40,8 +46,9 @@ TIMEOUT_S = 10  # FSDPStrategy(timeout=...) of every run
 # 5 s, the strategy gives rank 1 2 s to end by itself before killing it, then teardown and interpreter exit, on 2
 # shared cores.
 MARGIN_S = 20
-# Start-up (imports, process group, sharding) before the fault; generous, a loaded machine is slow.
-STARTUP_S = 120
+# Before the fault, a guard against a start-up that never finishes, not a measurement: the job fails only if no rank
+# printed progress (a FAULT-RUN line) for this long. Imports alone take a minute on 2 shared cores under load.
+STARTUP_S = 300
 
 
 class Job:
@@ -75,17 +82,39 @@ class Job:
         found = re.search(r"FAULT-RUN rank=\d event=fault-\w+ pid=\d+ t=([\d.]+)", self.output())
         return float(found.group(1)) if found else None
 
+    def event_times(self, event: str) -> dict[int, float]:
+        """``{rank: time.time()}`` of each rank's first ``event`` line."""
+        times: dict[int, float] = {}
+        for rank, t in re.findall(rf"FAULT-RUN rank=(\d+) event={event} pid=\d+ t=([\d.]+)", self.output()):
+            times.setdefault(int(rank), float(t))
+        return times
+
+    def last_progress(self) -> float | None:
+        stamps = [float(t) for t in re.findall(r"FAULT-RUN rank=\d+ event=\S+ pid=\d+ t=([\d.]+)", self.output())]
+        return max(stamps, default=None)
+
     def wait_for_exit(self, proc: subprocess.Popen, budget_s: float) -> float | None:
         """Wait until ``proc`` ends (returns the time.time() it was seen ended) or the fault + ``budget_s`` passed
-        (None); start-up before the fault is allowed ``STARTUP_S``."""
+        (None). Before the fault only a start-up that stopped making progress fails (``STARTUP_S``)."""
+        return self.wait_for_exits([proc], budget_s)[0]
+
+    def wait_for_exits(self, procs: list[subprocess.Popen], budget_s: float) -> list[float | None]:
+        """``wait_for_exit`` for several processes at once: when each was seen ended, None for those still running
+        at the fault + ``budget_s``."""
         started = time.time()
-        while proc.poll() is None:
+        ended: list[float | None] = [None] * len(procs)
+        while True:
+            now = time.time()
+            for i, proc in enumerate(procs):
+                if ended[i] is None and proc.poll() is not None:
+                    ended[i] = now
+            if all(t is not None for t in ended):
+                return ended
             fault = self.fault_time()
-            limit = (fault + budget_s) if fault is not None else (started + STARTUP_S)
-            if time.time() > limit:
-                return None
+            limit = (fault + budget_s) if fault is not None else (self.last_progress() or started) + STARTUP_S
+            if now > limit:
+                return ended
             time.sleep(0.1)
-        return time.time()
 
     def report(self) -> str:
         return "\n".join(
@@ -106,7 +135,7 @@ def job(tmp_path):
     j.close()
 
 
-def _fault_args(fault: str, rank: int, where: str, sharding: str = "FULL_SHARD") -> list[str]:
+def _fault_args(fault: str, rank: int, where: str, sharding: str = "FULL_SHARD", timeout: int = TIMEOUT_S) -> list[str]:
     return [
         "--fault",
         fault,
@@ -115,7 +144,7 @@ def _fault_args(fault: str, rank: int, where: str, sharding: str = "FULL_SHARD")
         "--where",
         where,
         "--timeout",
-        str(TIMEOUT_S),
+        str(timeout),
         "--sharding",
         sharding,
     ]
@@ -261,3 +290,108 @@ def test_nan_gradient_under_detect_anomaly_is_named(job):
     ), job.report()
     assert "returned nan values" not in output, job.report()  # not torch's one-rank check
     assert "Timed out" not in output, job.report()
+
+
+# ------------------------------------------------------------------------------ a late rank, a short timeout
+LATE_TIMEOUT_S = 5  # FSDPStrategy(timeout=...): far shorter than the late rank's delay
+LATE_DELAY_S = 20  # the late rank's process starts this long after the others reached the rendezvous
+LATE_RANK, HUNG_RANK, RECORD_STEP, LATE_BATCH, LATE_STEPS = 2, 1, 3, 8, 8
+
+
+def _one_device_state(steps: int, global_batch: int, data_steps: int) -> dict:
+    """tests/scripts/fault_run.py's Module on one process after ``steps`` steps: ToyLM (seed 0), SGD with momentum,
+    global batch k = samples [k * B, (k + 1) * B) of the run's ``B * data_steps`` samples, fp32; the
+    LightningModule's state-dict keys."""
+    import torch
+
+    from tests.models import ToyLM, loss_fn, samples
+
+    torch.manual_seed(0)
+    model = ToyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = samples(global_batch * data_steps)
+    for k in range(steps):
+        x, y = data[k * global_batch : (k + 1) * global_batch]
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+    return {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_late_rank_joins_then_a_hang_still_ends_in_the_timeout(job, tmp_path):
+    """4 torchrun-style ranks with timeout=5 s, rank 2 started 20 s after the others reached the rendezvous, which
+    waits for it (startup_timeout, default 30 minutes); the 4 ranks train 3 steps to the one-device result, then
+    rank 1 hangs in the middle of step 4's backward and every other rank ends by itself within the timeout plus
+    ``MARGIN_S``."""
+    import torch
+
+    out = tmp_path / "state.pt"
+    args = [
+        *_fault_args("hang", HUNG_RANK, "backward", timeout=LATE_TIMEOUT_S),
+        "--devices",
+        "4",
+        "--global-batch",
+        str(LATE_BATCH),
+        "--steps",
+        str(LATE_STEPS),
+        "--fault-step",
+        str(RECORD_STEP),
+        "--record-step",
+        str(RECORD_STEP),
+        "--out",
+        str(out),
+    ]
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0", "WORLD_SIZE": "4"}
+    procs: dict[int, subprocess.Popen] = {}
+    for rank in (0, 1, 3):
+        procs[rank] = job.start(args, clean_env(**common, LOCAL_RANK=str(rank), RANK=str(rank)))
+    # The late rank starts once the others wait in the rendezvous, so however slowly they start, they wait there
+    # at least LATE_DELAY_S (4 times the timeout) plus the late rank's own start-up.
+    launched = time.time()
+    while len(job.event_times("fit-start")) < 3:
+        assert all(p.poll() is None for p in procs.values()), job.report()
+        assert time.time() < (job.last_progress() or launched) + STARTUP_S, job.report()
+        time.sleep(0.1)
+    time.sleep(LATE_DELAY_S)
+    procs[LATE_RANK] = job.start(args, clean_env(**common, LOCAL_RANK=str(LATE_RANK), RANK=str(LATE_RANK)))
+    expected = _one_device_state(RECORD_STEP, LATE_BATCH, LATE_STEPS)  # meanwhile
+
+    survivors = [rank for rank in procs if rank != HUNG_RANK]
+    ended = dict(zip(survivors, job.wait_for_exits([procs[r] for r in survivors], LATE_TIMEOUT_S + MARGIN_S)))
+    assert all(t is not None for t in ended.values()), f"ranks did not end in time: {ended}\n{job.report()}"
+    fault_at = job.fault_time()
+    assert fault_at is not None, f"the fault was never injected:\n{job.report()}"
+
+    # Start-up: the other ranks waited in the rendezvous for the late one far longer than the timeout.
+    fit_start = job.event_times("fit-start")
+    assert sorted(fit_start) == [0, 1, 2, 3], job.report()
+    waited = fit_start[LATE_RANK] - max(t for rank, t in fit_start.items() if rank != LATE_RANK)
+    assert waited >= LATE_DELAY_S, (waited, job.report())
+    assert sorted(job.event_times("train-start")) == [0, 1, 2, 3], job.report()
+
+    # Training: after RECORD_STEP steps the gathered model equals the one-device run's.
+    assert sorted(job.event_times("recorded")) == [0, 1, 2, 3], job.report()
+    got = torch.load(out, weights_only=True)["state"]
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    compared = sum(v.numel() for v in expected.values())
+    assert len(expected) >= 12 and compared >= 150, (len(expected), compared)
+    initial = _one_device_state(0, LATE_BATCH, LATE_STEPS)
+    moved = sum(int(not torch.equal(value, initial[key])) for key, value in expected.items())
+    assert moved >= 10, moved  # the comparison is of trained values, not of the initialisation
+
+    # The hang: every other rank ended by itself, non-zero, within the 5 s timeout plus the margin.
+    elapsed = {rank: ended[rank] - fault_at for rank in survivors}
+    print(
+        f"\n[faults] late rank {LATE_RANK} joined {waited:.1f}s after the others; hang@rank{HUNG_RANK}/backward: "
+        + ", ".join(f"rank {r} ended {e:.1f}s after the fault (rc={procs[r].returncode})" for r, e in elapsed.items())
+        + f" (timeout {LATE_TIMEOUT_S}s)"
+    )
+    for rank in survivors:
+        assert procs[rank].returncode != 0, job.report()
+        assert LATE_TIMEOUT_S * 0.8 <= max(elapsed.values()) and elapsed[rank] <= LATE_TIMEOUT_S + MARGIN_S, elapsed
+    assert "event=train-end" not in job.output(), job.report()
+    ms = LATE_TIMEOUT_S * 1000
+    assert re.search(rf"Timed out waiting {ms}ms|process group's timeout \({ms} ms\)", job.output()), job.report()
+    assert procs[HUNG_RANK].poll() is None  # still asleep: stopping it is the job scheduler's part

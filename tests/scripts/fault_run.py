@@ -21,8 +21,14 @@ Started plainly (``python fault_run.py ...``) Lightning's launcher re-runs the s
 ``LOCAL_RANK``/``NODE_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` in the environment (torchrun style)
 each process is one rank and nothing is launched.
 
-Each rank prints ``FAULT-RUN rank=R event=... t=<time.time()>`` lines (flushed) at start, when the fault is
-injected and when training ended normally (which must not happen on any rank).
+``--devices 4 --global-batch 8`` runs 4 data-parallel ranks (``startup_timeout`` stays the strategy's default);
+``--record-step K --out FILE``: after K optimizer steps every rank takes part in gathering the full model state and
+rank 0 saves it to FILE (``{"state": ...}``); every rank prints ``event=recorded``, before any fault at a later step.
+
+Each rank prints ``FAULT-RUN rank=R event=... t=<time.time()>`` lines (flushed): ``fit-start`` just before
+``trainer.fit`` (whose start is the rendezvous), ``train-start`` once every rank has joined and the model is set up,
+``fault-<kind>`` when the fault is injected and ``train-end`` when training ended normally (which must not happen on
+any rank).
 """
 
 import argparse
@@ -135,6 +141,21 @@ class Started(L.Callback):
         say(trainer.global_rank, "train-start")
 
 
+class Record(L.Callback):
+    """After ``step`` optimizer steps: the full model state (a collective on every rank), saved by rank 0."""
+
+    def __init__(self, step: int, out: str) -> None:
+        self.step, self.out = step, out
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step != self.step:
+            return
+        state = trainer.strategy.lightning_module_state_dict()  # full tensors on rank 0 ("full" format)
+        if trainer.is_global_zero:
+            torch.save({"state": {k: v.detach().clone() for k, v in state.items()}}, self.out)
+        say(trainer.global_rank, "recorded")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fault", choices=["raise", "exit", "kill", "hang", "nan"], required=True)
@@ -146,6 +167,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--detect-anomaly", action="store_true", help="Trainer(detect_anomaly=True)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size (2: ChainLM on 4 ranks)")
+    parser.add_argument("--devices", type=int, default=None, help="ranks (default: 2, or 4 with --pp 2)")
+    parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
+    parser.add_argument("--record-step", type=int, default=None, help="save the full state after this many steps")
+    parser.add_argument("--out", default=None, help="where --record-step saves it")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -156,9 +181,12 @@ def main() -> None:
         timeout=timedelta(seconds=args.timeout),
         **pipeline,
     )
+    callbacks = [Started()]
+    if args.record_step is not None:
+        callbacks.append(Record(args.record_step, args.out))
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2 * args.pp,
+        devices=args.devices or 2 * args.pp,
         strategy=strategy,
         max_steps=args.steps,
         logger=False,
@@ -167,15 +195,17 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
-        callbacks=[Started()],
+        callbacks=callbacks,
         detect_anomaly=args.detect_anomaly,
     )
     with trainer.init_module():
         module = Module(args) if args.pp == 1 else PipelinedModule(args)
-    data = samples(GLOBAL_BATCH * args.steps)
+    data = samples(args.global_batch * args.steps)
     replicas = trainer.world_size // args.pp  # the data-parallel ranks
+    # Rank r takes samples r, r + replicas, ...: every step's global batch is samples [k * B, (k + 1) * B).
     sampler = DistributedSampler(data, num_replicas=replicas, rank=trainer.global_rank % replicas, shuffle=False)
-    trainer.fit(module, DataLoader(data, batch_size=GLOBAL_BATCH // replicas, sampler=sampler))
+    say(trainer.global_rank, "fit-start")
+    trainer.fit(module, DataLoader(data, batch_size=args.global_batch // replicas, sampler=sampler))
     say(trainer.global_rank, "train-end")
 
 

@@ -1,0 +1,159 @@
+"""Start-up of the default process group under a bound of its own: ``FSDPStrategy(startup_timeout=...)``.
+
+[Note: two timeouts]
+``timeout`` is how long a collective may wait for the other ranks: the fault-detection bound, which a user sets to
+seconds so that a hung or dead rank ends the job quickly. ``startup_timeout`` bounds the rendezvous: every process
+must have started, imported torch and Lightning and reached the strategy's setup within it. The two differ by orders
+of magnitude (the nodes of a cluster start seconds or minutes apart; a busy machine takes many seconds to import
+Lightning), so one value cannot serve both: torch's ``init_process_group(timeout=...)`` would bound the rendezvous
+by the fault-detection value. ``init_default_group`` keeps them apart:
+
+* gloo and NCCL, whose groups' timeouts torch can change after creation: the default group is created with
+  ``startup_timeout`` (the TCP store waits that long for every rank, gloo connects its full mesh and NCCL creates its
+  communicator under it), a first barrier runs under it, and only then is the group's timeout set to ``timeout``,
+  together with the store's default timeout (``set_group_timeout``). Every later collective of the default group
+  fails after ``timeout``; the groups the strategy and the engine create take ``timeout`` when they are created
+  (process_groups.py's [Note: the groups keep the strategy's timeout], pipeline/runtime.py's ``pipeline_layout``).
+* any other backend (HCCL, ...): torch offers no way to change its timeout, so the ranks meet first in a store of
+  their own, made with ``startup_timeout`` by torch's ``env://`` rendezvous (which also handles torchelastic's agent
+  store), and count themselves in; once all have, the group is created on that store with ``timeout``. Only the
+  backend's connection set-up, which starts when every rank is there, then runs under ``timeout``.
+
+How the timeout is changed on torch 2.13 (checked on its sources and, for gloo, by test):
+
+* gloo: ``Backend.set_timeout`` sets the options' timeout, which every collective reads when issued, and each
+  connection context's (``ProcessGroupGloo::setTimeout``). Point-to-point ``send``/``recv`` on the *default* group
+  still wait up to ``startup_timeout``: gloo's transport copied the timeout when the connections were made. The
+  strategy's own point-to-point traffic (pipeline stages) runs on groups created with ``timeout``.
+* NCCL: ``ProcessGroupNCCL`` has no ``setTimeout``; its ``_set_default_timeout`` (what torch's ``_set_pg_timeout``
+  calls) sets the options' timeout, which every later work copies and the watchdog enforces. Works issued before
+  (the start-up barrier) keep the start-up bound.
+* a backend that offers neither (a wrapped backend under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` is unwrapped first):
+  a warning says the default group keeps ``startup_timeout``.
+
+With ``startup_timeout == timeout`` nothing of this happens: the group is created as torch would, with that value.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+# Backends whose process-group timeout torch can change after the group exists (see the Note above).
+ADJUSTABLE_BACKENDS = frozenset({"gloo", "nccl"})
+_JOINED_KEY = "lightning_fsdp/startup/joined"
+_ALL_JOINED_KEY = "lightning_fsdp/startup/all-joined"
+
+
+def check_startup_timeout(value: Any) -> None:
+    """``FSDPStrategy(startup_timeout=...)``: a positive ``timedelta``, or ``None`` for torch's default."""
+    if value is not None and not isinstance(value, timedelta):
+        raise TypeError(
+            f"startup_timeout={value!r} is not valid; expected a positive datetime.timedelta (e.g. "
+            "timedelta(minutes=30), '0:30:00' in YAML) or None (torch's default process-group timeout)."
+        )
+    if value is not None and value.total_seconds() <= 0:
+        raise ValueError(
+            f"startup_timeout={value!r} is not valid; the start-up bound must be positive (e.g. "
+            "timedelta(minutes=30)), or None (torch's default process-group timeout)."
+        )
+
+
+def backend_names(backend: str) -> set[str]:
+    """The backends a backend string names: ``"gloo"`` -> {gloo}; ``"cpu:gloo,cuda:nccl"`` -> {gloo, nccl}."""
+    return {part.rsplit(":", 1)[-1].strip().lower() for part in backend.split(",") if part.strip()}
+
+
+def resolve_timeout(timeout: timedelta | None, backend: str) -> timedelta:
+    """``None`` is torch's default for the backend (10 minutes for NCCL, 30 for the others), as in torch."""
+    if timeout is not None:
+        return timeout
+    from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
+
+    if backend_names(backend) == {"nccl"} and default_pg_nccl_timeout is not None:
+        return default_pg_nccl_timeout
+    return default_pg_timeout
+
+
+def init_default_group(
+    cluster_environment: Any,
+    backend: str,
+    timeout: timedelta | None,
+    startup_timeout: timedelta | None,
+    device_id: torch.device | None = None,
+) -> None:
+    """Create the default process group: the rendezvous within ``startup_timeout``, every later collective within
+    ``timeout`` (see [Note: two timeouts]). Does nothing if the default group exists already (as Lightning)."""
+    if dist.is_initialized():
+        return
+    collective = resolve_timeout(timeout, backend)
+    startup = resolve_timeout(startup_timeout, backend)
+    kwargs: dict[str, Any] = {"device_id": device_id} if device_id is not None else {}
+    if startup == collective:
+        _init_dist_connection(cluster_environment, backend, timeout=collective, **kwargs)
+    elif backend_names(backend) <= ADJUSTABLE_BACKENDS:
+        _init_dist_connection(cluster_environment, backend, timeout=startup, **kwargs)
+        # Every rank connected (NCCL: its communicator exists) and arrived, still under the start-up bound.
+        dist.barrier()
+        set_group_timeout(collective)
+    else:
+        store = join_store(cluster_environment, startup)
+        store.set_timeout(collective)  # as torch leaves the store it makes: the group's timeout
+        store = dist.PrefixStore("default_pg", store)  # torch's own prefix for the default group's keys
+        _init_dist_connection(cluster_environment, backend, timeout=collective, store=store, **kwargs)
+
+
+def set_group_timeout(timeout: timedelta, group: dist.ProcessGroup | None = None) -> None:
+    """Set ``group``'s (default: the default group's) timeout for every later collective, and for the default group
+    its store's default timeout too. Warns where a backend cannot change it."""
+    group = dist.group.WORLD if group is None else group
+    assert group is not None
+    backends: dict[int, Any] = {}
+    for device in group._device_types:  # gloo serves cpu and cuda with one backend object
+        backend = group._get_backend(device)
+        while hasattr(backend, "wrapped_pg"):  # TORCH_DISTRIBUTED_DEBUG=DETAIL's _ProcessGroupWrapper
+            backend = backend.wrapped_pg
+        backends[id(backend)] = backend
+    refused = [type(b).__name__ for b in backends.values() if not _set_backend_timeout(b, timeout)]
+    if refused:
+        rank_zero_warn(
+            f"The process-group backend ({', '.join(refused)}) cannot change its timeout after creation: the "
+            f"default group's collectives keep the start-up timeout instead of timeout={timeout}. Pass "
+            "startup_timeout equal to timeout to get that timeout (at the cost of the longer rendezvous bound)."
+        )
+    if group is dist.group.WORLD:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        _get_default_store().set_timeout(timeout)
+
+
+def _set_backend_timeout(backend: Any, timeout: timedelta) -> bool:
+    try:
+        backend.set_timeout(timeout)  # gloo: the options' timeout and every connection context's
+        return True
+    except (AttributeError, RuntimeError):  # the base Backend's setTimeout raises "does not support"
+        pass
+    if hasattr(backend, "_set_default_timeout"):  # NCCL: the options' timeout, which every later work copies
+        backend._set_default_timeout(timeout)
+        return True
+    return False
+
+
+def join_store(cluster_environment: Any, startup_timeout: timedelta) -> dist.Store:
+    """The rendezvous store (torch's ``env://``, made with ``startup_timeout``), returned once every rank has
+    counted itself in: the process group created on it next finds all ranks there."""
+    rank, world_size = cluster_environment.global_rank(), cluster_environment.world_size()
+    os.environ["MASTER_ADDR"] = cluster_environment.main_address
+    os.environ["MASTER_PORT"] = str(cluster_environment.main_port)
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=startup_timeout))
+    store.set_timeout(startup_timeout)
+    if store.add(_JOINED_KEY, 1) == world_size:
+        store.set(_ALL_JOINED_KEY, "1")
+    store.wait([_ALL_JOINED_KEY], startup_timeout)
+    return store
