@@ -1,9 +1,5 @@
-"""Character-level language-modelling data: a text file cut into random blocks.
-
-``CharDataModule`` reads one text file (by default the tiny-shakespeare excerpt shipped in
-``lightning_fsdp/demo/assets/``), builds the vocabulary of its sorted unique characters, encodes the text, splits
-it 90/10 into train and validation, and serves fixed-size epochs of random ``block_size + 1`` character
-windows as ``(input, target)`` pairs shifted by one. Everything is deterministic given ``seed``.
+"""Character-level language-modelling data: a text file (by default the bundled tiny-shakespeare excerpt) cut into
+random ``(input, target)`` blocks, deterministic given ``seed``.
 """
 
 from __future__ import annotations
@@ -27,11 +23,9 @@ def default_text_path() -> Path:
 
 
 class CharDataset(Dataset):
-    """``num_samples`` random windows of ``block_size + 1`` tokens from ``data``.
-
-    Item ``i`` is ``(x, y)`` with ``x = window[:-1]``, ``y = window[1:]`` (int64, length ``block_size``), or
-    only ``x`` when ``inputs_only`` (for prediction). The window offsets are drawn once, from ``seed``, so
-    item ``i`` is the same in every process and every epoch; the sampler supplies per-epoch order.
+    """``num_samples`` random windows of ``block_size + 1`` tokens from ``data``: item ``i`` is ``(window[:-1],
+    window[1:])``, or only the first when ``inputs_only``. The offsets are drawn once, from ``seed``, so item ``i`` is
+    the same in every process and epoch; the sampler supplies the order.
     """
 
     def __init__(

@@ -1,16 +1,11 @@
-"""A small GPT-style character language model in plain PyTorch.
+"""A small GPT-style character language model in plain PyTorch, written so that a sharding engine meets what a real
+model has:
 
-The model is the workload of the demo, the benchmark and the tests. It knows nothing about Lightning or
-sharding; it is written so that a sharding engine can handle it the way it would handle a real model:
-
-- ``Block`` (pre-LayerNorm transformer block) is the natural wrap unit: ``auto_wrap_policy={Block}``.
-- ``lm_head.weight`` *is* ``wte.weight`` when ``tie_weights`` (a shared ``nn.Parameter``, as in GPT-2), so
-  tied parameters are exercised.
-- Initialisation lives in each parameter-owning leaf module's ``reset_parameters()`` (GPT-2's N(0, 0.02),
-  residual projections scaled by 1/sqrt(2 * n_layer)), never in a loop over the whole model. A model built
-  on ``torch.device("meta")`` is therefore materialised correctly by ``to_empty()`` followed by calling
-  ``reset_parameters()`` on each module, in any order. Walking ``model.modules()`` in its (pre-)order
-  reproduces a normal construction bit for bit under the same seed.
+- ``Block`` is the natural wrap unit (``auto_wrap_policy={Block}``).
+- ``lm_head.weight`` *is* ``wte.weight`` when ``tie_weights``, as in GPT-2.
+- Initialisation (GPT-2's N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)) lives in each
+  parameter-owning leaf's ``reset_parameters()``, so a meta-device model materialised module by module, in
+  (pre-)order, equals a normal construction under the same seed.
 
 Parameter count (``tie_weights=True``, ``bias=True``; V = vocab_size, T = block_size, d = n_embd,
 L = n_layer)::
@@ -20,21 +15,8 @@ L = n_layer)::
     + 2*d                     final LayerNorm
 
 With ``bias=False`` a block has ``12*d*d + 2*d`` and the final LayerNorm ``d``; with ``tie_weights=False``
-add ``V*d`` for the separate lm_head. ``n_head`` does not change the count (it must divide ``n_embd``).
-
-======= ====== =========== ============ ============
-n_layer n_embd V=65, T=64  V=65, T=128  V=65, T=256
-======= ====== =========== ============ ============
-2       64     108,352     112,448      120,640
-4       128    809,856     818,048      834,432
-6       256    4,772,096   4,788,480    4,821,248
-6       384    10,697,088  10,721,664   10,770,816
-6       512    18,981,376  19,014,144   19,079,680
-8       512    25,286,144  25,318,912   25,384,448
-12      768    85,155,072  85,204,224   85,302,528
-======= ====== =========== ============ ============
-
-The demo's default (4 x 128) is about 0.8M parameters; the benchmark's default (6 x 512) about 19M.
+add ``V*d`` for the separate lm_head. The demo's default (4 x 128, V=65, T=64) has 809,856 parameters; the
+benchmark's (6 x 512, T=128) about 19M.
 """
 
 from __future__ import annotations
@@ -88,12 +70,8 @@ class GPTConfig:
 
 
 class _Linear(nn.Linear):
-    """``nn.Linear`` whose ``reset_parameters`` applies GPT-2's init: N(0, std) weight, zero bias.
-
-    The init is a property of the leaf module (not applied by a parent) so that a parent's
-    ``reset_parameters`` can never be overwritten by, or overwrite, a child's when a strategy walks the
-    modules in an order we do not control.
-    """
+    """``nn.Linear`` with GPT-2's init (N(0, std) weight, zero bias) in its own ``reset_parameters``, so that no
+    parent's init can overwrite it, whatever order a strategy walks the modules in."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, std: float = _INIT_STD) -> None:
         # Set before nn.Linear.__init__, which calls reset_parameters().
@@ -121,7 +99,6 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.dropout = config.dropout
         self.c_attn = _Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        # Residual projections are scaled down so the residual stream's variance does not grow with depth.
         self.c_proj = _Linear(config.n_embd, config.n_embd, bias=config.bias, std=_residual_std(config))
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -150,10 +127,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``.
-
-    Holds ``12*n_embd**2 + 13*n_embd`` parameters (with biases): the unit to wrap for sharding.
-    """
+    """Pre-LayerNorm transformer block, ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``: the unit to wrap."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -190,33 +164,20 @@ class GPT(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Make ``wte.weight`` the very Parameter of ``lm_head.weight`` (no-op unless ``tie_weights``).
-
-        The direction (embedding takes the head's parameter) matters for reproducibility: lm_head is
-        reset last in module order, so the shared weight ends with lm_head's draw both in a normal
-        construction and after a meta-device materialisation.
-        """
+        """Make ``wte.weight`` the very Parameter of ``lm_head.weight`` (no-op unless ``tie_weights``). In this
+        direction, as lm_head is reset last, the shared weight ends with its draw however the model was built."""
         if self.config.tie_weights:
             self.wte.weight = self.lm_head.weight
 
     def reset_parameters(self) -> None:
-        """Restore the weight tie; GPT owns no parameters of its own to initialise.
-
-        ``Module.to_empty()`` gives each module a new Parameter and so silently unties shared weights; a
-        strategy that materialises a meta-device model by calling ``reset_parameters()`` on every module
-        therefore gets the tie back here. The submodules initialise themselves in their own
-        ``reset_parameters()``; this method does not recurse, like torch's built-in modules.
-        """
+        """Restore the weight tie, which ``Module.to_empty()`` undoes; like torch's modules, it does not recurse."""
         self.tie_weights()
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Next-token logits for ``idx`` (B, T) of token ids, and the loss if ``targets`` (B, T) is given.
-
-        Returns ``(logits, loss)``: logits (B, T, vocab_size); loss is the mean cross entropy over all
-        positions, computed in float32, or ``None`` without targets.
-        """
+        """``(logits, loss)`` for token ids ``idx`` (B, T): logits (B, T, vocab_size) and the mean cross entropy
+        against ``targets`` in float32, or ``None`` without targets."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")

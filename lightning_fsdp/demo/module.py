@@ -1,9 +1,5 @@
-"""``GPTLightningModule``: the small character GPT as a LightningModule that a Lightning CLI config can build.
-
-Every ``__init__`` argument is a plain type (int, float, bool, a list of floats), so ``LightningCLI`` exposes each
-as ``--model.<name>`` and ``--print_config`` writes them back out as YAML that parses again unchanged.
-
-    python examples/cli/train.py fit --config examples/cli/gpt_tiny.yaml --config examples/cli/strategy_by_name.yaml
+"""``GPTLightningModule``: the demo GPT as a LightningModule whose ``__init__`` arguments are plain types, so that
+``LightningCLI`` exposes each as ``--model.<name>`` and ``--print_config`` writes YAML that parses back unchanged.
 """
 
 from __future__ import annotations
@@ -57,15 +53,13 @@ class GPTLightningModule(L.LightningModule):
         super().__init__()
         # Plain types only: the checkpoint then loads with torch.load(weights_only=True).
         self.save_hyperparameters()
-        # The model's arguments are GPTConfig's fields by name; the rest (lr, weight_decay, betas) are the optimizer's.
         self.config = GPTConfig(**{field.name: self.hparams[field.name] for field in dataclasses.fields(GPTConfig)})
         self.model = GPT(self.config)
         # Counted now: once sharded, parameters() yields only this rank's shards.
         self.num_model_parameters = self.model.num_parameters()
 
     def setup(self, stage: str) -> None:
-        # A data module with more characters than the model has embeddings would fail deep inside an embedding
-        # lookup; say which numbers disagree instead.
+        # Otherwise a mismatch fails deep inside an embedding lookup.
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         data_vocab = getattr(datamodule, "vocab_size", None)
         if data_vocab is not None and data_vocab > self.config.vocab_size:
