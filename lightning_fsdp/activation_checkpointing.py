@@ -1,9 +1,6 @@
-"""Activation checkpointing that composes with sharding.
-
-A chosen module's forward runs under non-reentrant ``torch.utils.checkpoint``: its inner activations are not
-kept, only its inputs, and backward recomputes the forward. When the module is (or is inside) a sharded unit,
-the unit's parameters are gathered again for the recompute by the same pre-backward hook that gathers them for
-its gradients, and freed once its gradients are reduced.
+"""Activation checkpointing that composes with sharding (docs/activation-checkpointing.md): a chosen module's forward
+runs under non-reentrant ``torch.utils.checkpoint``, and its unit's pre-backward hook gathers the parameters for the
+recompute.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
-"""The ``lightning-fsdp`` command: Lightning's CLI with this package's strategy registered and chosen by default.
-
-    lightning-fsdp fit --config examples/cli/trainer_cpu.yaml --config examples/cli/gpt_tiny_command.yaml \\
-        --config examples/cli/strategy_by_class.yaml
-    lightning-fsdp validate|test|predict --config ... --ckpt_path path/to/checkpoint.ckpt
-    lightning-fsdp fit --config ... --print_config > run.yaml     # a complete config that parses back unchanged
-
-It is ``LightningCLI`` in subclass mode: the model and the data module are any ``LightningModule`` /
-``LightningDataModule`` named by ``class_path`` in a config (or ``--model``, ``--data``). Importing this package
-registers ``trainer.strategy: fsdp_custom`` (and its variants), and ``fsdp_custom`` is the default strategy.
-When ``lightning_fsdp.checkpoint.convert`` is installed the command also offers ``convert`` (checkpoint format
-conversion), and with ``lightning_fsdp.checkpoint.export`` ``export`` (a checkpoint's weights as a Hugging Face
-safetensors directory), handing them the rest of the command line.
-
-``python -m lightning_fsdp.cli`` is the same command. Lightning's launcher re-runs the command once per extra rank,
-with the same arguments.
+"""The ``lightning-fsdp`` command (docs/cli.md): ``LightningCLI`` in subclass mode with ``fsdp_custom`` as the default
+strategy, plus ``convert`` and ``export`` where those modules are installed. ``python -m lightning_fsdp.cli`` is the
+same command; Lightning's launcher re-runs it once per extra rank, with the same arguments.
 """
 
 from __future__ import annotations
@@ -52,12 +39,8 @@ class FSDPLightningCLI(LightningCLI):
         return super().init_parser(**kwargs)
 
     def instantiate_classes(self) -> None:
-        """Build the configured objects; a value they refuse is a usage error, reported like a bad argument.
-
-        The strategy, the trainer and the other classes of the config validate their arguments in their constructors
-        (on every rank, before any process starts). Their ``ValueError`` / ``TypeError`` names the value and the valid
-        choices; printing it as ``lightning-fsdp: error: ...`` with exit status 2 (as for an unknown option) beats a
-        traceback through jsonargparse. ``LIGHTNING_FSDP_DEBUG=1`` (or ``JSONARGPARSE_DEBUG=1``) shows the traceback.
+        """Build the configured objects; a value their constructors refuse is reported like a bad argument (exit
+        status 2, no traceback through jsonargparse unless ``LIGHTNING_FSDP_DEBUG=1`` or ``JSONARGPARSE_DEBUG=1``).
         """
         try:
             super().instantiate_classes()
@@ -106,12 +89,10 @@ def _entry(module_name: str) -> Callable[[list[str]], int | None] | None:
 
 
 def _convert_entry() -> Callable[[list[str]], int | None] | None:
-    """``lightning_fsdp.checkpoint.convert.main`` if that module exists; imported only when asked for."""
     return _entry(_CONVERT_MODULE)
 
 
 def _export_entry() -> Callable[[list[str]], int | None] | None:
-    """``lightning_fsdp.checkpoint.export.main`` if that module exists; imported only when asked for."""
     return _entry(_EXPORT_MODULE)
 
 

@@ -1,34 +1,10 @@
 """``estimate_memory``: the bytes each rank will hold for a model's state under sharding, before training starts.
 
-The estimate follows the engine's own rules rather than a rule of thumb: it picks the same units with the same
-auto-wrap policy, lays every parameter out with the same ``torch.chunk`` shard layout, and counts what the engine
-allocates. It reads only shapes and dtypes, so a model built on ``torch.device("meta")`` (too big for one host)
-can be estimated without allocating it.
-
-What it counts, per rank (``ShardingMonitor`` measures the same components during training):
-
-- ``params``: this rank's parameter shards, kept between steps.
-- ``grads``: the shards' gradients, alive from backward until the next ``zero_grad``.
-- ``optimizer_state``: the optimizer's tensors for the shards (AdamW: ``exp_avg``, ``exp_avg_sq`` and a 4-byte
-  ``step`` per parameter).
-- ``gathered_params``: the most full (unsharded) parameter bytes alive at once during forward and backward.
-  FULL_SHARD (and HYBRID_SHARD) keeps the root unit gathered for the whole step and gathers every other unit, with
-  the units around it, only while it computes, so the peak is the root plus the largest chain of nested units.
-  SHARD_GRAD_OP (and HYBRID_SHARD_ZERO2) keeps every unit gathered from its forward until its backward, so the
-  peak is the whole model. NO_SHARD computes on
-  the parameters themselves and gathers nothing. Full buffers are padded to ``ceil(rows / world_size)`` rows per
-  rank, as the engine allocates them.
-
-Not counted: activations (they depend on the batch), buffers (not sharded), the brief copy an all-gather makes
-before splitting a unit's buffer into parameters, and full-size gradients that autograd holds before a unit's
-reduce-scatter. For an end-to-end figure on an accelerator, compare with ``ShardingMonitor``'s
-``device_peak_bytes``.
-
-The communication a training step issues is predicted as well (``all_gather_bytes``, ``reduce_scatter_bytes``,
-``all_reduce_bytes``, counted like ``CommStats``: the bytes this rank puts into each collective), assuming every
-unit runs once forward and once backward per step, in the order the modules are registered. That is the steady state
-from the second step on: FULL_SHARD gathers the last unit of the forward once, as its backward comes next (the first
-step, which records the order, gathers it twice). Reductions include one used-flag per trainable parameter.
+It follows the engine's own rules (the same units, the same ``torch.chunk`` layout, the buffers the engine
+allocates) and reads only shapes and dtypes, so a model on ``torch.device("meta")`` can be estimated. What each
+component counts, and what is left out: docs/monitoring.md. The communication assumes every unit runs once forward
+and once backward per step, in module order: the steady state from the second step on, when FULL_SHARD keeps the
+forward's last unit gathered into its backward.
 """
 
 from __future__ import annotations
@@ -63,7 +39,8 @@ _OPTIMIZERS: dict[str, tuple[int, int]] = {
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Predicted bytes one rank holds, by component (see the module docstring for what each one counts)."""
+    """Predicted bytes one rank holds, by component: parameter shards, their gradients, optimizer state, the peak of
+    gathered full parameters, and the bytes one step puts into each kind of collective (docs/monitoring.md)."""
 
     params: int
     grads: int
@@ -121,22 +98,16 @@ def estimate_memory(
     """Predict the bytes rank ``rank`` of ``world_size`` holds when ``model`` is trained with this strategy.
 
     Args:
-        model: the model as it will be sharded (the LightningModule, or the plain ``nn.Module`` given to
-            ``fully_shard``); may live on the meta device.
-        world_size: ranks in the shard group: all ranks, or for the hybrid strategies the ranks of one shard group
-            (by default one node's processes).
-        sharding_strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, ``"HYBRID_SHARD"`` (memory as
-            FULL_SHARD within the shard group) or ``"HYBRID_SHARD_ZERO2"`` (as SHARD_GRAD_OP); the hybrid ones add
-            the all-reduce of each gradient shard across replicas to ``all_reduce_bytes``.
-        mixed_precision: ``None`` (parameters keep their dtype), a Lightning precision flag (``"32-true"``,
-            ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ``"16-true"``), or an object with ``param_dtype``
-            and ``reduce_dtype`` attributes such as torch's ``MixedPrecision``: shards stay in the model's dtype,
-            units are gathered in ``param_dtype`` and gradients reduced in ``reduce_dtype``.
+        model: the model as it will be sharded (a LightningModule, or the ``nn.Module`` given to ``fully_shard``);
+            may live on the meta device.
+        world_size: ranks in the shard group (for the hybrid strategies one shard group, by default a node's).
+        sharding_strategy: as for ``FSDPStrategy``; the hybrid ones count as FULL_SHARD / SHARD_GRAD_OP within the
+            shard group, plus the replicas' all-reduce in ``all_reduce_bytes``.
+        mixed_precision: ``None``, a Lightning precision flag (``"bf16-mixed"``, ...), or an object with
+            ``param_dtype`` and ``reduce_dtype`` such as ``MixedPrecision`` (or a dict of its fields).
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` (no momentum), ``"sgd_momentum"`` or ``None``.
-        auto_wrap_policy: as for ``FSDPStrategy`` (a set of module classes or their import paths, a callable, an
-            int minimum parameter count, or ``None`` for a single root unit).
-        rank: the rank to estimate; rank 0 holds the most rows (``torch.chunk`` gives earlier ranks the
-            longer chunks), so the default is the busiest rank.
+        auto_wrap_policy: as for ``FSDPStrategy``; ``None`` for a single root unit.
+        rank: the rank to estimate; rank 0, the default, holds the most rows.
 
     Returns:
         A :class:`MemoryEstimate`; ``print()`` it for a table.
@@ -238,15 +209,11 @@ def _parse_optimizer(optimizer: str | None) -> tuple[int, int]:
 
 
 def _parse_mixed_precision(value: Any) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """(dtype units are gathered in, dtype gradients are reduced in); None means the parameters' own dtype.
-
-    Shards, their gradients and the optimizer state always keep the parameters' dtype: they are the master weights.
-    """
+    """(dtype units are gathered in, dtype gradients are reduced in); None means the parameters' own dtype."""
     if value is None:
         return None, None
     if isinstance(value, (str, int)):
-        # The mapping the strategy itself applies to Trainer(precision=...); it rejects unknown flags with the
-        # valid choices.
+        # The mapping the strategy itself applies to Trainer(precision=...).
         from lightning_fsdp.precision import SUPPORTED_PRECISION, FSDPPrecision
 
         if str(value) not in SUPPORTED_PRECISION:

@@ -2,31 +2,9 @@
 
     trainer = L.Trainer(strategy="fsdp_custom", devices=2, callbacks=[ShardingMonitor()], logger=CSVLogger("logs"))
 
-Every logged step it gathers one small int64 vector from each rank and hands rank 0's logger (CSV, TensorBoard, or
-any other Lightning logger) one metric per rank and quantity, named ``fsdp/rank<r>/<quantity>``:
-
-==========================  ===========================================================================================
-``param_bytes``             this rank's parameter shards (``engine.local_param_bytes()``)
-``grad_bytes``              the shards' gradients after this step's backward (``engine.local_grad_bytes()``)
-``optimizer_state_bytes``   every tensor in the optimizers' ``state`` (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step``)
-``model_state_bytes``       the three above together
-``gathered_peak_bytes``     the most full (unsharded) parameter bytes alive at once during the step: each unit's full
-                            buffer is measured by its storage size right after every gather
-``model_state_peak_bytes``  ``model_state_bytes + gathered_peak_bytes``: the model's share of peak memory, by the
-                            engine's own byte accounting (what :func:`lightning_fsdp.estimate_memory` predicts)
-``device_peak_bytes``       on CUDA (or another accelerator with ``max_memory_allocated``): the allocator's peak of
-                            live tensor bytes during the step, activations included; not logged on CPU
-``rss_peak_bytes``          on CPU under Linux: the process's peak resident set size during the step (``VmHWM`` in
-                            ``/proc/self/status``, reset through ``/proc/self/clear_refs`` at the step's start). It
-                            includes the interpreter and libraries; run with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed
-                            tensors leave it. Not logged where the reset is unavailable
-``all_gather_bytes``        bytes this rank put into all-gathers during the step (``CommStats`` counts, input sizes)
-``reduce_scatter_bytes``    bytes this rank put into reduce-scatters during the step
-``all_reduce_bytes``        bytes this rank put into all-reduces (NO_SHARD gradients, clipping, hybrid replicas)
-==========================  ===========================================================================================
-
-CPU has no allocator statistics in torch, which is why the model-state figures come from the engine's accounting
-and the process-level figure is labelled as RSS rather than tensor bytes.
+Each logged step one small all-gather brings every rank's values to rank 0's loggers as ``fsdp/rank<r>/<quantity>``;
+docs/monitoring.md lists the quantities and how each is measured. CPU has no allocator statistics in torch, so the
+model-state figures come from the engine's accounting and the process-level figure is RSS, not tensor bytes.
 """
 
 from __future__ import annotations
@@ -64,7 +42,7 @@ class ShardingMonitor(pl.Callback):
     """Logs per-step, per-rank memory of the sharded model state and the bytes each collective moved.
 
     Works with the ``fsdp_custom`` strategy (any of its registered variants); with another strategy it warns once and
-    logs nothing. The quantities and how each is measured are listed in this module's docstring.
+    logs nothing. The quantities and how each is measured are listed in docs/monitoring.md.
 
     Args:
         log_every_n_steps: log every this many training batches; ``None`` follows ``Trainer(log_every_n_steps=)``.
@@ -112,11 +90,9 @@ class ShardingMonitor(pl.Callback):
         self._remove_instrumentation()
 
     def _instrument_gathers(self, engine: ShardingEngine) -> None:
-        """Sample the live full-parameter bytes right after every unit gather, the moments they can peak.
-
-        Wrapping the units' ``gather`` (per instance, undone at the end of training) observes the engine without
-        changing what it does; module hooks would miss the gathers the engine issues from autograd hooks in backward.
-        """
+        """Sample the live full-parameter bytes right after every unit gather, the moments they can peak. Wrapping
+        each unit's ``unshard`` (undone at the end of training) also sees the gathers of backward, which module hooks
+        would miss."""
         self._remove_instrumentation()
         for unit in engine.units:
             original = unit.unshard

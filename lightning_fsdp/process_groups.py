@@ -1,26 +1,12 @@
-"""The process groups a sharded model's collectives run on: the shard group and, for the hybrid strategies, the
-replicate group.
-
-``FULL_SHARD`` / ``SHARD_GRAD_OP`` / ``NO_SHARD`` use one group: the whole world, or the user's ``process_group``.
-``HYBRID_SHARD`` / ``HYBRID_SHARD_ZERO2`` shard within a shard group and replicate across shard groups: the user
-passes a ``(shard_group, replicate_group)`` pair, a callable returning one, or a 2-D ``DeviceMesh`` with dims
-``("replicate", "shard")``; by default (``node_groups``) a node's processes form a shard group and the processes with
-the same local rank on every node form a replicate group, the layout
-``init_device_mesh(device_type, (num_nodes, per_node), mesh_dim_names=("replicate", "shard"))`` describes.
-
-``GroupChoice`` checks these values when the strategy is constructed (on every rank, before any group exists) and
-turns them into groups at setup; ``engine/groups.py`` checks what ``fully_shard`` is given.
+"""The shard group and, for the hybrid strategies, the replicate group a sharded model's collectives run on: the
+user's group, pair or 2-D ``DeviceMesh``, or by default (``node_groups``) one node's processes as a shard group and
+equal local ranks as a replicate group, the groups of
+``init_device_mesh(device_type, (num_nodes, per_node), mesh_dim_names=("replicate", "shard"))``.
 
 [Note: the groups keep the strategy's timeout]
-``FSDPStrategy(timeout=...)`` must hold for the engine's collectives too, and a new group does not inherit the
-default group's timeout: ``new_group`` without ``timeout=`` falls back to torch's default (30 minutes). So
-``node_groups`` creates its groups with ``new_group(..., timeout=timeout)`` rather than with ``init_device_mesh``,
-which has no timeout argument (torch issues #119574, #119613): it creates its groups through ``new_group`` /
-``split_group`` with torch's default timeout (checked on torch 2.13: groups of 30 minutes under a default group of
-77 seconds). Only the per-dimension option objects of ``backend_override`` carry a timeout, and those are
-backend-specific (gloo's, NCCL's and HCCL's option classes differ), and ``backend_override`` is missing from torch 2.6
-(whose ``init_device_mesh`` takes ``mesh_dim_names`` only). The groups are the same: shard groups of consecutive
-ranks, replicate groups of equal local rank.
+A new group does not inherit the default group's timeout, and ``init_device_mesh`` takes none (torch issues #119574,
+#119613): its groups get torch's default of 30 minutes, and only ``backend_override``'s backend-specific options,
+missing from torch 2.6, carry one. So ``node_groups`` makes the same groups with ``new_group(..., timeout=timeout)``.
 """
 
 from __future__ import annotations
@@ -43,12 +29,8 @@ def is_group_pair(value: Any) -> bool:
 
 
 def node_groups(world_size: int, per_node: int, rank: int, timeout: timedelta | None = None) -> GroupPair:
-    """The default hybrid layout: ``(shard group, replicate group)`` of this rank, sharding within a node's
-    ``per_node`` processes and replicating across nodes.
-
-    Every rank creates every group, in the same order, as ``new_group`` requires. ``timeout`` is the strategy's;
-    see [Note: the groups keep the strategy's timeout] for why this is not ``init_device_mesh``.
-    """
+    """This rank's ``(shard group, replicate group)`` of the default hybrid layout. Every rank creates every group, in
+    the same order, as ``new_group`` requires (see [Note: the groups keep the strategy's timeout])."""
     if per_node < 1 or world_size % per_node:
         raise ValueError(f"world size {world_size} is not a multiple of {per_node} processes per node.")
     shard = replicate = None
@@ -66,13 +48,8 @@ def node_groups(world_size: int, per_node: int, rank: int, timeout: timedelta | 
 
 @dataclass(frozen=True)
 class GroupChoice:
-    """The user's choice of groups for the engine (``FSDPStrategy(process_group=..., device_mesh=...)``), checked
-    when it is made and resolved into groups by ``resolve`` once the default process group exists.
-
-    ``process_group``: a ``ProcessGroup`` (a ``(shard_group, replicate_group)`` pair for the hybrid strategies), or
-    a callable returning one, called at setup. ``device_mesh``: hybrid strategies only, a 2-D ``DeviceMesh`` with
-    dims ``(replicate, shard)``. Neither: the whole world, or for the hybrid strategies ``node_groups``.
-    """
+    """The user's ``process_group`` / ``device_mesh`` (docs/options.md), checked when the strategy is built (on every
+    rank, before any group exists) and turned into groups by ``resolve`` at setup."""
 
     sharding_strategy: ShardingStrategy
     process_group: dist.ProcessGroup | GroupPair | Callable[[], Any] | None = None
@@ -107,10 +84,8 @@ class GroupChoice:
     def resolve(
         self, world_size: int, per_node: int, rank: int, timeout: timedelta | None
     ) -> tuple[Any | None, Any | None]:
-        """``(shard group, replicate group)`` for ``fully_shard``; ``None`` means the whole world / no replication.
-
-        Collective: with the default hybrid layout every rank creates every group, so every rank must call this.
-        """
+        """``(shard group, replicate group)`` for ``fully_shard`` (None: the whole world / no replication). Every rank
+        must call it: the default hybrid layout creates every group on every rank."""
         group = self.process_group
         if callable(group) and not is_process_group(group):
             group = group()

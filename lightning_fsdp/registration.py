@@ -1,15 +1,13 @@
 """Registering ``"fsdp_custom"`` (and its variants) and ``"hpu"`` with Lightning.
 
 [Note: registration without importing Lightning]
-``import lightning_fsdp`` must be enough for ``Trainer(strategy="fsdp_custom")``, while the engine, usable without
-Lightning, must not import it: yet Python runs the package's ``__init__`` for ``import lightning_fsdp.engine`` too.
-So the package registers at once where ``lightning.pytorch`` is already imported, and otherwise as soon as it has
-been: a one-shot finder on ``sys.meta_path`` lets the usual finders locate ``lightning.pytorch`` and runs the
-registration right after that module's code. importlib has no public post-import hook, and wrapt's would be a
-dependency for these few lines (docs/decisions.md). When the import of ``lightning_fsdp.strategy`` is what imports
-Lightning, the class does not exist yet when the finder fires, so that module registers at its own end. A
-registration that fails is logged, never raised: it must not break ``import lightning`` for code that does not use
-this package.
+``import lightning_fsdp`` must be enough for ``Trainer(strategy="fsdp_custom")``, yet ``import lightning_fsdp.engine``
+runs the package's ``__init__`` too and must not import Lightning. So the package registers at once where
+``lightning.pytorch`` is already imported, and otherwise right after it is: a one-shot finder on ``sys.meta_path``
+wraps that module's loader (importlib has no public post-import hook; wrapt's would be a dependency for a few
+lines). When importing ``lightning_fsdp.strategy`` is what imports Lightning, its class does not exist yet when the
+finder fires, so that module registers at its own end. A failed registration is logged, never raised: it must not
+break ``import lightning`` for code that does not use this package.
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ def register_with_lightning() -> None:
 def _register() -> None:
     strategy_module = sys.modules.get("lightning_fsdp.strategy")
     if strategy_module is not None and not hasattr(strategy_module, "FSDPStrategy"):
-        # Importing lightning_fsdp.strategy is what imported Lightning, and its class is not defined yet: the module
-        # registers itself at its end.
+        # See the Note: the module registers itself at its end.
         return
     from lightning.pytorch.strategies import StrategyRegistry
 

@@ -1,18 +1,9 @@
-"""Ending a gloo run without racing the process group's worker threads (a torch issue, worked around here).
+"""Ending a gloo run without racing the process group's worker threads (pytorch/pytorch#56297, #190489).
 
-A gloo collective runs on one of its process group's worker threads. When it completes, the caller may drop its
-tensors at once; the worker then holds the last reference and has to take the GIL to free them. That is harmless
-while the program runs (the main thread hands the GIL over within a few milliseconds), but not while it ends:
-
-* ``torch.distributed.destroy_process_group`` joins the worker threads while holding the GIL. If a worker is
-  waiting for the GIL at that moment, the process hangs (pytorch/pytorch#56297).
-* At interpreter exit, a worker that asks for the GIL after finalization has begun is stopped inside C++ code:
-  ``terminate called without an active exception`` and SIGABRT (exit code 134) after a run that succeeded
-  (pytorch/pytorch#190489). A script that ends right after a collective, such as ``strategy.all_gather``, meets
-  it: 5 exits in 160 on the 2-core test machine under load, none in 160 with the pause below.
-
-Releasing the GIL for a moment first lets any worker still freeing a tensor finish. This narrows the race to a
-worker that gets no CPU time for the whole pause; it cannot close it, as only torch can.
+A worker thread that frees a completed collective's tensors needs the GIL: if it asks while
+``destroy_process_group`` joins it, the process hangs; if it asks once the interpreter finalizes, the process aborts
+(exit code 134) after a run that succeeded. Releasing the GIL for a moment first lets it finish; this narrows the
+race and cannot close it, as only torch can (measured in docs/reliability.md).
 """
 
 from __future__ import annotations
