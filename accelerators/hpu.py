@@ -28,32 +28,18 @@ _VALID_DEVICES = (
 
 
 class HPUAccelerator(Accelerator):
-    """Accelerator for Intel Gaudi (HPU) devices, meant to be used with this project's FSDP strategy.
+    """Accelerator for Intel Gaudi (HPU) devices, for this project's FSDP strategy (docs/hpu.md).
 
-    Devices are ``torch.device("hpu", i)``; ``devices`` accepts the usual Lightning forms: an int, ``"auto"``,
-    ``-1`` (all), strings such as ``"2"`` or ``"0,1"``, and lists of indices.
-
-    FSDP on Gaudi needs eager mode: set ``PT_HPU_LAZY_MODE=0`` before the process starts (``setup_device``
-    checks it via :func:`~accelerators.hpu_runtime.check_eager_mode`). If eager mode shows stability problems,
-    ``PT_HPU_EAGER_PIPELINE_ENABLE=0`` turns off the eager pipeline.
-
-    ``habana_frameworks`` is imported only inside methods, so this class can be imported, registered and
-    instantiated anywhere; without Gaudi software :meth:`is_available` is ``False``, :meth:`auto_device_count` is
-    0 and asking for devices raises an error that says how to install the software or pick another accelerator.
-
-    Example::
-
-        import lightning as L
-        from accelerators import HPUAccelerator
-
-        trainer = L.Trainer(accelerator=HPUAccelerator(), devices=8, strategy=...)
+    ``devices`` takes the usual Lightning forms. FSDP needs eager mode (``PT_HPU_LAZY_MODE=0``), which
+    ``setup_device`` checks. ``habana_frameworks`` is imported only inside methods, so the class can be imported
+    and registered anywhere; without Gaudi software :meth:`is_available` is ``False`` and asking for devices raises
+    an error saying how to install it or pick another accelerator.
     """
 
     @override
     def setup_device(self, device: torch.device) -> None:
-        """Check that ``device`` is a usable HPU and that the bridge runs in eager mode.
-
-        Device selection itself is left to the Gaudi bridge, which binds each process to the module it acquired.
+        """Check that ``device`` is a usable HPU and that the bridge runs in eager mode (the bridge binds each process
+        to its device itself).
 
         Raises:
             MisconfigurationException: if ``device`` is not an HPU, the Gaudi software is missing, or lazy mode is on.
@@ -86,8 +72,6 @@ class HPUAccelerator(Accelerator):
     @override
     def get_parallel_devices(devices: _DevicesSpec) -> list[torch.device]:
         """One ``torch.device("hpu", i)`` per process; accepts raw ``devices`` or the output of ``parse_devices``."""
-        # Lightning passes the output of parse_devices; parsing again is idempotent on index lists and keeps the
-        # method usable on raw Trainer input as well.
         return [torch.device("hpu", index) for index in _parse_hpu_indices(devices)]
 
     @staticmethod

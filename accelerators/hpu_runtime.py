@@ -1,9 +1,6 @@
-"""Probes of the Intel Gaudi software stack that are safe to call on any machine.
-
-Nothing here imports ``habana_frameworks`` at module import time: the package must import cleanly on machines
-without Gaudi software (CI, laptops, CUDA clusters). Every probe imports the bridge on demand and treats an
-``ImportError`` as "no Gaudi software". Other errors from a present but broken installation propagate, so a
-damaged install is reported instead of silently falling back to another device.
+"""Probes of the Intel Gaudi software stack, safe on any machine: each imports the bridge on demand and treats an
+``ImportError`` as "no Gaudi software"; other errors of a broken installation propagate instead of silently falling
+back to another device.
 """
 
 import importlib
@@ -84,11 +81,8 @@ def hpu_memory_stats(device: torch.device | str | int | None = None) -> dict[str
 
 
 def is_test_double() -> bool:
-    """Whether the importable ``habana_frameworks`` is this project's CPU test double (``tests/fakes``).
-
-    The double sets ``habana_frameworks.IS_TEST_DOUBLE = True``; the strategy uses this to run the compute of
-    ``hpu`` devices on CPU tensors, since a CPU build of torch cannot allocate real HPU tensors.
-    """
+    """Whether the importable ``habana_frameworks`` is this project's CPU test double (``tests/fakes``), which sets
+    ``IS_TEST_DOUBLE = True``."""
     try:
         package = importlib.import_module("habana_frameworks")
     except ImportError:
@@ -97,18 +91,9 @@ def is_test_double() -> bool:
 
 
 def check_eager_mode() -> None:
-    """Raise unless the Gaudi bridge is configured for eager mode (``PT_HPU_LAZY_MODE=0``).
-
-    The FSDP engine frees gathered parameters and issues collectives from hooks as it goes, which assumes every
-    operation runs when it is issued. Gaudi's lazy mode instead accumulates operations into graphs that run at
-    ``mark_step()`` boundaries, so FSDP is only supported in eager mode. The variable is read by the bridge when
-    ``habana_frameworks`` is first imported, so it has to be set in the environment before the process starts;
-    an unset variable counts as lazy because that is the default of many Gaudi releases.
-
-    If eager mode itself shows stability problems (hangs or wrong results), also set
-    ``PT_HPU_EAGER_PIPELINE_ENABLE=0`` to turn off the eager pipeline.
-
-    Both the accelerator's ``setup_device`` and the strategy call this, so the check runs before any collective.
+    """Raise unless the Gaudi bridge is configured for eager mode (``PT_HPU_LAZY_MODE=0``; unset counts as lazy, the
+    default of many releases): the engine frees parameters and issues collectives from hooks as it goes, which lazy
+    mode's deferred graphs break (docs/hpu.md). Called by ``setup_device`` and the strategy, before any collective.
 
     Raises:
         MisconfigurationException: if ``PT_HPU_LAZY_MODE`` is unset or not ``"0"``.
@@ -127,11 +112,8 @@ def check_eager_mode() -> None:
 
 
 def compute_device(device: torch.device) -> torch.device:
-    """The device tensors for ``device`` are allocated on: itself, except ``hpu`` under the CPU test double.
-
-    A CPU build of torch cannot hold HPU tensors, so with the test double active the strategy computes on CPU
-    while device parsing, the eager-mode check, the HCCL backend and the collectives follow the HPU code path.
-    """
+    """The device tensors for ``device`` are allocated on: itself, except ``hpu`` under the CPU test double, where
+    the compute runs on CPU (torch's CPU build holds no HPU tensors) while the rest follows the HPU path."""
     if device.type == "hpu" and is_test_double():
         return torch.device("cpu")
     return device

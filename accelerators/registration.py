@@ -12,11 +12,8 @@ _log = logging.getLogger(__name__)
 
 
 def register_hpu_accelerator(registry: _AcceleratorRegistry | None = None) -> bool:
-    """Register :class:`HPUAccelerator` as ``"hpu"`` so that ``Trainer(accelerator="hpu")`` finds it.
-
-    An ``"hpu"`` entry registered by another package (e.g. ``lightning-habana``) is left alone: overriding it at
-    import time would silently change what that package's users get. Users can still choose ours explicitly with
-    ``Trainer(accelerator=HPUAccelerator())``. Calling this again is harmless.
+    """Register :class:`HPUAccelerator` as ``"hpu"`` so that ``Trainer(accelerator="hpu")`` finds it, unless another
+    package (e.g. ``lightning-habana``) holds the name: overriding it would silently change what its users get.
 
     Args:
         registry: the registry to fill; Lightning's global ``lightning.pytorch.accelerators.AcceleratorRegistry``
