@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import zipfile
 from collections.abc import Callable
 from typing import IO, Any
@@ -26,8 +27,17 @@ __all__ = [
     "CheckpointIsDirectoryError",
     "CheckpointLoadError",
     "CheckpointNotFoundError",
+    "UntrustedCheckpointError",
     "temp_path_for",
 ]
+
+# How a user who trusts a refused file opts in, by name (every refusal ends with it).
+TRUST_HINT = (
+    "Nothing in the file was run. If you trust the file and where it came from, allow it by name: "
+    "weights_only=False when resuming or loading (trainer.fit/validate/test/predict(..., weights_only=False)), "
+    "--trust-pickled-code for `lightning-fsdp convert` and `export` (trust_pickled_code=True from Python); "
+    "or allow just that class with torch.serialization.add_safe_globals([...]) and keep the rest restricted"
+)
 
 
 @raised_alike_on_every_rank
@@ -37,6 +47,16 @@ class CheckpointLoadError(RuntimeError):
     def __init__(self, message: str, path: _PATH) -> None:
         super().__init__(message)
         self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Picklable with its path: torch.distributed.checkpoint sends a rank's read error to the others.
+        return type(self), (str(self), self.path)
+
+
+@raised_alike_on_every_rank
+class UntrustedCheckpointError(CheckpointLoadError):
+    """A checkpoint file holds an object the restricted unpickler refused (it would run code, or is of a class not
+    allowed); nothing in the file was run. ``path`` is the file."""
 
 
 @raised_alike_on_every_rank
@@ -115,6 +135,59 @@ def _container_intact(path: str) -> bool:
     return head in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# The sentence of torch's weights-only error that names what it refused (torch wraps it in advice of its own).
+_REFUSAL = re.compile(
+    r"(Unsupported global: GLOBAL \S+ was not an allowed global by default\."
+    r"|Trying to load unsupported GLOBAL \S+ whose module \S+ is blocked\."
+    r"|Trying to call reduce for unrecognized function[^\n]*"
+    r"|Can only (?:build|create new object)[^\n]*)"
+)
+_GLOBAL = re.compile(r"GLOBAL ([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)")
+
+
+def refused_by_weights_only(exc: BaseException) -> str | None:
+    """What torch's weights-only unpickler refused, in its own words (``Trying to load unsupported GLOBAL
+    posix.system whose module posix is blocked.``), or None if ``exc`` is no such refusal."""
+    if not isinstance(exc, pickle.UnpicklingError):
+        return None
+    text = _ANSI.sub("", str(exc))
+    match = _REFUSAL.search(text)
+    if match:
+        return match.group(1)
+    if "weights only load failed" in text.lower():  # another refusal (an opcode it does not read, ...)
+        match = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
+        return match.group(1) if match else "the weights-only unpickler could not read it"
+    return None
+
+
+def refused_global(words: str) -> str | None:
+    """The dotted name of the refused global in a refusal's words (``posix.system``), if it names one."""
+    match = _GLOBAL.search(words)
+    return match.group(1) if match else None
+
+
+def refusal_error(file: str, words: str, refuser: str = "torch.load(weights_only=True)") -> UntrustedCheckpointError:
+    """The error for a file whose restricted unpickling refused an object: the file, the object, how to opt in."""
+    name = refused_global(words)
+    obj = f" ({name})" if name else ""
+    return UntrustedCheckpointError(
+        f"Could not load checkpoint {file!r}: {refuser} refused an object in it{obj}: {words} {TRUST_HINT}.", file
+    )
+
+
+def load_error(path: str, exc: BaseException) -> CheckpointLoadError:
+    """The error for a ``torch.load`` of the existing file ``path`` that raised ``exc``: a refusal by the weights-only
+    unpickler of an intact file (naming the object and the opt-in), or what is damaged about the file."""
+    words = refused_by_weights_only(exc)
+    if words is not None and _container_intact(path):
+        return refusal_error(path, words)
+    return CheckpointLoadError(
+        f"Could not load checkpoint {path!r}: {_describe_damage(path)}. Underlying error: {type(exc).__name__}: {exc}",
+        path,
+    )
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose saves are atomic and whose load errors name the file and the problem.
 
@@ -183,21 +256,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             with open(path, "rb") as f:
                 checkpoint = torch.load(f, map_location=map_location, weights_only=weights_only)
         except Exception as exc:  # noqa: BLE001 - re-raised with the file named; the original is kept as __cause__
-            if (
-                isinstance(exc, pickle.UnpicklingError)
-                and "weights_only" in str(exc).lower().replace(" ", "_")
-                and _container_intact(path)
-            ):
-                problem = (
-                    "torch.load(weights_only=True) refused an object in it; load it with weights_only=False "
-                    "if you trust the file"
-                )
-            else:
-                problem = _describe_damage(path)
-            raise CheckpointLoadError(
-                f"Could not load checkpoint {path!r}: {problem}. Underlying error: {type(exc).__name__}: {exc}",
-                path,
-            ) from exc
+            raise load_error(path, exc) from exc
         if not isinstance(checkpoint, dict):
             raise CheckpointLoadError(
                 f"Could not load checkpoint {path!r}: it holds a {type(checkpoint).__name__}, not a checkpoint dict; "

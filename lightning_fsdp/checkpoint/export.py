@@ -24,6 +24,10 @@ Tied weights (two keys naming one parameter, e.g. ``lm_head.weight`` and ``model
 under both names as separate tensors: ``from_pretrained`` accepts both keys and re-ties them when the config says
 ``tie_word_embeddings``, while dropping one would lose the weight for a model whose config does not tie it.
 
+Every file is read by a restricted unpickler (``torch.load(weights_only=True)``, and ``safe_load``'s for DCP files):
+an object that would run code when unpickled is refused, naming the file and the object, unless the caller trusts
+the checkpoint by name (``trust_pickled_code=True``, ``--trust-pickled-code``).
+
 The directory is written under a temporary name next to ``OUT_DIR`` and renamed into place when complete.
 ``python -m lightning_fsdp.checkpoint.export`` runs the same command.
 """
@@ -43,7 +47,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError
+from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError, load_error
 from lightning_fsdp.checkpoint.common import numel
 from lightning_fsdp.checkpoint.formats import format_on_disk
 from lightning_fsdp.checkpoint.local import concat_rows, read_local_meta
@@ -58,7 +62,8 @@ from lightning_fsdp.checkpoint.paths import (
     remove_path,
     remove_stale_temps,
 )
-from lightning_fsdp.checkpoint.sharded import check_shard_files, dcp_entries, dcp_load, planner_data, read_dcp_metadata
+from lightning_fsdp.checkpoint.safe_load import check_shard_files, dcp_load, read_dcp_metadata
+from lightning_fsdp.checkpoint.sharded import dcp_entries, planner_data
 from lightning_fsdp.collective import Collective
 
 __all__ = ["DTYPES", "export_safetensors", "main", "parse_dtype", "parse_size"]
@@ -162,24 +167,20 @@ class _Source:
         raise NotImplementedError
 
 
-def _mmap_load(file: str) -> Any:
+def _mmap_load(file: str, weights_only: bool) -> Any:
     """``torch.load`` with the file memory-mapped (a tensor's bytes are read when it is used, not at load)."""
     problem = file_problem(file)
     if problem is not None:
         raise CheckpointLoadError(f"Could not read {file!r}: {problem}.", file)
     try:
-        # weights_only=False: a Lightning checkpoint holds hyper-parameters and loop state; like `convert`, export
-        # reads checkpoints this package wrote.
-        return torch.load(file, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - re-raised naming the file
-        raise CheckpointLoadError(
-            f"Could not read {file!r} (truncated or corrupt?): {type(exc).__name__}: {exc}", file
-        ) from exc
+        return torch.load(file, map_location="cpu", mmap=True, weights_only=weights_only)
+    except Exception as exc:  # noqa: BLE001 - re-raised naming the file (and a refused object)
+        raise load_error(file, exc) from exc
 
 
 class _FullSource(_Source):
-    def __init__(self, path: str) -> None:
-        checkpoint = _mmap_load(path)
+    def __init__(self, path: str, weights_only: bool) -> None:
+        checkpoint = _mmap_load(path, weights_only)
         state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
         if not isinstance(state, Mapping):
             found = sorted(map(str, checkpoint)) if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
@@ -197,11 +198,12 @@ class _FullSource(_Source):
 
 
 class _ShardedSource(_Source):
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, weights_only: bool) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.path = path
-        metadata = read_dcp_metadata(path)
+        self.weights_only = weights_only
+        metadata = read_dcp_metadata(path, weights_only)
         check_shard_files(path, metadata)
         self.tensors, self.skipped, self._flat = [], [], {}
         entries = dcp_entries(metadata)
@@ -222,19 +224,19 @@ class _ShardedSource(_Source):
         flat, info = self._flat[key]
         target = torch.empty(info.shape, dtype=info.dtype)
         # One entry: DCP plans reads of this tensor's chunks only (every rank file that holds rows of it).
-        dcp_load({flat: target}, self.path, Collective(alone=True))
+        dcp_load({flat: target}, self.path, Collective(alone=True), self.weights_only)
         return target
 
 
 class _LocalSource(_Source):
-    def __init__(self, path: str) -> None:
-        _, info = read_local_meta(path)
+    def __init__(self, path: str, weights_only: bool) -> None:
+        _, info = read_local_meta(path, weights_only)
         world = info["world_size"]
         self.files = []
         # The first global rank holding each shard rank's rows (with a subgroup as shard group, groups repeat).
         self.holders: dict[int, int] = {}
         for rank in range(world):
-            data = _mmap_load(os.path.join(path, local_rank_file(rank)))
+            data = _mmap_load(os.path.join(path, local_rank_file(rank)), weights_only)
             if not isinstance(data, Mapping) or data.get("rank") != rank or data.get("world_size") != world:
                 got = (data.get("rank"), data.get("world_size")) if isinstance(data, Mapping) else None
                 raise CheckpointLoadError(
@@ -261,14 +263,14 @@ class _LocalSource(_Source):
         return concat_rows(pieces, tuple(int(s) for s in entry["shape"]))
 
 
-def _open(path: str) -> _Source:
+def _open(path: str, weights_only: bool) -> _Source:
     kind = format_on_disk(path).kind
     if kind == FULL:
-        return _FullSource(path)
+        return _FullSource(path, weights_only)
     if kind == SHARDED:
-        return _ShardedSource(path)
+        return _ShardedSource(path, weights_only)
     assert kind == LOCAL, kind
-    return _LocalSource(path)
+    return _LocalSource(path, weights_only)
 
 
 # ===================================================================================================== planning
@@ -434,6 +436,7 @@ def export_safetensors(
     rename: Callable[[str], str] | None = None,
     config: str | os.PathLike | Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    trust_pickled_code: bool = False,
 ) -> list[str]:
     """Write the model weights of ``checkpoint`` (a full file, a sharded or a local directory) to ``out_dir`` as a
     Hugging Face style safetensors directory, streaming (see ``[Note: streaming export]``). Returns the paths of the
@@ -444,6 +447,9 @@ def export_safetensors(
     Names: each output name is ``rename(key.removeprefix(prefix))`` (``prefix="model."`` turns a LightningModule's
     ``model.model.layers.0...`` into transformers' ``model.layers.0...``). ``config``: ``config.json`` to copy into
     the output (a file, a directory holding one, or a dict). ``overwrite``: replace an existing ``out_dir``.
+    ``trust_pickled_code``: unpickle the checkpoint's files without restriction, running any code they hold (only
+    for a checkpoint you trust); by default an object that would run code raises ``UntrustedCheckpointError`` naming
+    the file and the object, and no output is left behind.
     """
     checkpoint, out_dir = os.fspath(checkpoint), os.fspath(out_dir)
     # Every argument is checked before anything is read or written.
@@ -453,10 +459,12 @@ def export_safetensors(
         raise TypeError(f"prefix must be a string, not {type(prefix).__name__} ({prefix!r}).")
     if rename is not None and not callable(rename):
         raise TypeError(f"rename must be a function from name to name, not {type(rename).__name__} ({rename!r}).")
+    if not isinstance(trust_pickled_code, bool):
+        raise TypeError(f"trust_pickled_code must be True or False, not {trust_pickled_code!r}.")
     config_content = _read_config(config) if config is not None else None
     if os.path.abspath(checkpoint) == os.path.abspath(out_dir):
         raise ValueError(f"The checkpoint and the output directory are the same path: {checkpoint!r}.")
-    source = _open(checkpoint)  # raises naming the path if it is no checkpoint
+    source = _open(checkpoint, weights_only=not trust_pickled_code)  # raises naming the path if it is no checkpoint
     if os.path.lexists(out_dir) and not overwrite:
         raise FileExistsError(f"Output directory {out_dir!r} exists; pass overwrite=True (--overwrite) to replace it.")
     if source.skipped:
@@ -512,6 +520,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", default=None, help="config.json to copy into OUT_DIR, or a directory holding one")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument(
+        "--trust-pickled-code",
+        action="store_true",
+        help="unpickle CHECKPOINT's files without restriction, running any code they hold (only for a checkpoint "
+        "you trust); by default an object that would run code is refused and named",
+    )
     return parser
 
 
@@ -526,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
             prefix=args.strip_prefix,
             config=args.config,
             overwrite=args.overwrite,
+            trust_pickled_code=args.trust_pickled_code,
         )
     except (CheckpointLoadError, ValueError, TypeError, OSError) as exc:
         print(f"lightning-fsdp export: error: {exc}", file=sys.stderr)

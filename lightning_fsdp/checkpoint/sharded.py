@@ -13,25 +13,21 @@ Layout (the one Lightning's ``FSDPStrategy(state_dict_type="sharded")`` writes, 
   precision state, hyper-parameters, ...) plus a ``"lightning_fsdp"`` entry (format, version, world size, how the
   optimizer state is keyed, number of optimizers).
 
-:class:`ShardedFormat` is the format object the strategy and ``convert`` use.
+Reading goes through ``safe_load`` (restricted unpickling of every file unless ``weights_only`` is False; see [Note:
+loading checkpoints you did not write] there). :class:`ShardedFormat` is the format object the strategy and
+``convert`` use.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import pickle
 import re
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -39,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError
+from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO
 from lightning_fsdp.checkpoint.common import (
     FORMAT_KEY,
     FORMAT_VERSION,
@@ -58,7 +54,8 @@ from lightning_fsdp.checkpoint.common import (
     to_index_keyed,
     write_directory,
 )
-from lightning_fsdp.checkpoint.paths import DCP_METADATA_FILE, META_FILE, SHARDED, file_problem
+from lightning_fsdp.checkpoint.paths import META_FILE, SHARDED
+from lightning_fsdp.checkpoint.safe_load import alone_on_purpose, check_shard_files, dcp_load, read_dcp_metadata
 from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import gather_rows
@@ -66,15 +63,6 @@ from lightning_fsdp.engine.layout import ShardLayout
 
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)")
 _SCALAR_ROWS = "lightning_fsdp_scalar_rows"
-
-
-@contextlib.contextmanager
-def _alone_on_purpose(coll: Collective) -> Iterator[None]:
-    """Without a process group DCP warns "torch.distributed is disabled ..."; here that is on purpose."""
-    with warnings.catch_warnings():
-        if not coll.distributed:
-            warnings.simplefilter("ignore", UserWarning)
-        yield
 
 
 # ===================================================================================================== saving
@@ -203,7 +191,7 @@ def _write(tensors: dict[str, Any], meta: dict[str, Any], path: str, coll: Colle
 
     def write_part(tmp: str) -> None:
         # A failure on any rank raises a CheckpointException on every rank (DCP gathers the results).
-        with _alone_on_purpose(coll):
+        with alone_on_purpose(coll):
             dcp.save(tensors, checkpoint_id=tmp, no_dist=not coll.distributed)
 
     write_directory(path, write_part, lambda: meta, coll)
@@ -249,34 +237,6 @@ def save_sharded_from_full(checkpoint: Mapping[str, Any], path: str) -> None:
 
 
 # ===================================================================================================== reading
-def read_dcp_metadata(path: str) -> Metadata:
-    file = os.path.join(path, DCP_METADATA_FILE)
-    try:
-        return FileSystemReader(path).read_metadata()
-    except Exception as exc:  # noqa: BLE001
-        problem = file_problem(file) or "it is truncated or corrupt"
-        raise CheckpointLoadError(
-            f"Could not read sharded checkpoint {path!r}: {problem} ({DCP_METADATA_FILE!r}, "
-            f"{type(exc).__name__}: {exc}).",
-            file,
-        ) from exc
-
-
-def check_shard_files(path: str, metadata: Metadata) -> None:
-    """Every file the metadata refers to exists and is long enough (a missing or truncated shard names its file)."""
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for relative, size in sorted(needed.items()):
-        file = os.path.join(path, relative)
-        problem = file_problem(file, size)
-        if problem is not None:
-            raise CheckpointLoadError(
-                f"Sharded checkpoint {path!r} is damaged: {problem}. Every rank's shard file is needed to load it.",
-                file,
-            )
-
-
 def read_meta(path: str, weights_only: bool | None = None) -> dict[str, Any]:
     return AtomicCheckpointIO().load_checkpoint(os.path.join(path, META_FILE), weights_only=weights_only)
 
@@ -318,39 +278,6 @@ def _set(container: Any, path: Sequence[Any], value: Any) -> None:
     container[last] = value
 
 
-def dcp_load(targets: dict[str, Any], path: str, coll: Collective) -> None:
-    """Fill ``targets`` (DCP's flat keys -> a tensor or DTensor to read into, or None for a non-tensor entry, which
-    is replaced by the stored object) from the directory; a plain tensor receives the whole stored tensor."""
-    if not targets:
-        return
-    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    try:
-        with _alone_on_purpose(coll):
-            dcp.load(targets, checkpoint_id=path, planner=planner, no_dist=not coll.distributed)
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises the same one on every rank
-        raise CheckpointLoadError(
-            f"Could not read sharded checkpoint {path!r}: a shard file could not be read (truncated or corrupt?). "
-            f"Underlying error: {_read_failure(exc)}",
-            path,
-        ) from exc
-
-
-def _read_failure(exc: BaseException) -> str:
-    """What went wrong in a DCP read, short. ``CheckpointException`` (a ``BaseException``, so ``except Exception``
-    does not see it) carries each failing rank's exception; its own text is only the list of ranks."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(exc, CheckpointException) and isinstance(failures, Mapping) and failures:
-        parts = []
-        for rank, failure in sorted(failures.items()):
-            error = failure[0] if isinstance(failure, tuple) else failure  # torch keeps (exception, traceback)
-            text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            if isinstance(error, pickle.UnpicklingError):  # torch's text would suggest weights_only=False
-                text = "the stored bytes are not a serialized tensor (the shard data is corrupt)"
-            parts.append(f"rank {rank}: {type(error).__name__}: {text[:300]}")
-        return "; ".join(parts)
-    return f"{type(exc).__name__}: {exc}"
-
-
 class _ShardedLoad:
     """Plans and performs the load of a sharded directory into a sharded module and its optimizers."""
 
@@ -368,7 +295,8 @@ class _ShardedLoad:
         self.coll = coll
         # Under pipeline parallelism (a PipelineCheckpoint): the other stages' keys, the unsplit optimizers' groups.
         self.pipeline = pipeline
-        self.metadata = read_dcp_metadata(path)
+        self.weights_only = weights_only  # False: the caller trusts the files (see safe_load)
+        self.metadata = read_dcp_metadata(path, weights_only)
         check_shard_files(path, self.metadata)
         self.meta = read_meta(path, weights_only)
         self.info = self.meta.pop(FORMAT_KEY, None) or {}
@@ -537,11 +465,11 @@ class _ShardedLoad:
                     and isinstance(storage, TensorStorageMetadata)
                 ):
                     bytes_keys[flat] = torch.zeros(tuple(storage.size), dtype=storage.properties.dtype)
-        dcp_load(bytes_keys, self.path, self.coll)
+        dcp_load(bytes_keys, self.path, self.coll, self.weights_only)
         self.loaded_bytes = bytes_keys
         self._plan_optimizers()  # raises the same mismatch on every rank: all read the same entries
         # Round 2: the tensors, each rank reading the rows it holds under the current layout.
-        dcp_load(self.tensor_targets, self.path, self.coll)
+        dcp_load(self.tensor_targets, self.path, self.coll, self.weights_only)
         loaded = {**self.tensor_targets, **self.loaded_bytes}
         state = ShardedStateDict(
             {key: self._local(flat, loaded[flat]) for key, flat in self.model_keys.items()},
@@ -589,7 +517,7 @@ def read_sharded_checkpoint_full(path: str, weights_only: bool | None = None) ->
     in this process alone, without a process group."""
     # What torch's format_utils.dcp_to_torch_save reads (every entry whole), through the public dcp.load: a target
     # for each entry the metadata lists, at its full size, then nested again in the order the saved dict had.
-    metadata = read_dcp_metadata(path)
+    metadata = read_dcp_metadata(path, weights_only)
     check_shard_files(path, metadata)
     meta = read_meta(path, weights_only)
     info = meta.pop(FORMAT_KEY, None) or {}
@@ -600,7 +528,7 @@ def read_sharded_checkpoint_full(path: str, weights_only: bool | None = None) ->
         else None
         for flat, (_, storage) in entries.items()
     }
-    dcp_load(targets, path, Collective(alone=True))
+    dcp_load(targets, path, Collective(alone=True), weights_only)
     saved_order = {flat: i for i, flat in enumerate(planner_data(metadata))}
     tensors: dict[str, Any] = {}
     for flat in sorted(entries, key=lambda f: saved_order.get(f, len(saved_order))):
