@@ -16,10 +16,12 @@ The 2-rank cases run in one launch of the script (about 30 s); the others in thi
 
 from __future__ import annotations
 
+import fractions
 import io
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +34,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from lightning_fsdp import cli
 from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError, UntrustedCheckpointError
 from lightning_fsdp.checkpoint.convert import load_as_full
+from lightning_fsdp.checkpoint.safe_load import read_dcp_metadata
 from tests.processes import ROOT, clean_env, free_port
 from tests.scripts.untrusted_run import (
     GOOD,
@@ -251,3 +254,21 @@ def test_control_the_escaping_path_is_followed_without_the_check(control):
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.load(target, checkpoint_id=str(folder / ESCAPE), planner=planner, no_dist=True)
     assert target["model.model.emb.weight"].abs().sum() > 0
+
+
+def test_metadata_unpickler_allows_what_the_user_allowed(launch, tmp_path):
+    """A class in .metadata that DCP's metadata is not made of is refused by name; allowed as torch.load's allowlist
+    is (torch.serialization.safe_globals / add_safe_globals), it loads."""
+    folder = tmp_path / "sharded"
+    shutil.copytree(launch[0] / GOOD["sharded"], folder)
+    with open(folder / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # written by the test itself
+    metadata.planner_data["extra"] = fractions.Fraction(1, 3)
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(UntrustedCheckpointError, match=r"refused an object in it \(fractions\.Fraction\)"):
+        read_dcp_metadata(str(folder))
+    with torch.serialization.safe_globals([fractions.Fraction]):
+        assert read_dcp_metadata(str(folder)).planner_data["extra"] == fractions.Fraction(1, 3)
+    with pytest.raises(UntrustedCheckpointError):  # the allowance ended with the block
+        read_dcp_metadata(str(folder))
