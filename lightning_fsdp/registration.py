@@ -5,9 +5,10 @@
 runs the package's ``__init__`` too and must not import Lightning. So the package registers at once where
 ``lightning.pytorch`` is already imported, and otherwise right after it is: a one-shot finder on ``sys.meta_path``
 wraps that module's loader (importlib has no public post-import hook; wrapt's would be a dependency for a few
-lines). When importing ``lightning_fsdp.strategy`` is what imports Lightning, its class does not exist yet when the
-finder fires, so that module registers at its own end. A failed registration is logged, never raised: it must not
-break ``import lightning`` for code that does not use this package.
+lines). Any module of the package may be what imports Lightning, and be half-imported when the finder fires, so the
+registration imports none of them: the registry's entry is ``build_strategy``, which imports the strategy when a
+Trainer asks for it. A failed registration is logged, never raised: it must not break ``import lightning`` for code
+that does not use this package.
 """
 
 from __future__ import annotations
@@ -32,17 +33,37 @@ def register_with_lightning() -> None:
         sys.meta_path.insert(0, _AfterImport(_LIGHTNING, _register_logging_failure))
 
 
+# The registered names: name, start method, options.
+STRATEGY_NAMES = (
+    ("fsdp_custom", "popen", {}),
+    ("fsdp_custom_spawn", "spawn", {}),
+    ("fsdp_custom_fork", "fork", {}),
+    ("fsdp_custom_shard_grad_op", "popen", {"sharding_strategy": "SHARD_GRAD_OP"}),
+    ("fsdp_custom_no_shard", "popen", {"sharding_strategy": "NO_SHARD"}),
+)
+
+
+def build_strategy(**options: Any) -> Any:
+    """What Lightning's registry calls for ``Trainer(strategy="fsdp_custom")``: ``FSDPStrategy(**options)``, imported
+    only then, so that registering never imports the strategy module (which may be mid-import at that moment)."""
+    from lightning_fsdp.strategy import FSDPStrategy
+
+    return FSDPStrategy(**options)
+
+
+def register_strategies(registry: Any) -> None:
+    for name, start_method, extra in STRATEGY_NAMES:
+        if name not in registry:
+            description = f"lightning-fsdp's FSDP strategy ({name})"
+            registry.register(name, build_strategy, description=description, start_method=start_method, **extra)
+
+
 def _register() -> None:
-    strategy_module = sys.modules.get("lightning_fsdp.strategy")
-    if strategy_module is not None and not hasattr(strategy_module, "FSDPStrategy"):
-        # See the Note: the module registers itself at its end.
-        return
     from lightning.pytorch.strategies import StrategyRegistry
 
     from accelerators import register_hpu_accelerator
-    from lightning_fsdp.strategy import FSDPStrategy
 
-    FSDPStrategy.register_strategies(StrategyRegistry)
+    register_strategies(StrategyRegistry)
     register_hpu_accelerator()
 
 

@@ -17,6 +17,9 @@ names = ["fsdp_custom", "fsdp_custom_spawn", "fsdp_custom_fork", "fsdp_custom_sh
 missing = [name for name in names if name not in StrategyRegistry]
 assert not missing, missing
 assert "hpu" in AcceleratorRegistry
+from lightning_fsdp.strategy import FSDPStrategy
+assert type(StrategyRegistry.get("fsdp_custom_no_shard")) is FSDPStrategy
+assert StrategyRegistry.get("fsdp_custom_no_shard").sharding_strategy.name == "NO_SHARD"
 print("registered", len(names))
 """
 
@@ -25,6 +28,8 @@ IMPORT_ORDERS = {
     "package, then a public name": "import lightning_fsdp\nfrom lightning_fsdp import FSDPStrategy\n",
     "package, then Lightning": "import lightning_fsdp\nimport lightning.pytorch\n",
     "the strategy module directly": "from lightning_fsdp.strategy import FSDPStrategy\n",
+    "a checkpoint module first": "import lightning_fsdp.checkpoint.sharded\n",
+    "the pipeline package first": "import lightning_fsdp.pipeline\n",
 }
 
 
