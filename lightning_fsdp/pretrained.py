@@ -24,9 +24,11 @@ sharding too; ``on_validation_start`` also runs inside ``fit`` (every validation
 Parameters are copied into place (``copy_``), so the optimizer built in ``Strategy.setup`` keeps its references.
 The same code runs unsharded (one device, DDP): the module's tensors are then loaded whole.
 
-Meta-device modules are materialised when sharded (``fully_shard``) by ``param_init_fn`` or ``reset_parameters``;
-their values are overwritten here, but buffers that are not in the state dict (a rotary embedding's ``inv_freq``)
-are not: ``param_init_fn`` must compute them (for a Hugging Face model, its ``_init_weights`` does).
+Under ``trainer.init_module(empty_init=True)`` only the parameters go to the meta device; buffers are computed by
+the modules' constructors, so those no state dict holds (a rotary embedding's ``inv_freq``) are right without any
+``param_init_fn``. ``fully_shard`` gives the parameters memory and records those that neither ``param_init_fn`` nor
+``reset_parameters`` initialised; this load clears the record for every tensor it copies, and whatever is still
+recorded at the first forward or optimizer step raises there, named (engine/meta_init.py).
 
 [Note: reading only this rank's rows]
 A sharded parameter's ``ShardLayout`` says which rows of dim 0 this rank holds (``rows_of(rank)``, ``torch.chunk``
@@ -55,6 +57,7 @@ from lightning_fsdp.checkpoint.common import CheckpointMismatchError, shape_str
 from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.layout import ShardLayout
+from lightning_fsdp.engine.meta_init import mark_initialised
 from lightning_fsdp.engine.registry import find_engine
 from lightning_fsdp.engine.states import TrainingState
 
@@ -137,6 +140,8 @@ def load_pretrained(
     # A read that fails on one rank (a file damaged past its header) raises on every rank, not only there: the
     # others would otherwise go on to the first step's collectives and wait for it.
     coll.run_agreed(lambda: _copy(plan.reads))
+    # Every rank copied the same tensors: they leave the record of uninitialised ones alike everywhere.
+    mark_initialised(target.tensor for target, _file in plan.reads)
     return plan.result
 
 

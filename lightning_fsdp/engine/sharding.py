@@ -13,6 +13,7 @@ from lightning_fsdp.engine.comm import Communicator
 from lightning_fsdp.engine.config import MixedPrecision, ShardingStrategy, check_wire_narrower
 from lightning_fsdp.engine.groups import check_engine_groups
 from lightning_fsdp.engine.layout import ShardLayout
+from lightning_fsdp.engine.meta_init import InitWatch, own_tensors, record_uninitialised
 from lightning_fsdp.engine.options import ShardingOptions, check_reshard_after_forward, split_ignored
 from lightning_fsdp.engine.registry import attach_engine, get_engine
 from lightning_fsdp.engine.state import ShardingEngine
@@ -44,7 +45,9 @@ def fully_shard(
     Parameters keep their identity and names: each ``nn.Parameter`` afterwards holds this rank's rows, and the
     optimizer built over ``module.parameters()`` sees only shards. Modules still on the meta device are
     materialised one unit at a time (``param_init_fn`` or each module's ``reset_parameters``) and sharded at
-    once, so no rank ever holds more than one unit in full.
+    once, so no rank ever holds more than one unit in full. What neither initialises is recorded as uninitialised
+    (for ``load_pretrained`` to fill): until it is filled, a forward or optimizer step raises naming it
+    (engine/meta_init.py).
 
     ``ignored_modules`` / ``ignored_states`` (parameters or modules) stay whole on every rank and are not sharded;
     their gradients are averaged across ranks as they arrive (one all-reduce per parameter per backward).
@@ -101,9 +104,10 @@ def fully_shard(
     unit_of_module = _innermost_units(module, unit_modules, ignored_ids)
 
     units = []
+    uninitialised: list[tuple[nn.Module, str, str]] = []
     for unit_module in unit_modules:
         own_modules = [m for m in unit_module.modules() if unit_of_module.get(id(m)) is unit_module]
-        _materialize(own_modules, device, options.param_init_fn)
+        uninitialised += _materialize(own_modules, device, options.param_init_fn)
         if options.sync_module_states:
             _broadcast_from_first_rank(
                 own_modules, [params_by_id[pid] for pid in owned[id(unit_module)]], shard_comm, replicate_comm
@@ -147,6 +151,8 @@ def fully_shard(
     )
     engine.set_reshard_after_forward(options.reshard_after_forward)
     attach_engine(module, engine)
+    # Its hooks run before the engine's: a forward that would compute from them raises before any collective.
+    record_uninitialised(module, uninitialised)
     return engine
 
 
@@ -178,30 +184,39 @@ def _attribute_tensors(module: nn.Module) -> list[torch.Tensor]:
     return tensors + [v for v in getattr(module, "_defaults", {}).values() if isinstance(v, torch.Tensor)]
 
 
-def _materialize(modules: list[nn.Module], device: torch.device, param_init_fn: Callable | None) -> None:
-    """Allocate and initialise this unit's meta-device tensors on ``device``, keeping Parameter identity (ties)."""
+def _materialize(
+    modules: list[nn.Module], device: torch.device, param_init_fn: Callable | None
+) -> list[tuple[nn.Module, str, str]]:
+    """Allocate and initialise this unit's meta-device tensors on ``device``, keeping Parameter identity (ties).
+
+    Returns the tensors of those modules still uninitialised afterwards, as (module, kind, attribute name): neither
+    ``param_init_fn`` nor ``reset_parameters`` wrote them (see [Note: the record of uninitialised tensors]).
+    """
     meta_modules = [m for m in modules if any(t.is_meta for t in _params_and_buffers(m))]
     if not meta_modules:
-        return
+        return []
+    with InitWatch() as watch:
+        for module in meta_modules:
+            for param in module.parameters(recurse=False):
+                if param.is_meta:
+                    # Swap contents rather than replace the object: tied modules and optimizers keep their reference.
+                    real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                    torch.utils.swap_tensors(param, real)
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.is_meta:
+                    module._buffers[name] = torch.empty_like(buf, device=device)
+        for module in meta_modules:
+            if param_init_fn is not None:
+                param_init_fn(module)
+            elif callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+    pending, seen = [], set()
     for module in meta_modules:
-        for param in module.parameters(recurse=False):
-            if param.is_meta:
-                # Swap contents rather than replace the object: tied modules and optimizers keep their reference.
-                real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
-                torch.utils.swap_tensors(param, real)
-        for name, buf in module._buffers.items():
-            if buf is not None and buf.is_meta:
-                module._buffers[name] = torch.empty_like(buf, device=device)
-    for module in meta_modules:
-        if param_init_fn is not None:
-            param_init_fn(module)
-        elif callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()
-        elif any(True for _ in module.parameters(recurse=False)):
-            raise ValueError(
-                f"{type(module).__name__} has parameters on the meta device but no reset_parameters(); define "
-                "reset_parameters() on it or pass param_init_fn so they can be initialised after sharding starts."
-            )
+        for kind, name, tensor in own_tensors(module):
+            if id(tensor) not in seen and watch.is_empty(tensor):
+                seen.add(id(tensor))
+                pending.append((module, kind, name))
+    return pending
 
 
 def _materialize_leftovers(root: nn.Module, device: torch.device) -> None:
