@@ -111,7 +111,8 @@ def _next_batch_identity(fetcher: Any) -> tuple[int, int, int]:
 
 
 class EvenBatches:
-    """The checks of one strategy. ``device`` returns where the world group's collectives take tensors."""
+    """The checks of one strategy. ``device`` returns where the world group's collectives take tensors. Each hook
+    takes the LightningModule's trainer, and does nothing without one."""
 
     def __init__(self, device: Callable[[], torch.device]) -> None:
         self._device = device
@@ -120,8 +121,10 @@ class EvenBatches:
         self._train_epoch: int | None = None  # the training epoch whose counts were compared last
 
     # ------------------------------------------------------------------------------------------ the hooks
-    def loop_started(self, trainer: Any) -> None:
+    def loop_started(self, trainer: Any | None) -> None:
         """Compare the ranks' batch counts for the loop that is starting; decide whether to check per batch."""
+        if trainer is None:
+            return
         stage = trainer.state.stage
         if stage not in _CODES or not self._distributed(trainer):
             return
@@ -129,8 +132,10 @@ class EvenBatches:
             self._train_epoch = trainer.current_epoch
         self._compare_counts(trainer, stage, first_batch=True)
 
-    def before_step(self, trainer: Any) -> None:
+    def before_step(self, trainer: Any | None) -> None:
         """Called by the strategy's ``*_step`` before the model's step on every rank."""
+        if trainer is None:
+            return
         stage = trainer.state.stage
         if stage not in _CODES or not self._distributed(trainer):
             return
@@ -144,8 +149,10 @@ class EvenBatches:
                 return  # after_step: the user's step decides how many optimizer steps this batch makes
         self._check_batch(trainer, stage)
 
-    def after_step(self, trainer: Any) -> None:
+    def after_step(self, trainer: Any | None) -> None:
         """Called by the strategy's ``training_step`` after the user's step; only manual optimization checks here."""
+        if trainer is None:
+            return
         stage = trainer.state.stage
         if (
             stage is RunningStage.TRAINING

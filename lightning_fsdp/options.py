@@ -1,16 +1,18 @@
-"""Checks of the arguments only ``FSDPStrategy`` takes (Lightning's plugins, ``device_id``, ``use_orig_params``) and
-the resolution of option values given by name; the engine's own options are ``engine/options.py``'s
-``ShardingOptions``."""
+"""Checks of the arguments only ``FSDPStrategy`` takes (Lightning's plugins, ``device_id``, ``use_orig_params``, the
+optimizers) and the engine's options as the strategy hands them on at setup; the engine's own options are
+``engine/options.py``'s ``ShardingOptions``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_fsdp.engine import MixedPrecision, ShardingEngine, ShardingOptions
 from lightning_fsdp.engine.options import check_flag
 
 
@@ -31,6 +33,21 @@ def resolve_names(root: nn.Module, items: Iterable[Any]) -> list:
     return resolved
 
 
+def engine_kwargs(
+    options: ShardingOptions, module: nn.Module, mixed_precision: MixedPrecision | None, cpu_offload: bool
+) -> dict[str, Any]:
+    """``fully_shard``'s options. They differ from the options as given in three ways known only at setup: names
+    become the modules / parameters they name, the Trainer's precision flag may imply the mixed precision, and there
+    is nothing to offload on a CPU run."""
+    return dataclasses.replace(
+        options,
+        mixed_precision=mixed_precision,
+        cpu_offload=cpu_offload,
+        ignored_modules=tuple(resolve_names(module, options.ignored_modules)),
+        ignored_states=tuple(resolve_names(module, options.ignored_states)),
+    ).as_kwargs()
+
+
 def check_use_orig_params(value: Any) -> None:
     """Torch FSDP's ``use_orig_params``: accepted (Lightning users pass it), but only ``True`` is what this does."""
     check_flag(value, "use_orig_params")
@@ -47,6 +64,44 @@ def check_device_id(value: Any) -> None:
         isinstance(value, torch.device) or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
     ):
         raise TypeError(f"device_id={value!r} is not valid; expected a non-negative int or a torch.device.")
+
+
+def check_device_id_matches(device_id: int | torch.device | None, device: torch.device) -> None:
+    """``device_id`` must name this rank's ``device`` (as the accelerator names it: hpu:0 even where the test
+    double computes on CPU)."""
+    if device_id is None:
+        return
+    wanted = torch.device(device.type, device_id) if isinstance(device_id, int) else device_id
+    if wanted.type != device.type or (
+        wanted.index is not None and device.index is not None and wanted.index != device.index
+    ):
+        raise ValueError(
+            f"device_id={device_id!r} does not match this rank's device {device}; the accelerator and "
+            "devices chosen in the Trainer decide the device, so leave device_id unset or pass that device."
+        )
+
+
+def check_trainable(module: nn.Module) -> None:
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(
+            f"{type(module).__name__} has no trainable parameters (all have requires_grad=False); "
+            "trainer.fit needs at least one. validate, test and predict work with a frozen model."
+        )
+
+
+def check_optimizers(engine: ShardingEngine, module: nn.Module, optimizers: Sequence[Any]) -> None:
+    """Every parameter the optimizers hold must be one the engine manages (a shard, not a full tensor)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if not engine.is_managed(param):
+                    raise ValueError(
+                        f"{type(optimizer).__name__} holds a parameter of shape {tuple(param.shape)} "
+                        f"({names.get(id(param), 'not a parameter of the LightningModule')}) that the "
+                        "fsdp_custom strategy does not manage. Build the optimizer in configure_optimizers "
+                        "from self.parameters() or self.named_parameters()."
+                    )
 
 
 def check_lightning_arguments(

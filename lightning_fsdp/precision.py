@@ -25,7 +25,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import (
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fsdp.engine.config import MixedPrecision
+from lightning_fsdp.engine import MixedPrecision
 
 _LOW_DTYPE = {
     "bf16-mixed": torch.bfloat16,
@@ -74,6 +74,12 @@ class FSDPPrecision(Precision):
             return None
         return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
 
+    def attach(self, engine: Any, stage_group: Any, device_type: str) -> None:
+        """The sharded model's engine, the pipeline group (or None) and the root device's type, set at setup."""
+        self.engine = engine
+        self.stage_group = stage_group
+        self.set_device_type(device_type)
+
     def set_device_type(self, device_type: str) -> None:
         self.device_type = device_type
         if self.scaler is not None:
@@ -121,11 +127,20 @@ class FSDPPrecision(Precision):
             self.scaler.load_state_dict(state_dict)
 
 
-def to_fsdp_precision(plugin: Precision | None) -> FSDPPrecision:
-    """Map the plugin Lightning picked from ``Trainer(precision=...)`` onto ours, or refuse it clearly."""
+def to_fsdp_precision(plugin: Precision | None, mixed_precision: MixedPrecision | None = None) -> FSDPPrecision:
+    """Map the plugin Lightning picked from ``Trainer(precision=...)`` onto ours, or refuse it clearly (also when the
+    strategy's explicit ``mixed_precision`` would be set twice)."""
     if plugin is None or isinstance(plugin, FSDPPrecision):
-        return plugin or FSDPPrecision()
-    flag = getattr(plugin, "precision", None)
-    if type(plugin) is Precision or flag in ("32-true", "32", 32):
-        return FSDPPrecision("32-true")
-    return FSDPPrecision(str(flag if flag is not None else type(plugin).__name__))
+        ours = plugin or FSDPPrecision()
+    else:
+        flag = getattr(plugin, "precision", None)
+        if type(plugin) is Precision or flag in ("32-true", "32", 32):
+            ours = FSDPPrecision("32-true")
+        else:
+            ours = FSDPPrecision(str(flag if flag is not None else type(plugin).__name__))
+    if mixed_precision is not None and ours.precision != "32-true":
+        raise ValueError(
+            f"Trainer(precision={ours.precision!r}) and FSDPStrategy(mixed_precision=...) both set the "
+            "precision; pass only one of them (precision='32-true' with an explicit MixedPrecision)."
+        )
+    return ours

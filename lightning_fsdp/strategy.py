@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
-import os
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from functools import cached_property
@@ -18,13 +16,11 @@ import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -37,39 +33,39 @@ from typing_extensions import override
 
 from accelerators.hpu_runtime import check_eager_mode, compute_device, register_hccl_backend
 from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
-from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, is_local_path
-from lightning_fsdp.checkpoint.common import (
-    CheckpointFormat,
-    CheckpointMismatchError,
-    CheckpointRun,
-    ShardedOptimizerState,
-    ShardedStateDict,
-    load_sharded_model_state_dict,
-    to_index_keyed,
-)
-from lightning_fsdp.checkpoint.formats import FULL_FORMAT, format_for_saving, format_on_disk, parse_state_dict_type
-from lightning_fsdp.checkpoint.full import load_full_model_state_dict, load_full_optimizer_state_dict
-from lightning_fsdp.checkpoint.paths import remove_checkpoint_path
+from lightning_fsdp.checkpoint import routing
+from lightning_fsdp.checkpoint.common import CheckpointFormat, CheckpointRun
+from lightning_fsdp.checkpoint.formats import format_for_saving, parse_state_dict_type
 from lightning_fsdp.collective import Collective
-from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine
-from lightning_fsdp.engine.config import MixedPrecision, ShardingStrategy, WrapPolicy
-from lightning_fsdp.engine.options import ShardingOptions, check_flag
+from lightning_fsdp.engine import (
+    MixedPrecision,
+    ShardingEngine,
+    ShardingOptions,
+    ShardingStrategy,
+    WrapPolicy,
+    fully_shard,
+    get_engine,
+)
 from lightning_fsdp.engine.sharding import has_meta_tensors
 from lightning_fsdp.even_batches import EvenBatches
 from lightning_fsdp.launcher import check_start_method, choose_launcher, stop_launched_processes
-from lightning_fsdp.options import check_device_id, check_lightning_arguments, check_use_orig_params, resolve_names
-from lightning_fsdp.pipeline.checkpoint import (
-    PipelineCheckpoint,
-    check_pipeline_format,
-    pipeline_model_state_dict,
-    pipeline_optimizer_state,
+from lightning_fsdp.options import (
+    check_device_id,
+    check_device_id_matches,
+    check_flag,
+    check_lightning_arguments,
+    check_optimizers,
+    check_trainable,
+    check_use_orig_params,
+    engine_kwargs,
 )
-from lightning_fsdp.pipeline.options import PipelineOptions, check_pipeline_composition, check_pipeline_precision
-from lightning_fsdp.pipeline.runtime import PipelineGradients, PipelineRuntime, pipeline_layout
-from lightning_fsdp.pipeline.split import plan_stages
+from lightning_fsdp.pipeline.options import PipelineOptions
+from lightning_fsdp.pipeline.role import pipeline_role
+from lightning_fsdp.pipeline.runtime import PipelineRuntime
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
 from lightning_fsdp.process_groups import GroupChoice
-from lightning_fsdp.registration import register_with_lightning
+from lightning_fsdp.registration import STRATEGY_NAMES, register_with_lightning
+from lightning_fsdp.rendezvous import check_startup_timeout, init_default_group
 from lightning_fsdp.shutdown import settle_at_exit
 from lightning_fsdp.weight_averaging import (
     gather_averages_for_save,
@@ -117,6 +113,12 @@ class FSDPStrategy(ParallelStrategy):
         process_group_backend: overrides the backend chosen from the accelerator (gloo/nccl/hccl).
         start_method: ``"popen"`` (re-run the script per rank, the default; forks in a notebook), ``"spawn"``,
             ``"fork"`` or ``"forkserver"``.
+        timeout: how long a collective waits for the other ranks before failing (a positive ``timedelta``; ``None``
+            is torch's default): how soon a hung or dead rank ends the job. It does not bound start-up.
+        startup_timeout: how long after the first rank the others may reach the rendezvous (process start,
+            imports, the process group's connections and a first barrier): a positive ``timedelta`` or ``None``
+            (torch's default); default 30 minutes, Lightning's default process-group timeout, whatever ``timeout``
+            is (see lightning_fsdp/rendezvous.py).
         pipeline_parallel_size: P > 1 cuts the LightningModule's ``pipeline_module`` into stages over P pipeline
             ranks, each stage sharded over the other ``world_size / P`` ranks (docs/pipeline.md); the training and
             validation steps then call :func:`~lightning_fsdp.pipelined_loss`.
@@ -175,6 +177,7 @@ class FSDPStrategy(ParallelStrategy):
         pipeline_module: str = "model",
         sync_gradients_while_accumulating: bool = True,
         reshard_after_forward: bool | int | None = None,
+        startup_timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         # Validate everything first: this runs on every rank before any process group exists, so a bad value
         # raises the same error everywhere instead of leaving a rank waiting in a collective (options.py).
@@ -193,9 +196,10 @@ class FSDPStrategy(ParallelStrategy):
             pipeline_split,
             pipeline_module,
         )
-        check_pipeline_composition(self.pipeline_options, self.options, process_group, device_mesh)
-        if self.pipeline_options.enabled:
-            check_pipeline_format(self.state_dict_type.value)
+        # Everything a pipelined run does differently (a null role without pipelining): lightning_fsdp/pipeline/role.py
+        self._pipeline_role = pipeline_role(
+            self.pipeline_options, self.options, process_group, device_mesh, self.state_dict_type.value
+        )
         check_flag(sync_gradients_while_accumulating, "sync_gradients_while_accumulating")
         self.sync_gradients_while_accumulating = sync_gradients_while_accumulating
         check_start_method(start_method)
@@ -215,14 +219,15 @@ class FSDPStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._num_nodes = 1
+        self.num_nodes = 1  # set by Lightning's accelerator connector
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        check_startup_timeout(startup_timeout)
+        self._startup_timeout = startup_timeout
         self._stop_at_exit = False  # stop_launched_processes registered to run when this process exits
         self._stage_failed = False  # on_exception ran: teardown must not gather (the ranks may be apart)
         self._start_method = start_method
         self.engine: ShardingEngine | None = None
-        self.pipeline: PipelineRuntime | None = None  # this rank's stages, with pipeline_parallel_size > 1
 
     # --------------------------------------------------------------------------------------------- properties
     # The sharding options are ``self.options`` (a ShardingOptions); these are the ones read by name elsewhere.
@@ -249,6 +254,11 @@ class FSDPStrategy(ParallelStrategy):
         return list(self.options.ignored_modules)
 
     @property
+    def pipeline(self) -> PipelineRuntime | None:
+        """This rank's stages, with ``pipeline_parallel_size > 1`` (after setup)."""
+        return self._pipeline_role.runtime
+
+    @property
     def device(self) -> torch.device:
         """This rank's device as the accelerator names it (``hpu:3`` on Gaudi)."""
         assert self.parallel_devices is not None
@@ -259,14 +269,6 @@ class FSDPStrategy(ParallelStrategy):
     def root_device(self) -> torch.device:
         # Where this rank's tensors live: the device itself, except under the Gaudi test double (see accelerators/).
         return compute_device(self.device)
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
 
     @property
     def num_processes(self) -> int:
@@ -281,11 +283,7 @@ class FSDPStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self.pipeline_options.enabled:
-            # The ranks of one pipeline take the same samples: the data-parallel index picks them.
-            data = self.pipeline_options.check_world(self.num_nodes * self.num_processes)
-            return {"num_replicas": data, "rank": self.global_rank % data}
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        return self._pipeline_role.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
 
     @property
     def process_group_backend(self) -> str | None:
@@ -300,16 +298,7 @@ class FSDPStrategy(ParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        if plugin is None:
-            self._precision_plugin = None
-            return
-        plugin = to_fsdp_precision(plugin)
-        if self.mixed_precision is not None and plugin.precision != "32-true":
-            raise ValueError(
-                f"Trainer(precision={plugin.precision!r}) and FSDPStrategy(mixed_precision=...) both set the "
-                "precision; pass only one of them (precision='32-true' with an explicit MixedPrecision)."
-            )
-        self._precision_plugin = plugin
+        self._precision_plugin = None if plugin is None else to_fsdp_precision(plugin, self.mixed_precision)
 
     @property
     def mixed_precision_config(self) -> MixedPrecision | None:
@@ -319,12 +308,8 @@ class FSDPStrategy(ParallelStrategy):
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
-        # Atomic writes by default: a process killed mid-save leaves the previous checkpoint intact. Set lazily,
-        # not in __init__, so a user's plugins=[SomeCheckpointIO()] still takes precedence without a conflict.
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
-            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # fills the wrapper only if it is empty
+        # Set lazily, not in __init__, so a user's plugins=[SomeCheckpointIO()] takes precedence without a conflict.
+        self._checkpoint_io = routing.atomic_by_default(self._checkpoint_io)
         return self._checkpoint_io
 
     @checkpoint_io.setter
@@ -336,11 +321,6 @@ class FSDPStrategy(ParallelStrategy):
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         # Checkpoints hold full tensors; they can only be split into shards once the model is sharded.
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
         return True
 
     # ------------------------------------------------------------------------------------ processes, groups
@@ -367,10 +347,11 @@ class FSDPStrategy(ParallelStrategy):
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type == "cuda":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        device_id = self.root_device if self.root_device.type == "cuda" else None
+        # The rendezvous within startup_timeout, every later collective within timeout (rendezvous.py).
+        init_default_group(
+            self.cluster_environment, self._process_group_backend, self._timeout, self._startup_timeout, device_id
+        )
         # A script that ends right after a collective could otherwise die with SIGABRT at exit (see shutdown.py).
         settle_at_exit()
 
@@ -387,10 +368,16 @@ class FSDPStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # With empty_init the model is created on the meta device and materialised unit by unit when sharded,
-        # so no rank ever holds the whole model.
-        device_context = torch.device("meta") if empty_init else self.root_device
-        with device_context, self.precision_plugin.tensor_init_context():
+        # With empty_init the parameters are created on the meta device and materialised unit by unit when sharded,
+        # so no rank ever holds the whole model; buffers are computed by the modules' constructors on the root device
+        # (engine/meta_init.py). configure_model runs with empty_init=None: real tensors, as Lightning's FSDP makes.
+        from lightning_fsdp.engine.meta_init import parameters_on_meta
+
+        with (
+            self.root_device,
+            parameters_on_meta(enabled=bool(empty_init)),
+            self.precision_plugin.tensor_init_context(),
+        ):
             yield
 
     @override
@@ -400,58 +387,32 @@ class FSDPStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._check_device_id()
-        if fitting and not any(p.requires_grad for p in self.lightning_module.parameters()):
-            raise ValueError(
-                f"{type(self.lightning_module).__name__} has no trainable parameters (all have requires_grad=False); "
-                "trainer.fit needs at least one. validate, test and predict work with a frozen model."
-            )
+        if fitting:
+            check_trainable(self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)
-        shard_group = self._split_pipeline(self.lightning_module) if self.pipeline_options.enabled else None
-        self.engine = self._shard(self.lightning_module, shard_group)
-        if self.pipeline is not None:
-            self.pipeline.attach_engine(self.engine)
+        self._pipeline_role.split(
+            self.lightning_module,
+            world_size=self.world_size,
+            rank=self.global_rank,
+            device=self.root_device,
+            timeout=self._timeout,
+            precision=self.precision_plugin.precision,
+            mixed_precision=self.mixed_precision_config,
+        )
+        self.engine = self._shard(self.lightning_module)
+        self._pipeline_role.attach_engine(self.engine)
         # SWA / EMA callbacks copied the model in their setup, full size: their average now keeps only this rank's rows.
         shard_averaged_models(trainer, self.engine)
-        self.precision_plugin.engine = self.engine
-        self.precision_plugin.stage_group = self.pipeline.layout.pp_group if self.pipeline is not None else None
-        self.precision_plugin.set_device_type(self.root_device.type)
+        self.precision_plugin.attach(self.engine, self._pipeline_role.stage_group, self.root_device.type)
         if fitting:
             self.setup_optimizers(trainer)
-            self._check_optimizers()
+            check_optimizers(self.engine, self.lightning_module, self.optimizers)
         self.setup_precision_plugin()
         if fitting:
             # With CPU offload the optimizer state belongs beside the shards, in host memory.
             _optimizers_to_device(self.optimizers, torch.device("cpu") if self._offloads else self.root_device)
 
-    def _split_pipeline(self, module: pl.LightningModule) -> Any:
-        """Cut the model into stages, keep this rank's, and return the data-parallel group to shard them over."""
-        if self.pipeline is not None:  # fit, then validate/test on the same module
-            return self.pipeline.layout.dp_group
-        options = self.pipeline_options
-        model = getattr(module, options.module, None)
-        if not isinstance(model, nn.Module):
-            raise ValueError(
-                f"pipeline_module={options.module!r}: {type(module).__name__}.{options.module} is "
-                f"{type(model).__name__}, not an nn.Module; name the LightningModule attribute that holds the model."
-            )
-        options.check_world(self.world_size)
-        check_pipeline_precision(options, self.precision_plugin.precision)
-        plan_stages(model, options.num_stages, options.split)  # a bad cut raises here, before the groups exist
-        mp = self.mixed_precision_config
-        layout = pipeline_layout(options.size, self.world_size, self.global_rank, self.root_device.type, self._timeout)
-        self.pipeline = PipelineRuntime(
-            model, options, layout, self.root_device, compute_dtype=mp.param_dtype if mp is not None else None
-        )
-        self.pipeline.accumulation = self._loss_divisor
-        return layout.dp_group
-
-    def _loss_divisor(self) -> int:
-        trainer = self._trainer()
-        if trainer is None or not self.lightning_module.automatic_optimization:
-            return 1
-        return trainer.accumulate_grad_batches
-
-    def _shard(self, module: pl.LightningModule, shard_group: Any = None) -> ShardingEngine:
+    def _shard(self, module: pl.LightningModule) -> ShardingEngine:
         engine = get_engine(module)
         if engine is not None:  # fit, then validate/test/predict on the same module
             return engine
@@ -459,28 +420,15 @@ class FSDPStrategy(ParallelStrategy):
             module.to(self.root_device)
         if self.activation_checkpointing_policy is not None:
             apply_activation_checkpointing(module, self.activation_checkpointing_policy)
-        if shard_group is not None:
-            replicate_group = None
-        else:
-            shard_group, replicate_group = self._group_choice.resolve(
-                self.world_size, self.num_processes, self.global_rank, self._timeout
-            )
-        # What the engine gets differs from the options as given in three ways known only now: names become the
-        # modules / parameters they name, the Trainer's precision flag may imply the mixed precision, and there is
-        # nothing to offload on a CPU run.
-        options = dataclasses.replace(
-            self.options,
-            mixed_precision=self.mixed_precision_config,
-            cpu_offload=self._offloads,
-            ignored_modules=tuple(resolve_names(module, self.options.ignored_modules)),
-            ignored_states=tuple(resolve_names(module, self.options.ignored_states)),
+        shard_group, replicate_group = self._pipeline_role.shard_groups(
+            lambda: self._group_choice.resolve(self.world_size, self.num_processes, self.global_rank, self._timeout)
         )
         return fully_shard(
             module,
             process_group=shard_group,
             replicate_group=replicate_group,
             device=self.root_device,
-            **options.as_kwargs(),
+            **engine_kwargs(self.options, module, self.mixed_precision_config, self._offloads),
         )
 
     @property
@@ -489,33 +437,7 @@ class FSDPStrategy(ParallelStrategy):
         return self.cpu_offload and self.root_device.type != "cpu"
 
     def _check_device_id(self) -> None:
-        if self.device_id is None:
-            return
-        wanted = self.device_id
-        if isinstance(wanted, int):
-            wanted = torch.device(self.device.type, wanted)
-        root = self.device  # as the accelerator names it (hpu:0 even where the test double computes on CPU)
-        if wanted.type != root.type or (
-            wanted.index is not None and root.index is not None and wanted.index != root.index
-        ):
-            raise ValueError(
-                f"device_id={self.device_id!r} does not match this rank's device {root}; the accelerator and "
-                "devices chosen in the Trainer decide the device, so leave device_id unset or pass that device."
-            )
-
-    def _check_optimizers(self) -> None:
-        assert self.engine is not None and self.lightning_module is not None
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        for optimizer in self.optimizers:
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if not self.engine.is_managed(param):
-                        raise ValueError(
-                            f"{type(optimizer).__name__} holds a parameter of shape {tuple(param.shape)} "
-                            f"({names.get(id(param), 'not a parameter of the LightningModule')}) that the "
-                            "fsdp_custom strategy does not manage. Build the optimizer in configure_optimizers "
-                            "from self.parameters() or self.named_parameters()."
-                        )
+        check_device_id_matches(self.device_id, self.device)
 
     @override
     def model_to_device(self) -> None:
@@ -523,66 +445,45 @@ class FSDPStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     # ------------------------------------------------------------------------------------------- the steps
-    # Uneven inputs (a rank with fewer batches) must end with an error on every rank, not a hang in the next
-    # collective: the loops' batch counts are compared when each loop starts, and loaders without a length are
-    # checked before each step, ahead of the engine's collectives (lightning_fsdp/even_batches.py).
-    @cached_property
-    def _pipeline_gradients(self) -> PipelineGradients:
-        return PipelineGradients()
-
+    # Uneven batches end with an error on every rank, not a hang in a collective: lightning_fsdp/even_batches.py
     @cached_property
     def _even_batches(self) -> EvenBatches:
-        return EvenBatches(self._collective_device)
-
-    def _collective_device(self) -> torch.device:
-        """Where the default group's collectives take tensors: host memory for gloo, this rank's device else."""
-        return torch.device("cpu") if self._process_group_backend == "gloo" else self.root_device
+        # gloo's collectives take host tensors
+        return EvenBatches(lambda: torch.device("cpu") if self._process_group_backend == "gloo" else self.root_device)
 
     def _trainer(self) -> pl.Trainer | None:
         return getattr(self.lightning_module, "_trainer", None)
 
-    def _check_loop_start(self) -> None:
-        if (trainer := self._trainer()) is not None:
-            self._even_batches.loop_started(trainer)
-
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._check_loop_start()
+        self._even_batches.loop_started(self._trainer())
 
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        self._check_loop_start()
+        self._even_batches.loop_started(self._trainer())
 
     @override
     def on_test_start(self) -> None:
         super().on_test_start()
-        self._check_loop_start()
+        self._even_batches.loop_started(self._trainer())
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
-        # Not under NO_SHARD, whose forward makes no collective: uneven predict batches then work as under DDP
-        # (Lightning's own predict sampler does not repeat samples to even them out).
-        if (trainer := self._trainer()) is not None and self.sharding_strategy is not ShardingStrategy.NO_SHARD:
-            self._even_batches.loop_started(trainer)
+        # Not under NO_SHARD, whose forward makes no collective: uneven predict batches then work as under DDP.
+        if self.sharding_strategy is not ShardingStrategy.NO_SHARD:
+            self._even_batches.loop_started(self._trainer())
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        trainer = self._trainer()
-        if trainer is not None:
-            self._even_batches.before_step(trainer)
-        pipelined = self.pipeline is not None and self.lightning_module.automatic_optimization
-        if pipelined:
-            self._pipeline_gradients.before_step(trainer, self.lightning_module)
-        # Route through the LightningModule's __call__ so the root unit's hooks see the step.
-        with self.precision_plugin.train_step_context():
-            out = self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
-        if pipelined:
-            self._pipeline_gradients.after_step(self.lightning_module)
-        if trainer is not None:
-            self._even_batches.after_step(trainer)  # manual optimization: its optimizer steps are known now
+        trainer, module = self._trainer(), self.lightning_module
+        self._even_batches.before_step(trainer)
+        # Through the LightningModule's __call__, so that the root unit's hooks see the step.
+        with self._pipeline_role.training_step(trainer, module), self.precision_plugin.train_step_context():
+            out = self._forward_redirection(self.model, module, "training_step", *args, **kwargs)
+        self._even_batches.after_step(trainer)  # manual optimization: its optimizer steps are known now
         return out
 
     @override
@@ -598,10 +499,7 @@ class FSDPStrategy(ParallelStrategy):
         return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context(), args, kwargs)
 
     def _evaluation_step(self, name: str, context: AbstractContextManager, args: tuple, kwargs: dict) -> Any:
-        """A validation, test or predict step: checked for even batches, then routed through the LightningModule's
-        ``__call__`` like the training step."""
-        if (trainer := self._trainer()) is not None:
-            self._even_batches.before_step(trainer)
+        self._even_batches.before_step(self._trainer())
         with context:
             return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
 
@@ -617,19 +515,11 @@ class FSDPStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self.pipeline is not None and isinstance(closure_loss, Tensor) and closure_loss.grad_fn is None:
-            # pipelined_loss ran every microbatch's backward already (lightning_fsdp/pipeline/runtime.py): only
-            # Lightning's hooks around backward remain.
+        if self._pipeline_role.backward_ran(closure_loss):  # inside pipelined_loss: only Lightning's hooks remain
             module = self.lightning_module
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-            self._pipeline_gradients.restore()
+            self._pipeline_role.restore_gradients()
             return self.precision_plugin.post_backward(closure_loss, module)
-        if self.pipeline is not None:
-            raise RuntimeError(
-                "With pipeline_parallel_size > 1 the loss to backpropagate must be the one pipelined_loss returned, "
-                "unchanged: backward runs inside it, stage by stage. This loss has an autograd graph of its own "
-                "(a term added outside the pipeline?), which would not reach the stages' parameters."
-            )
         if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
             # Trainer(detect_anomaly=True): torch's own NaN check would raise on the rank that produced the NaN only,
             # leaving the others blocked in their next collective. The engine checks every gradient instead and
@@ -652,186 +542,82 @@ class FSDPStrategy(ParallelStrategy):
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
             return tensor
-        # SUM then an explicit division for means: ReduceOp.AVG is missing on gloo and on some HCCL releases
-        # (Lightning's helper only works around gloo by its backend name).
-        mean = (
-            reduce_op is None
-            or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg"))
-            or (reduce_op == ReduceOp.AVG)
-        )
-        if mean:
-            op = ReduceOp.SUM
-        elif isinstance(reduce_op, str):
-            op = getattr(ReduceOp, reduce_op.upper())
-        else:
-            op = reduce_op
-        group = _group.WORLD if group is None else group
-        torch.distributed.all_reduce(tensor, op=op, group=group)
-        if mean:
-            world_size = torch.distributed.get_world_size(group)
-            if tensor.is_floating_point():
-                tensor.div_(world_size)
-            else:
-                tensor.copy_(tensor / world_size)
-        return tensor
+        # torch's all-reduce, means as SUM and a division: ReduceOp.AVG is missing on gloo and on some HCCL releases,
+        # and Lightning's _sync_ddp works around gloo only (by its backend name), with a barrier before every call.
+        if reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")):
+            reduce_op = ReduceOp.AVG
+        op = getattr(ReduceOp, reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
+        group = torch.distributed.group.WORLD if group is None else group
+        torch.distributed.all_reduce(tensor, op=ReduceOp.SUM if op == ReduceOp.AVG else op, group=group)
+        if op != ReduceOp.AVG:
+            return tensor
+        size = torch.distributed.get_world_size(group)
+        return tensor.div_(size) if tensor.is_floating_point() else tensor.copy_(tensor / size)
 
     # ------------------------------------------------------------------------------------------ checkpoints
-    # The format a save writes is the one state_dict_type names; a load reads the one on disk, whatever
-    # state_dict_type is (a full file or a sharded directory at any world size, a local one at its own). See
-    # [Note: checkpoint formats] in lightning_fsdp/checkpoint/common.py. With pipeline parallelism every format
-    # describes the unsplit model: [Note: checkpoints across pipeline layouts] in lightning_fsdp/pipeline/checkpoint.py.
+    # Saved in the format state_dict_type names, loaded in the one on disk: lightning_fsdp/checkpoint/routing.py.
     @property
     def _checkpoint_format(self) -> CheckpointFormat:
         return format_for_saving(self.state_dict_type)
 
-    def _pipeline_checkpoint(self, optimizers: list[Optimizer] | None = None) -> PipelineCheckpoint | None:
-        """Under pipeline parallelism, the other stages' keys and the unsplit optimizers (a collective)."""
-        if self.pipeline is None:
-            return None
-        assert self.engine is not None
-        return PipelineCheckpoint.gather(self.pipeline, self.engine, optimizers or [])
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.engine is not None
-        if self.pipeline is not None:
-            return pipeline_model_state_dict(self._checkpoint_format.kind, self.pipeline, self.engine)
-        return self._checkpoint_format.model_state_dict(self.engine)
+        return self._pipeline_role.model_state_dict(self._checkpoint_format, self.engine)
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         assert self.engine is not None
-        state = checkpoint.get("state_dict")
-        if not isinstance(state, Mapping):  # the same file on every rank: every rank raises here
-            what = "no 'state_dict' entry" if state is None else f"a {type(state).__name__} as 'state_dict'"
-            raise CheckpointMismatchError(
-                f"The checkpoint holds {what} (its entries: {sorted(map(str, checkpoint))}); a Lightning checkpoint "
-                "keeps the model's weights there."
-            )
-        if self.pipeline is not None:
-            # Each stage finds its own missing keys: every rank raises if one does.
-            info = self._pipeline_checkpoint()
-            Collective().run_agreed(lambda: self._load_model_state(state, strict, info))
-        else:
-            self._load_model_state(state, strict, None)
-
-    def _load_model_state(self, state: Mapping[str, Any], strict: bool, info: PipelineCheckpoint | None) -> None:
-        assert self.engine is not None
-        if isinstance(state, ShardedStateDict):  # read from a sharded/local directory: already this rank's rows
-            load_sharded_model_state_dict(self.engine, state, strict=strict)
-        else:  # a full state dict; under pipeline parallelism the unsplit model's, of which this rank takes its part
-            state = info.local_model_state(state) if info is not None else state
-            load_full_model_state_dict(self.engine, state, strict=strict)
+        routing.load_model_state(self.engine, checkpoint, strict, self._pipeline_role)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         assert self.engine is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        if self.pipeline is not None:
-            return pipeline_optimizer_state(self._checkpoint_format.kind, self.pipeline, self.engine, optimizer)
-        return self._checkpoint_format.optimizer_state(self.engine, optimizer)
+        return self._pipeline_role.optimizer_state(self._checkpoint_format, self.engine, optimizer)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         assert self.engine is not None
-        states = checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):  # zip() would silently skip the difference
-            raise CheckpointMismatchError(
-                f"The checkpoint holds the state of {len(states)} optimizer(s), but this run configured "
-                f"{len(self.optimizers)}; resume with the same optimizers."
-            )
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        info = self._pipeline_checkpoint(optimizers)
-        for index, (optimizer, state) in enumerate(zip(optimizers, states)):
-            if info is None:
-                self._load_optimizer_state(optimizer, state, None, index)
-            else:  # a problem one stage finds raises on every rank
-                Collective().run_agreed(lambda o=optimizer, s=state, i=index: self._load_optimizer_state(o, s, info, i))
-
-    def _load_optimizer_state(
-        self, optimizer: Optimizer, state: Any, info: PipelineCheckpoint | None, index: int
-    ) -> None:
-        assert self.engine is not None
-        if isinstance(state, ShardedOptimizerState):  # from a sharded/local directory: already this rank's rows
-            optimizer.load_state_dict(state)
-            return
-        state = to_index_keyed(state)  # plain torch.optim layout, or keyed by parameter name (consolidate_checkpoint)
-        if info is not None:  # the unsplit optimizer's state: this rank's positions of it
-            state = info.local_optimizer_state(index, state, optimizer, "The checkpoint")
-        load_full_optimizer_state_dict(self.engine, optimizer, state)
+        routing.load_optimizer_states(self.engine, self.optimizers, checkpoint, self._pipeline_role)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         gather_averages_for_save(self, checkpoint)  # SWA / EMA averages: full tensors, not rank 0's rows only
-        pipeline = self._pipeline_checkpoint() if self._checkpoint_format.kind != FULL_FORMAT.kind else None
-        run = CheckpointRun(self.engine, self.optimizers, self.checkpoint_io, pipeline)
-        self._checkpoint_format.save(checkpoint, filepath, run, storage_options)
+        run = CheckpointRun(self.engine, self.optimizers, self.checkpoint_io)
+        routing.save_checkpoint(
+            self._checkpoint_format, checkpoint, filepath, run, self._pipeline_role, storage_options
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = self.broadcast(checkpoint_path)
-        coll = Collective()
-        if not is_local_path(path) or not os.path.exists(path) or os.path.isfile(path):
-            fmt = FULL_FORMAT  # a file, or a path only the CheckpointIO can tell about (remote, missing)
-        else:
-            # A directory (sharded or local checkpoint), or a special file that must not be opened (a FIFO would
-            # block): every rank checks it, and all raise, before any other collective, if one finds a problem.
-            path = os.fspath(path)
-            fmt = coll.run_agreed(lambda: self._directory_format(path))
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = self._trainer()
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else None
-        pipeline = self._pipeline_checkpoint(optimizers) if fmt is not FULL_FORMAT else None
-        run = CheckpointRun(self.engine, optimizers, self.checkpoint_io, pipeline)
-        checkpoint = fmt.load(path, run, weights_only=weights_only, coll=coll)
-        # Each rank takes its rows of the SWA / EMA averages before the callbacks load them.
-        return slice_loaded_averages(self, checkpoint)
-
-    def _directory_format(self, path: str) -> CheckpointFormat:
-        fmt = format_on_disk(path)
-        if self.engine is None:
-            raise RuntimeError(
-                f"Cannot load the {fmt.kind} checkpoint directory {path!r} before the model is sharded; the Trainer "
-                "loads it after setup (ckpt_path=...)."
-            )
-        if self.pipeline is not None:
-            check_pipeline_format(fmt.kind)
-        return fmt
+        role = self._pipeline_role
+        checkpoint = routing.load_checkpoint(path, self.engine, optimizers, self.checkpoint_io, role, weights_only)
+        return slice_loaded_averages(self, checkpoint)  # each rank's rows of the SWA / EMA averages
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if not self.is_global_zero:
-            return
-        if is_local_path(filepath) and os.path.isdir(filepath):  # a sharded/local checkpoint directory
-            remove_checkpoint_path(os.fspath(filepath))
-        else:
-            self.checkpoint_io.remove_checkpoint(filepath)
+        if self.is_global_zero:
+            routing.remove_checkpoint(filepath, self.checkpoint_io)
 
     # ------------------------------------------------------------------------------------------ registry
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        entries = (
-            ("fsdp_custom", "popen", {}),
-            ("fsdp_custom_spawn", "spawn", {}),
-            ("fsdp_custom_fork", "fork", {}),
-            ("fsdp_custom_shard_grad_op", "popen", {"sharding_strategy": "SHARD_GRAD_OP"}),
-            ("fsdp_custom_no_shard", "popen", {"sharding_strategy": "NO_SHARD"}),
-        )
-        for name, start_method, extra in entries:
-            if name in strategy_registry:
-                continue
-            strategy_registry.register(
-                name, cls, description=f"lightning-fsdp's FSDP strategy ({name})", start_method=start_method, **extra
-            )
+        for name, start_method, extra in STRATEGY_NAMES:
+            if name not in strategy_registry:
+                description = f"lightning-fsdp's FSDP strategy ({name})"
+                strategy_registry.register(name, cls, description=description, start_method=start_method, **extra)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # A failing rank 0 must not leave the ranks it started behind, blocked in a collective (Lightning stops
-        # them only on KeyboardInterrupt); see stop_launched_processes. Only once rank 0 exits, though: a script
-        # that catches the error and carries on (an error every rank raised, such as a checkpoint that does not
-        # match) keeps its ranks.
+        # A failing rank 0 must not leave the ranks it started blocked in a collective (Lightning stops them only on
+        # KeyboardInterrupt), but only once it exits: a script that catches the error and carries on keeps its ranks.
         super().on_exception(exception)
         self._stage_failed = True  # read by teardown, which Lightning calls next
         if not self._stop_at_exit:
@@ -840,10 +626,8 @@ class FSDPStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        # A stage that ended normally hands back an ordinary module holding the trained weights in full, on the host
-        # as Lightning's other strategies leave it: usable for inference on one rank, or by another Trainer (which
-        # shards it afresh), with none of the engine's hooks left on it. Every rank gets here together then, as the
-        # gathers need.
+        # A stage that ended normally hands back an ordinary module with the trained weights in full, on the host as
+        # Lightning's other strategies leave it, without the engine's hooks. Every rank gets here then, as gathers need.
         module = self.lightning_module
         engine = get_engine(module) if module is not None else None
         failed, self._stage_failed = self._stage_failed, False
@@ -854,10 +638,9 @@ class FSDPStrategy(ParallelStrategy):
         if engine is None and not (module is not None and has_meta_tensors(module)):
             super().teardown()
             return
-        # After an exception the ranks may not all get here, so nothing is gathered: the module stays sharded with
-        # its engine, ready for a retry. Lightning's teardown moves the module to the host, which would detach the
-        # parameters from the engine's flat buffers (or fail on a module still on the meta device, when the stage
-        # failed before sharding), so the module is kept out of that step.
+        # After an exception the ranks may not all get here: the module stays sharded with its engine, for a retry,
+        # and out of Lightning's move to the host (which would detach the parameters from the engine's flat buffers,
+        # or fail on a module still on the meta device).
         self._lightning_module = None
         try:
             super().teardown()

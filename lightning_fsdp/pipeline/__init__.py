@@ -1,7 +1,8 @@
 """Pipeline parallelism composed with sharding: stages over pipeline ranks, each stage sharded over its data ranks.
 
 See docs/pipeline.md. ``options.py`` validates the strategy's ``pipeline_*`` options, ``split.py`` cuts a model into
-stages, ``runtime.py`` runs torch.distributed.pipelining's schedules over them and holds ``pipelined_loss``.
+stages, ``runtime.py`` runs torch.distributed.pipelining's schedules over them and holds ``pipelined_loss``, and
+``role.py`` is what ``FSDPStrategy`` calls wherever a pipelined run differs.
 """
 
 from lightning_fsdp.pipeline.options import SCHEDULES, PipelineOptions

@@ -1,0 +1,162 @@
+"""The strategy's checkpoint calls, routed to a format: the one ``state_dict_type`` names for saving, the one on
+disk for loading, whatever ``state_dict_type`` is (a full file or a sharded directory at any world size, a local one
+at its own); see [Note: checkpoint formats] in common.py.
+
+Under pipeline parallelism every format describes the unsplit model. What that takes comes from the strategy's
+pipeline role (``pipeline``, a lightning_fsdp.pipeline.role.PipelineRole): ``checkpoint_info``, ``check_format``,
+``model_state_dict`` and ``optimizer_state``; without pipelining they are the plain format's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from torch.optim import Optimizer
+
+from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, is_local_path
+from lightning_fsdp.checkpoint.common import (
+    CheckpointFormat,
+    CheckpointMismatchError,
+    CheckpointRun,
+    ShardedOptimizerState,
+    ShardedStateDict,
+    load_sharded_model_state_dict,
+    to_index_keyed,
+)
+from lightning_fsdp.checkpoint.formats import FULL_FORMAT, format_on_disk
+from lightning_fsdp.checkpoint.full import load_full_model_state_dict, load_full_optimizer_state_dict
+from lightning_fsdp.checkpoint.paths import remove_checkpoint_path
+from lightning_fsdp.collective import Collective
+from lightning_fsdp.engine import ShardingEngine
+
+__all__ = [
+    "atomic_by_default",
+    "load_checkpoint",
+    "load_model_state",
+    "load_optimizer_states",
+    "remove_checkpoint",
+    "save_checkpoint",
+]
+
+_T = TypeVar("_T")
+
+
+def atomic_by_default(io: CheckpointIO | None) -> CheckpointIO:
+    """The strategy's ``CheckpointIO``: atomic writes unless the user chose one (an empty wrapper is filled)."""
+    if io is None:
+        return AtomicCheckpointIO()
+    if isinstance(io, _WrappingCheckpointIO):
+        io.checkpoint_io = AtomicCheckpointIO()  # the wrapper's setter fills it only if it is empty
+    return io
+
+
+def save_checkpoint(
+    fmt: CheckpointFormat,
+    checkpoint: dict[str, Any],
+    path: Any,
+    run: CheckpointRun,
+    pipeline: Any,
+    storage_options: Any | None = None,
+) -> None:
+    """Write ``checkpoint`` (built by the strategy's state-dict calls) in format ``fmt``; call on every rank."""
+    info = pipeline.checkpoint_info(run.engine) if fmt.kind != FULL_FORMAT.kind else None
+    fmt.save(checkpoint, path, run._replace(pipeline=info), storage_options)
+
+
+def load_checkpoint(
+    path: Any,
+    engine: ShardingEngine | None,
+    optimizers: list[Optimizer] | None,
+    checkpoint_io: CheckpointIO,
+    pipeline: Any,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Read the checkpoint at rank 0's ``path`` on every rank, in the format on disk (optimizer state only where
+    ``optimizers`` are given)."""
+    coll = Collective()
+    path = coll.broadcast(path)
+    if not is_local_path(path) or not os.path.exists(path) or os.path.isfile(path):
+        fmt = FULL_FORMAT  # a file, or a path only the CheckpointIO can tell about (remote, missing)
+    else:
+        # A directory (sharded or local checkpoint), or a special file that must not be opened (a FIFO would
+        # block): every rank checks it, and all raise, before any other collective, if one finds a problem.
+        path = os.fspath(path)
+        fmt = coll.run_agreed(lambda: _directory_format(path, engine, pipeline))
+    info = pipeline.checkpoint_info(engine, optimizers) if fmt is not FULL_FORMAT else None
+    run = CheckpointRun(engine, optimizers, checkpoint_io, info)
+    return fmt.load(path, run, weights_only=weights_only, coll=coll)
+
+
+def _directory_format(path: str, engine: ShardingEngine | None, pipeline: Any) -> CheckpointFormat:
+    fmt = format_on_disk(path)
+    if engine is None:
+        raise RuntimeError(
+            f"Cannot load the {fmt.kind} checkpoint directory {path!r} before the model is sharded; the Trainer "
+            "loads it after setup (ckpt_path=...)."
+        )
+    pipeline.check_format(fmt.kind)
+    return fmt
+
+
+def remove_checkpoint(path: Any, checkpoint_io: CheckpointIO) -> None:
+    if is_local_path(path) and os.path.isdir(path):  # a sharded/local checkpoint directory
+        remove_checkpoint_path(os.fspath(path))
+    else:
+        checkpoint_io.remove_checkpoint(path)
+
+
+# ------------------------------------------------------------------------------------ into the sharded model
+def _agreed(info: Any, work: Callable[[], _T]) -> _T:
+    # Under pipelining each stage checks its own part: a problem one stage finds raises on every rank.
+    return work() if info is None else Collective().run_agreed(work)
+
+
+def load_model_state(engine: ShardingEngine, checkpoint: Mapping[str, Any], strict: bool, pipeline: Any) -> None:
+    """Copy the checkpoint's ``state_dict`` into the sharded model; call on every rank."""
+    state = checkpoint.get("state_dict")
+    if not isinstance(state, Mapping):  # the same file on every rank: every rank raises here
+        what = "no 'state_dict' entry" if state is None else f"a {type(state).__name__} as 'state_dict'"
+        raise CheckpointMismatchError(
+            f"The checkpoint holds {what} (its entries: {sorted(map(str, checkpoint))}); a Lightning checkpoint "
+            "keeps the model's weights there."
+        )
+    info = pipeline.checkpoint_info(engine)
+    _agreed(info, lambda: _load_model_state(engine, state, strict, info))
+
+
+def _load_model_state(engine: ShardingEngine, state: Mapping[str, Any], strict: bool, info: Any) -> None:
+    if isinstance(state, ShardedStateDict):  # read from a sharded/local directory: already this rank's rows
+        load_sharded_model_state_dict(engine, state, strict=strict)
+    else:  # a full state dict; under pipeline parallelism the unsplit model's, of which this rank takes its part
+        state = info.local_model_state(state) if info is not None else state
+        load_full_model_state_dict(engine, state, strict=strict)
+
+
+def load_optimizer_states(
+    engine: ShardingEngine, optimizers: Sequence[Any], checkpoint: Mapping[str, Any], pipeline: Any
+) -> None:
+    """Load the checkpoint's ``optimizer_states`` into ``optimizers`` (in order); call on every rank."""
+    states = checkpoint["optimizer_states"]
+    if len(states) != len(optimizers):  # zip() would silently skip the difference
+        raise CheckpointMismatchError(
+            f"The checkpoint holds the state of {len(states)} optimizer(s), but this run configured "
+            f"{len(optimizers)}; resume with the same optimizers."
+        )
+    optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
+    info = pipeline.checkpoint_info(engine, optimizers)
+    for index, (optimizer, state) in enumerate(zip(optimizers, states)):
+        _agreed(info, lambda o=optimizer, s=state, i=index: _load_optimizer_state(engine, o, s, info, i))
+
+
+def _load_optimizer_state(engine: ShardingEngine, optimizer: Optimizer, state: Any, info: Any, index: int) -> None:
+    if isinstance(state, ShardedOptimizerState):  # from a sharded/local directory: already this rank's rows
+        optimizer.load_state_dict(state)
+        return
+    state = to_index_keyed(state)  # plain torch.optim layout, or keyed by parameter name (consolidate_checkpoint)
+    if info is not None:  # the unsplit optimizer's state: this rank's positions of it
+        state = info.local_optimizer_state(index, state, optimizer, "The checkpoint")
+    load_full_optimizer_state_dict(engine, optimizer, state)

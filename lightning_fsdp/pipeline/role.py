@@ -1,0 +1,214 @@
+"""``PipelineRole``: everything ``FSDPStrategy`` does differently under pipeline parallelism, behind one object.
+
+The strategy holds one role and calls it wherever a pipelined run differs: the sampler, setup (cut the model into
+stages, the groups to shard them over, the engine), the stage group that gradient clipping sees, the training step
+and its backward, and checkpoints. ``PipelineRole`` itself is the null role, a rank that runs the whole model
+(``pipeline_parallel_size=1``): each method does what a plain run does. ``StageRole`` runs this rank's stages of a
+pipeline (docs/pipeline.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_fsdp.checkpoint.common import CheckpointFormat
+from lightning_fsdp.engine import MixedPrecision, ShardingEngine
+from lightning_fsdp.pipeline.checkpoint import (
+    PipelineCheckpoint,
+    check_pipeline_format,
+    pipeline_model_state_dict,
+    pipeline_optimizer_state,
+)
+from lightning_fsdp.pipeline.options import PipelineOptions, check_pipeline_composition, check_pipeline_precision
+from lightning_fsdp.pipeline.runtime import PipelineGradients, PipelineRuntime, pipeline_layout
+from lightning_fsdp.pipeline.split import plan_stages
+
+__all__ = ["PipelineRole", "StageRole", "pipeline_role"]
+
+
+def pipeline_role(
+    options: PipelineOptions, sharding: Any, process_group: Any, device_mesh: Any, state_dict_type: str
+) -> PipelineRole:
+    """The role for these options, checked against the strategy's others (on every rank, before any group)."""
+    check_pipeline_composition(options, sharding, process_group, device_mesh)
+    if not options.enabled:
+        return PipelineRole(options)
+    check_pipeline_format(state_dict_type)
+    return StageRole(options)
+
+
+class PipelineRole:
+    """The whole model on this rank: no stages, and every method what a plain run does."""
+
+    runtime: PipelineRuntime | None = None  # this rank's stages (``strategy.pipeline``), once set up
+
+    def __init__(self, options: PipelineOptions) -> None:
+        self.options = options
+
+    def sampler_kwargs(self, world_size: int, rank: int) -> dict[str, int]:
+        return {"num_replicas": world_size, "rank": rank}
+
+    # ----------------------------------------------------------------------------------------------- setup
+    def split(
+        self,
+        module: nn.Module,
+        *,
+        world_size: int,
+        rank: int,
+        device: torch.device,
+        timeout: timedelta | None,
+        precision: str,
+        mixed_precision: MixedPrecision | None,
+    ) -> None:
+        """Cut the model into stages and keep this rank's (before the model is sharded)."""
+
+    def shard_groups(self, default: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+        """The (shard, replicate) groups to shard the model over; ``default()`` resolves the strategy's own."""
+        return default()
+
+    def attach_engine(self, engine: ShardingEngine) -> None:
+        """The engine of the sharded model: which of its units belong to which of this rank's stages."""
+
+    @property
+    def stage_group(self) -> Any:
+        """The group over which gradient clipping combines the norms of the other stages' parameters."""
+        return None
+
+    # ------------------------------------------------------------------------------------------- the steps
+    @contextmanager
+    def training_step(self, trainer: Any, module: Any) -> Generator[None, None, None]:
+        """Around the user's ``training_step``."""
+        yield
+
+    def backward_ran(self, loss: Any) -> bool:
+        """Whether the loss's backward has run already (inside ``pipelined_loss``): only Lightning's hooks remain."""
+        return False
+
+    def restore_gradients(self) -> None:
+        """Put back the gradients the step set aside across Lightning's zeroing."""
+
+    # ----------------------------------------------------------------------------------------- checkpoints
+    def check_format(self, kind: str) -> None:
+        """Refuse a checkpoint format this layout cannot load."""
+
+    def checkpoint_info(
+        self, engine: ShardingEngine | None, optimizers: Sequence[Optimizer] | None = None
+    ) -> PipelineCheckpoint | None:
+        """The other stages' keys and the unsplit optimizers for a checkpoint format (a collective when pipelined)."""
+        return None
+
+    def model_state_dict(self, fmt: CheckpointFormat, engine: ShardingEngine) -> dict[str, Any]:
+        return fmt.model_state_dict(engine)
+
+    def optimizer_state(self, fmt: CheckpointFormat, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
+        return fmt.optimizer_state(engine, optimizer)
+
+
+class StageRole(PipelineRole):
+    """This rank's stages of a pipeline, each sharded over the rank's data-parallel group."""
+
+    def __init__(self, options: PipelineOptions) -> None:
+        super().__init__(options)
+        self._gradients = PipelineGradients()
+
+    def sampler_kwargs(self, world_size: int, rank: int) -> dict[str, int]:
+        # The ranks of one pipeline take the same samples: the data-parallel index picks them.
+        data = self.options.check_world(world_size)
+        return {"num_replicas": data, "rank": rank % data}
+
+    def split(
+        self,
+        module: nn.Module,
+        *,
+        world_size: int,
+        rank: int,
+        device: torch.device,
+        timeout: timedelta | None,
+        precision: str,
+        mixed_precision: MixedPrecision | None,
+    ) -> None:
+        if self.runtime is not None:  # fit, then validate/test on the same module
+            return
+        options = self.options
+        model = getattr(module, options.module, None)
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                f"pipeline_module={options.module!r}: {type(module).__name__}.{options.module} is "
+                f"{type(model).__name__}, not an nn.Module; name the LightningModule attribute that holds the model."
+            )
+        options.check_world(world_size)
+        check_pipeline_precision(options, precision)
+        plan_stages(model, options.num_stages, options.split)  # a bad cut raises here, before the groups exist
+        layout = pipeline_layout(options.size, world_size, rank, device.type, timeout)
+        dtype = mixed_precision.param_dtype if mixed_precision is not None else None
+        self.runtime = PipelineRuntime(model, options, layout, device, compute_dtype=dtype)
+        self.runtime.accumulation = lambda: _loss_divisor(module)
+
+    def shard_groups(self, default: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+        assert self.runtime is not None
+        return self.runtime.layout.dp_group, None
+
+    def attach_engine(self, engine: ShardingEngine) -> None:
+        assert self.runtime is not None
+        self.runtime.attach_engine(engine)
+
+    @property
+    def stage_group(self) -> Any:
+        return self.runtime.layout.pp_group if self.runtime is not None else None
+
+    @contextmanager
+    def training_step(self, trainer: Any, module: Any) -> Generator[None, None, None]:
+        # The step runs its backward inside pipelined_loss: see PipelineGradients for why gradients are set aside.
+        automatic = self.runtime is not None and module.automatic_optimization
+        if automatic:
+            self._gradients.before_step(trainer, module)
+        yield
+        if automatic:
+            self._gradients.after_step(module)
+
+    def backward_ran(self, loss: Any) -> bool:
+        if self.runtime is None:
+            return False
+        if isinstance(loss, Tensor) and loss.grad_fn is None:
+            return True
+        raise RuntimeError(
+            "With pipeline_parallel_size > 1 the loss to backpropagate must be the one pipelined_loss returned, "
+            "unchanged: backward runs inside it, stage by stage. This loss has an autograd graph of its own "
+            "(a term added outside the pipeline?), which would not reach the stages' parameters."
+        )
+
+    def restore_gradients(self) -> None:
+        self._gradients.restore()
+
+    # Every format describes the unsplit model: [Note: checkpoints across pipeline layouts] in checkpoint.py.
+    def check_format(self, kind: str) -> None:
+        check_pipeline_format(kind)
+
+    def checkpoint_info(
+        self, engine: ShardingEngine | None, optimizers: Sequence[Optimizer] | None = None
+    ) -> PipelineCheckpoint | None:
+        if self.runtime is None:
+            return None
+        assert engine is not None
+        return PipelineCheckpoint.gather(self.runtime, engine, optimizers or [])
+
+    def model_state_dict(self, fmt: CheckpointFormat, engine: ShardingEngine) -> dict[str, Any]:
+        return pipeline_model_state_dict(fmt.kind, self.runtime, engine)
+
+    def optimizer_state(self, fmt: CheckpointFormat, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
+        return pipeline_optimizer_state(fmt.kind, self.runtime, engine, optimizer)
+
+
+def _loss_divisor(module: Any) -> int:
+    """What Lightning divides a plain step's loss by: ``accumulate_grad_batches`` under automatic optimization."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or not module.automatic_optimization:
+        return 1
+    return trainer.accumulate_grad_batches
