@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 _T = TypeVar("_T")
@@ -96,3 +97,22 @@ def _rebuild(verdict: tuple[str, str, tuple[Any, ...]], rank: int) -> BaseExcept
     if cls is None:
         return RuntimeError(f"{name}: {message}")
     return cls(message, *extra)
+
+
+def all_reduce_tensor(tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+    """``Strategy.reduce``: ``tensor`` all-reduced in place over ``group`` (default: the world) with ``reduce_op``
+    (a ``ReduceOp`` or its name; ``"mean"``, ``"avg"`` or None average); anything else, or no process group, as it is.
+
+    Means are a SUM and a division: ``ReduceOp.AVG`` is missing on gloo and on some HCCL releases, and Lightning's
+    ``_sync_ddp`` works around gloo only (by its backend name), with a barrier before every call."""
+    if not isinstance(tensor, torch.Tensor) or not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    if reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")):
+        reduce_op = dist.ReduceOp.AVG
+    op = getattr(dist.ReduceOp, reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
+    group = dist.group.WORLD if group is None else group
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op, group=group)
+    if op != dist.ReduceOp.AVG:
+        return tensor
+    size = dist.get_world_size(group)
+    return tensor.div_(size) if tensor.is_floating_point() else tensor.copy_(tensor / size)

@@ -36,7 +36,7 @@ from lightning_fsdp.activation_checkpointing import apply_activation_checkpointi
 from lightning_fsdp.checkpoint import routing
 from lightning_fsdp.checkpoint.common import CheckpointFormat, CheckpointRun
 from lightning_fsdp.checkpoint.formats import format_for_saving, parse_state_dict_type
-from lightning_fsdp.collective import Collective
+from lightning_fsdp.collective import Collective, all_reduce_tensor
 from lightning_fsdp.engine import (
     MixedPrecision,
     ShardingEngine,
@@ -64,7 +64,7 @@ from lightning_fsdp.pipeline.role import pipeline_role
 from lightning_fsdp.pipeline.runtime import PipelineRuntime
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
 from lightning_fsdp.process_groups import GroupChoice
-from lightning_fsdp.registration import STRATEGY_NAMES, register_with_lightning
+from lightning_fsdp.registration import register_strategies
 from lightning_fsdp.rendezvous import check_startup_timeout, init_default_group
 from lightning_fsdp.shutdown import settle_at_exit
 from lightning_fsdp.weight_averaging import (
@@ -85,54 +85,40 @@ class FSDPStrategy(ParallelStrategy):
     Each rank keeps only its rows of every parameter, gradient and optimizer state; a unit's full parameters exist
     only while it computes. Works on CPU (gloo), CUDA (NCCL) and HPU (HCCL).
 
-    Args:
+    Args (each in full, with its default, in docs/options.md):
         sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, ``"HYBRID_SHARD"`` or
             ``"HYBRID_SHARD_ZERO2"`` (shard within a node, replicate across nodes).
-        device_mesh: for the hybrid strategies, a 2-D DeviceMesh with dims (replicate, shard), instead of the
-            default node layout; or pass ``process_group=(shard_group, replicate_group)``.
-        auto_wrap_policy: which modules become units: a set of module classes (or their import paths), a callable
-            ``(module, recurse, nonwrapped_numel) -> bool``, or an int minimum parameter count. The root takes the rest.
-        activation_checkpointing_policy: modules whose forward is recomputed in backward instead of keeping their
-            activations: a set of module classes (or import paths) or a callable ``(module) -> bool``.
+        device_mesh: for the hybrid strategies, a 2-D DeviceMesh (replicate, shard) instead of the node layout.
+        auto_wrap_policy: which modules become units: a set of module classes (or import paths), a callable
+            ``(module, recurse, nonwrapped_numel) -> bool``, or an int minimum parameter count.
+        activation_checkpointing_policy: modules whose forward is recomputed in backward (classes or a callable).
         mixed_precision: a :class:`~lightning_fsdp.MixedPrecision`; or let ``Trainer(precision=...)`` imply one.
-        state_dict_type: checkpoint format: ``"full"`` (one file in Lightning's usual layout), ``"sharded"`` (a
-            torch.distributed.checkpoint directory that loads at any world size) or ``"local"`` (a file per rank).
+        state_dict_type: checkpoint format: ``"full"`` (one file), ``"sharded"`` (a torch.distributed.checkpoint
+            directory that loads at any world size) or ``"local"`` (a file per rank).
         sync_module_states: broadcast rank 0's initial parameters and buffers before sharding.
         param_init_fn: called on each meta-device module to materialise it (default: its ``reset_parameters``).
-        backward_prefetch: ``"BACKWARD_PRE"`` (default: gather the next unit of backward when the current one's
-            backward starts), ``"BACKWARD_POST"`` (after its gradients are reduced) or ``None``.
-        forward_prefetch: gather the next unit (in the order recorded on the first step) before the current computes.
+        backward_prefetch: ``"BACKWARD_PRE"`` (default), ``"BACKWARD_POST"`` or ``None``.
+        forward_prefetch: gather the next unit (in the order of the first step) before the current one computes.
         limit_all_gathers: at most two units' full parameters (besides the root's) gathered or in flight.
-        cpu_offload: keep shards, gradients and optimizer state in host memory (``True`` or torch's
-            ``CPUOffload(offload_params=True)``); on a CPU run it is accepted and changes nothing.
-        ignored_modules, ignored_states: modules / parameters (objects, or their names in the LightningModule) that
-            stay whole on every rank; their gradients are averaged across ranks as they arrive.
-        process_group: the shard group (or a callable returning it once the default group exists); collectives of
-            the engine run on it only.
+        cpu_offload: keep shards, gradients and optimizer state in host memory (no-op on a CPU run).
+        ignored_modules, ignored_states: modules / parameters (or their names) kept whole on every rank.
+        process_group: the shard group (or a callable returning it), or a (shard, replicate) pair.
         device_id: an int or ``torch.device`` (HPU needs a device object); must name this rank's device.
         process_group_backend: overrides the backend chosen from the accelerator (gloo/nccl/hccl).
-        start_method: ``"popen"`` (re-run the script per rank, the default; forks in a notebook), ``"spawn"``,
-            ``"fork"`` or ``"forkserver"``.
-        timeout: how long a collective waits for the other ranks before failing (a positive ``timedelta``; ``None``
-            is torch's default): how soon a hung or dead rank ends the job. It does not bound start-up.
-        startup_timeout: how long after the first rank the others may reach the rendezvous (process start,
-            imports, the process group's connections and a first barrier): a positive ``timedelta`` or ``None``
-            (torch's default); default 30 minutes, Lightning's default process-group timeout, whatever ``timeout``
-            is (see lightning_fsdp/rendezvous.py).
-        pipeline_parallel_size: P > 1 cuts the LightningModule's ``pipeline_module`` into stages over P pipeline
-            ranks, each stage sharded over the other ``world_size / P`` ranks (docs/pipeline.md); the training and
-            validation steps then call :func:`~lightning_fsdp.pipelined_loss`.
-        pipeline_schedule: ``"GPipe"``, ``"1F1B"`` (default) or ``"Interleaved1F1B"`` (torch.distributed.pipelining).
-        pipeline_microbatches: microbatches per rank's batch (default: one per stage).
-        pipeline_stages_per_rank: stages on each pipeline rank (2 or more for the interleaved schedule; default 2).
-        pipeline_split: piece names (``"blocks.4"``) where stages 1, 2, ... start; default: balanced by parameters.
-        pipeline_module: the LightningModule's attribute holding the model to cut (default ``"model"``).
-        reshard_after_forward: ``None`` (the sharding strategy's choice), ``True``, ``False``, or an int N that keeps
-            1/N of each unit after forward so backward gathers within N consecutive ranks (ZeRO++ hpZ).
+        start_method: ``"popen"`` (default; forks in a notebook), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        timeout: how long a collective waits for the other ranks: how soon a hung or dead rank ends the job. It
+            does not bound start-up.
+        startup_timeout: how long the ranks may take to reach the rendezvous (default 30 minutes, whatever
+            ``timeout`` is).
+        pipeline_parallel_size: P > 1 cuts ``pipeline_module`` into stages over P ranks, each stage sharded over
+            the other ``world_size / P`` (docs/pipeline.md); the steps then call :func:`~lightning_fsdp.pipelined_loss`.
+        pipeline_schedule, pipeline_microbatches, pipeline_stages_per_rank, pipeline_split, pipeline_module: the
+            schedule (``"1F1B"`` default, ``"GPipe"``, ``"Interleaved1F1B"``), microbatches per batch, stages per
+            rank, where stages start, the attribute holding the model to cut (default ``"model"``).
+        reshard_after_forward: ``None`` (the sharding strategy's choice), ``True``, ``False``, or an int N (ZeRO++
+            hpZ: backward gathers within N consecutive ranks).
         sync_gradients_while_accumulating: ``False`` reduces gradients only on the batch before each optimizer step
-            under ``accumulate_grad_batches`` (and where manual optimization asks for it with
-            ``toggle_model(sync_grad=False)``): the other batches add full-size gradients locally, so each unit
-            holds its full gradient until then (memory) and the reduce-scatters of those batches are saved.
+            under ``accumulate_grad_batches``; the units hold full gradients until then.
 
     The engine's options, validated, are ``strategy.options`` (a
     :class:`~lightning_fsdp.engine.options.ShardingOptions`); the sharded model's engine is ``strategy.engine`` after
@@ -540,19 +526,7 @@ class FSDPStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
-            return tensor
-        # torch's all-reduce, means as SUM and a division: ReduceOp.AVG is missing on gloo and on some HCCL releases,
-        # and Lightning's _sync_ddp works around gloo only (by its backend name), with a barrier before every call.
-        if reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")):
-            reduce_op = ReduceOp.AVG
-        op = getattr(ReduceOp, reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
-        group = torch.distributed.group.WORLD if group is None else group
-        torch.distributed.all_reduce(tensor, op=ReduceOp.SUM if op == ReduceOp.AVG else op, group=group)
-        if op != ReduceOp.AVG:
-            return tensor
-        size = torch.distributed.get_world_size(group)
-        return tensor.div_(size) if tensor.is_floating_point() else tensor.copy_(tensor / size)
+        return all_reduce_tensor(tensor, group, reduce_op)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     # Saved in the format state_dict_type names, loaded in the one on disk: lightning_fsdp/checkpoint/routing.py.
@@ -609,10 +583,7 @@ class FSDPStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, start_method, extra in STRATEGY_NAMES:
-            if name not in strategy_registry:
-                description = f"lightning-fsdp's FSDP strategy ({name})"
-                strategy_registry.register(name, cls, description=description, start_method=start_method, **extra)
+        register_strategies(strategy_registry)  # lightning_fsdp/registration.py: "fsdp_custom" and its variants
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -646,7 +617,3 @@ class FSDPStrategy(ParallelStrategy):
             super().teardown()
         finally:
             self._lightning_module = module
-
-
-# The other half of [Note: registration without importing Lightning]: this module may be what imported Lightning.
-register_with_lightning()
