@@ -132,6 +132,27 @@ def test_parameter_nothing_initialises_is_refused_until_loaded(tmp_path):
     optimizer.step()
 
 
+def test_a_loaded_checkpoint_initialises_what_it_fills():
+    """Resuming (``fit(ckpt_path=...)``) loads the model state through the checkpoint routing: what it filled is
+    no longer recorded, and the model computes the checkpoint's values."""
+    from lightning_fsdp.checkpoint import routing
+    from lightning_fsdp.pipeline.options import PipelineOptions
+    from lightning_fsdp.pipeline.role import PipelineRole
+
+    with parameters_on_meta():
+        model = Net()
+    engine = fully_shard(model)
+    assert uninitialised_names(model) == ["scale.weight"]
+    values = _values()
+    no_pipeline = PipelineRole(PipelineOptions.parse(1, "1F1B", None, None, None, "model"))
+    routing.load_model_state(engine, {"state_dict": values}, strict=True, pipeline=no_pipeline)
+    assert uninitialised_names(model) == []
+    reference = Net()
+    reference.load_state_dict(values)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+
 def _zero_params(module: nn.Module) -> None:
     with torch.no_grad():
         for param in module.parameters(recurse=False):

@@ -32,6 +32,7 @@ from lightning_fsdp.checkpoint.full import load_full_model_state_dict, load_full
 from lightning_fsdp.checkpoint.paths import remove_checkpoint_path
 from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
+from lightning_fsdp.engine.meta_init import mark_initialised
 
 __all__ = [
     "atomic_by_default",
@@ -134,6 +135,10 @@ def _load_model_state(engine: ShardingEngine, state: Mapping[str, Any], strict: 
     else:  # a full state dict; under pipeline parallelism the unsplit model's, of which this rank takes its part
         state = info.local_model_state(state) if info is not None else state
         load_full_model_state_dict(engine, state, strict=strict)
+    # A model built on the meta device: what the checkpoint filled has values now (engine/meta_init.py).
+    root = engine.root
+    named = {**dict(root.named_parameters(remove_duplicate=False)), **dict(root.named_buffers(remove_duplicate=False))}
+    mark_initialised(tensor for name, tensor in named.items() if name in state)
 
 
 def load_optimizer_states(
