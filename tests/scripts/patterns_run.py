@@ -40,6 +40,7 @@ from lightning_fsdp.checkpoint.full import full_model_state_dict  # noqa: E402
 from lightning_fsdp.engine import get_engine  # noqa: E402
 from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
 from tests.models import VOCAB, Block, loss_fn, samples  # noqa: E402
+from tests.scripts.pretrained_run import tiny_llama  # noqa: E402
 
 DIM = 5
 GLOBAL_BATCH = 6
@@ -553,29 +554,10 @@ class Rank0InFullWeights(L.Callback):
                         pl_module.probes.append(pl_module.net(PROBE_X, reverse=reverse).mean().item())
 
 
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=8,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
-
-
 class HFLlama(Base):
     def __init__(self) -> None:
         super().__init__()
-        self.net = tiny_llama()
+        self.net = tiny_llama(tie=False)  # the pretrained tests' model (vocabulary 128 covers VOCAB's ids)
 
     def forward(self, ids: torch.Tensor, reverse: bool = False) -> torch.Tensor:
         return self.net(input_ids=ids).logits
