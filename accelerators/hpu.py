@@ -28,23 +28,15 @@ _VALID_DEVICES = (
 
 
 class HPUAccelerator(Accelerator):
-    """Accelerator for Intel Gaudi (HPU) devices, for this project's FSDP strategy (docs/hpu.md).
-
-    ``devices`` takes the usual Lightning forms. FSDP needs eager mode (``PT_HPU_LAZY_MODE=0``), which
-    ``setup_device`` checks. ``habana_frameworks`` is imported only inside methods, so the class can be imported
-    and registered anywhere; without Gaudi software :meth:`is_available` is ``False`` and asking for devices raises
-    an error saying how to install it or pick another accelerator.
+    """Accelerator for Intel Gaudi (HPU) devices, for this project's FSDP strategy (docs/hpu.md). FSDP needs eager
+    mode (``PT_HPU_LAZY_MODE=0``). ``habana_frameworks`` is imported only inside methods, so the class can be
+    registered anywhere; without it, asking for devices raises saying how to install it or pick another accelerator.
     """
 
     @override
     def setup_device(self, device: torch.device) -> None:
-        """Check that ``device`` is a usable HPU and that the bridge runs in eager mode (the bridge binds each process
-        to its device itself).
-
-        Raises:
-            MisconfigurationException: if ``device`` is not an HPU, the Gaudi software is missing, or lazy mode is on.
-            ValueError: if the device index is not one of the visible HPUs.
-        """
+        """Check that ``device`` is a visible HPU and that the bridge runs in eager mode (the bridge binds each
+        process to its device itself)."""
         if device.type != "hpu":
             raise MisconfigurationException(f"HPUAccelerator needs an 'hpu' device, got {device} instead.")
         _require_hpu_module(requested=str(device))
@@ -60,12 +52,7 @@ class HPUAccelerator(Accelerator):
     @staticmethod
     @override
     def parse_devices(devices: _DevicesSpec) -> list[int]:
-        """Turn the Trainer's ``devices`` value into the list of HPU indices to use.
-
-        Raises:
-            ValueError: if ``devices`` has an invalid form or names HPUs that are not visible.
-            MisconfigurationException: if the Gaudi software is missing or sees no HPU.
-        """
+        """The HPU indices the Trainer's ``devices`` value names (``ValueError`` for an invalid or invisible one)."""
         return _parse_hpu_indices(devices)
 
     @staticmethod

@@ -66,10 +66,7 @@ def hpu_device_count() -> int:
 
 
 def hpu_memory_stats(device: torch.device | str | int | None = None) -> dict[str, Any]:
-    """Memory statistics of one HPU from ``habana_frameworks.torch.hpu.memory_stats``; ``{}`` when unavailable.
-
-    The keys are the bridge's own (``Limit``, ``InUse``, ``MaxInUse``, ``NumAllocs``, ...), values in bytes or counts.
-    """
+    """Memory statistics of one HPU, the bridge's own keys (``InUse``, ``MaxInUse``, ...); ``{}`` when unavailable."""
     module = _import_hpu_module()
     if module is None:
         return {}
@@ -93,11 +90,7 @@ def is_test_double() -> bool:
 def check_eager_mode() -> None:
     """Raise unless the Gaudi bridge is configured for eager mode (``PT_HPU_LAZY_MODE=0``; unset counts as lazy, the
     default of many releases): the engine frees parameters and issues collectives from hooks as it goes, which lazy
-    mode's deferred graphs break (docs/hpu.md). Called by ``setup_device`` and the strategy, before any collective.
-
-    Raises:
-        MisconfigurationException: if ``PT_HPU_LAZY_MODE`` is unset or not ``"0"``.
-    """
+    mode's deferred graphs break (docs/hpu.md). Called by ``setup_device`` and the strategy, before any collective."""
     value = os.environ.get(_LAZY_MODE_VARIABLE)
     if value is not None and value.strip() == "0":
         return

@@ -12,16 +12,9 @@ _log = logging.getLogger(__name__)
 
 
 def register_hpu_accelerator(registry: _AcceleratorRegistry | None = None) -> bool:
-    """Register :class:`HPUAccelerator` as ``"hpu"`` so that ``Trainer(accelerator="hpu")`` finds it, unless another
-    package (e.g. ``lightning-habana``) holds the name: overriding it would silently change what its users get.
-
-    Args:
-        registry: the registry to fill; Lightning's global ``lightning.pytorch.accelerators.AcceleratorRegistry``
-            by default.
-
-    Returns:
-        ``True`` if ``"hpu"`` now resolves to :class:`HPUAccelerator`, ``False`` if another class holds the name.
-    """
+    """Register :class:`HPUAccelerator` as ``"hpu"`` in ``registry`` (default: Lightning's) unless another package
+    (``lightning-habana``) holds the name, which overriding would silently change for its users. Returns whether
+    ``"hpu"`` now resolves to :class:`HPUAccelerator`."""
     if registry is None:
         from lightning.pytorch.accelerators import AcceleratorRegistry
 

@@ -1,14 +1,7 @@
-"""How the strategy starts its processes: re-running the script, or forking when running in a notebook.
-
-A script is best started the way Lightning starts DDP: the launcher re-runs it once per extra rank (``"popen"``).
-A notebook or an interactive interpreter has no script to re-run, and ``spawn`` cannot find classes that were
-defined in the notebook, so there the ranks are forked from the kernel, as Lightning's ``ddp_notebook`` does.
-Forking is refused, with the reason, where it would hang or crash: after CUDA was initialised in this process, and
-on platforms without ``fork``.
-
-The fork launcher is Lightning's ``_MultiProcessingLauncher`` with one change: at the end of ``fit`` it sends the
-main process the *full* state dict, gathered unit by unit, instead of rank 0's shards, so the model object in the
-notebook holds the trained weights afterwards.
+"""How the strategy starts its processes: re-running the script per rank (``"popen"``, as Lightning's DDP), or, in a
+notebook, forking from the kernel (``spawn`` cannot find classes defined there), refused with the reason where it
+would hang or crash. The fork launcher sends the main process the *full* state dict at the end of ``fit``, so the
+notebook's model holds the trained weights.
 """
 
 from __future__ import annotations
@@ -63,17 +56,9 @@ def choose_launcher(
     num_processes: int,
     num_nodes: int,
 ) -> _Launcher:
-    """The launcher for ``strategy``: what ``FSDPStrategy._configure_launcher`` installs.
-
-    - Processes started by someone else (torchrun, SLURM, a previous launch): ``_SubprocessScriptLauncher``, which
-      then starts nothing.
-    - ``"popen"`` (the default) in a script: re-run the script per rank. In a notebook: fork instead.
-    - ``"fork"`` / ``"forkserver"``: fork, after checking it is safe. ``"spawn"``: spawn; refused in a notebook.
-
-    Raises:
-        ValueError: ``start_method`` is not one of ``"popen"``, ``"spawn"``, ``"fork"``, ``"forkserver"``.
-        RuntimeError: forking is needed but unsafe or unavailable here (the message says why and what to do).
-    """
+    """The launcher ``FSDPStrategy._configure_launcher`` installs: none for processes started by someone else
+    (torchrun, SLURM), the script re-run per rank for ``"popen"`` (forking in a notebook), else fork or spawn after
+    checking it is safe here (``RuntimeError`` saying why not)."""
     check_start_method(start_method)
     if cluster_environment.creates_processes_externally:
         return _SubprocessScriptLauncher(cluster_environment, num_processes, num_nodes)
@@ -94,20 +79,9 @@ def choose_launcher(
 
 
 def stop_launched_processes(launcher: _Launcher | None, grace_s: float = 2.0) -> list[int]:
-    """Stop the ranks this process re-ran the script for: run at the exit of a rank 0 whose fit failed
-    (``FSDPStrategy.on_exception`` registers it).
-
-    Lightning's script launcher makes rank 0 the parent of the other ranks of its node. When another rank fails,
-    its child-process observer kills rank 0; but when rank 0 itself fails (its own error, or a collective that timed
-    out because another rank hangs), Lightning only kills the children on ``KeyboardInterrupt``: for any other
-    exception rank 0 exits and leaves them behind, blocked in a collective or hanging forever. Here each child still
-    running gets ``grace_s`` seconds to end by itself (when every rank raised the same error it prints its own
-    traceback), then SIGKILL (SIGTERM on Windows), as Lightning's observer does. Other launchers, and ranks that
-    started no processes, have nothing to stop.
-
-    Returns:
-        The pids that were still running and were signalled.
-    """
+    """Stop the ranks this process re-ran the script for, at the exit of a rank 0 whose fit failed; returns the pids
+    signalled. Lightning kills them only on ``KeyboardInterrupt``: on any other failure of rank 0 they are left
+    blocked in a collective. Each gets ``grace_s`` seconds to end (and print its own traceback), then SIGKILL."""
     procs = list(getattr(launcher, "procs", None) or []) if isinstance(launcher, _SubprocessScriptLauncher) else []
     deadline = time.monotonic() + grace_s
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -155,15 +129,11 @@ def _check_fork_is_safe(start_method: str, interactive: bool) -> None:
 
 
 class FSDPMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's multiprocessing launcher, returning the full (unsharded) trained weights to the main process.
-
-    Lightning's version saves ``lightning_module.state_dict()`` from rank 0, which under this strategy holds only
-    rank 0's shards and would not load into the main process's full-size model.
-    """
+    """Lightning's multiprocessing launcher, returning the full trained weights to the main process (Lightning's
+    sends rank 0's ``state_dict()``: only its shards here)."""
 
     @property
     def start_method(self) -> str:
-        """``"fork"``, ``"forkserver"`` or ``"spawn"``."""
         return self._start_method
 
     @override

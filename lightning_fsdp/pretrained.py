@@ -1,45 +1,14 @@
-"""``load_pretrained``: a pretrained safetensors model loaded straight into fsdp_custom's shards.
-
-Fine-tuning starts from a pretrained model; loading it the usual way means every rank holding the whole model
-before the strategy shards it. Here the model is built without its weights (on the meta device), sharded, and then
-each rank reads from the safetensors files only the rows of the parameters it holds.
+"""``load_pretrained``: a pretrained safetensors model loaded straight into fsdp_custom's shards, each rank reading
+only the rows it holds (``safe_open(...).get_slice(name)[start:end]``), so no rank holds the whole model.
 
 [Note: where the call goes]
-In a LightningModule, after ``FSDPStrategy.setup`` has sharded the model: Lightning runs ``setup`` and
-``configure_model``, then ``Strategy.setup`` (which shards, and builds the optimizers over the shards), then
-``on_fit_start``, then restores ``ckpt_path`` if one was given. So::
+After ``FSDPStrategy.setup`` has sharded the model and built the optimizers: ``on_fit_start`` (or ``on_test_start``
+/ ``on_predict_start``); a resumed run's checkpoint is restored after it. ``setup`` and ``configure_model`` are too
+early. Parameters are copied in place, so the optimizer keeps its references (docs/pretrained.md, "Where the call
+goes").
 
-    class FineTune(L.LightningModule):
-        def __init__(self, config):
-            super().__init__()
-            self.model = LlamaForCausalLM(config)  # built under trainer.init_module(empty_init=True): meta device
-
-        def on_fit_start(self):  # every rank; the model is sharded and the optimizers are built by now
-            load_pretrained(self.model, "path/to/pretrained")
-
-A resumed run (``fit(ckpt_path=...)``) therefore starts from the checkpoint, which is restored after this load.
-For ``validate`` / ``test`` / ``predict`` without ``fit``, ``on_test_start`` / ``on_predict_start`` run after the
-sharding too; ``on_validation_start`` also runs inside ``fit`` (every validation loop), so load there only when
-``self.trainer.state.fn == "validate"``. ``setup`` and ``configure_model`` run before the sharding: too early.
-Parameters are copied into place (``copy_``), so the optimizer built in ``Strategy.setup`` keeps its references.
-The same code runs unsharded (one device, DDP): the module's tensors are then loaded whole.
-
-Under ``trainer.init_module(empty_init=True)`` only the parameters go to the meta device; buffers are computed by
-the modules' constructors, so those no state dict holds (a rotary embedding's ``inv_freq``) are right without any
-``param_init_fn``. ``fully_shard`` gives the parameters memory and records those that neither ``param_init_fn`` nor
-``reset_parameters`` initialised; this load clears the record for every tensor it copies, and whatever is still
-recorded at the first forward or optimizer step raises there, named (engine/meta_init.py).
-
-[Note: reading only this rank's rows]
-A sharded parameter's ``ShardLayout`` says which rows of dim 0 this rank holds (``rows_of(rank)``, ``torch.chunk``
-semantics); ``safe_open(...).get_slice(name)[start:end]`` reads just those rows from the memory-mapped file, so a
-rank's peak is its shards plus the largest slice being copied. Unsharded parameters (ignored, NO_SHARD) and buffers
-are read whole, as is a 0-dim parameter (one element).
-
-[Note: checks before copying]
-Every rank reads the same headers (names, shapes) and finds the same missing, unexpected and wrongly shaped
-tensors; the verdict is still agreed over the process group (``Collective.run_agreed``) so that a rank that cannot
-read a file raises on every rank rather than leaving the others waiting. Nothing is copied before that.
+Every rank reads the same headers and finds the same mismatches; the verdict is still agreed over the process group
+so that a rank that cannot read a file raises on every rank. Nothing is copied before that.
 """
 
 from __future__ import annotations

@@ -1,37 +1,14 @@
 """Start-up of the default process group under a bound of its own: ``FSDPStrategy(startup_timeout=...)``.
 
 [Note: two timeouts]
-``timeout`` is how long a collective may wait for the other ranks: the fault-detection bound, which a user sets to
-seconds so that a hung or dead rank ends the job quickly. ``startup_timeout`` bounds the rendezvous: every process
-must have started, imported torch and Lightning and reached the strategy's setup within it. The two differ by orders
-of magnitude (the nodes of a cluster start seconds or minutes apart; a busy machine takes many seconds to import
-Lightning), so one value cannot serve both: torch's ``init_process_group(timeout=...)`` would bound the rendezvous
-by the fault-detection value. ``init_default_group`` keeps them apart:
-
-* gloo and NCCL, whose groups' timeouts torch can change after creation: the default group is created with
-  ``startup_timeout`` (the TCP store waits that long for every rank, gloo connects its full mesh and NCCL creates its
-  communicator under it), a first barrier runs under it, and only then is the group's timeout set to ``timeout``,
-  together with the store's default timeout (``set_group_timeout``). Every later collective of the default group
-  fails after ``timeout``; the groups the strategy and the engine create take ``timeout`` when they are created
-  (process_groups.py's [Note: the groups keep the strategy's timeout], pipeline/runtime.py's ``pipeline_layout``).
-* any other backend (HCCL, ...): torch offers no way to change its timeout, so the ranks meet first in a store of
-  their own, made with ``startup_timeout`` by torch's ``env://`` rendezvous (which also handles torchelastic's agent
-  store), and count themselves in; once all have, the group is created on that store with ``timeout``. Only the
-  backend's connection set-up, which starts when every rank is there, then runs under ``timeout``.
-
-How the timeout is changed on torch 2.13 (checked on its sources and, for gloo, by test):
-
-* gloo: ``Backend.set_timeout`` sets the options' timeout, which every collective reads when issued, and each
-  connection context's (``ProcessGroupGloo::setTimeout``). Point-to-point ``send``/``recv`` on the *default* group
-  still wait up to ``startup_timeout``: gloo's transport copied the timeout when the connections were made. The
-  strategy's own point-to-point traffic (pipeline stages) runs on groups created with ``timeout``.
-* NCCL: ``ProcessGroupNCCL`` has no ``setTimeout``; its ``_set_default_timeout`` (what torch's ``_set_pg_timeout``
-  calls) sets the options' timeout, which every later work copies and the watchdog enforces. Works issued before
-  (the start-up barrier) keep the start-up bound.
-* a backend that offers neither (a wrapped backend under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` is unwrapped first):
-  a warning says the default group keeps ``startup_timeout``.
-
-With ``startup_timeout == timeout`` nothing of this happens: the group is created as torch would, with that value.
+``timeout`` bounds a collective (fault detection, seconds); ``startup_timeout`` bounds the rendezvous (nodes start
+minutes apart). torch's ``init_process_group(timeout=...)`` would bound both by one value, so (docs/options.md,
+"Timeouts"): with gloo and NCCL the group is created and a first barrier runs under ``startup_timeout``, then the
+group's and the store's timeout is set to ``timeout``. On torch 2.13 gloo's ``Backend.set_timeout`` reaches every
+later collective but not point-to-point on the default group (its transport copied the timeout; the strategy's own
+point-to-point runs on groups created with ``timeout``); NCCL's ``_set_default_timeout`` reaches every later work.
+Other backends (HCCL) cannot change it: the ranks first meet in a store of their own under ``startup_timeout``, then
+create the group with ``timeout``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""Choosing a checkpoint format: by ``state_dict_type`` for saving, by what is on disk for loading.
-
-The three formats are :class:`~lightning_fsdp.checkpoint.full.FullFormat`,
-:class:`~lightning_fsdp.checkpoint.sharded.ShardedFormat` and :class:`~lightning_fsdp.checkpoint.local.LocalFormat`
-(see ``[Note: checkpoint formats]`` in ``common.py``); each is stateless, so one object of each serves every run.
-"""
+"""Choosing a checkpoint format: by ``state_dict_type`` for saving, by what is on disk for loading."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Checkpoint paths: which format a path holds, and crash-safe replacement of checkpoint directories.
-
-A directory checkpoint is written into a temporary sibling ``.{name}.tmp-{pid}`` and renamed into place once every
-rank has finished, so a process killed mid-save leaves whatever was at the path before untouched. Replacing an
-existing checkpoint swaps the two atomically (Linux ``renameat2(RENAME_EXCHANGE)``) or, where that is unavailable,
-renames the old one aside, renames the new one in and deletes the old one.
-"""
+"""Checkpoint paths: which format a path holds, and crash-safe replacement of checkpoint directories (written into a
+temporary sibling, then swapped in with ``renameat2(RENAME_EXCHANGE)`` or renamed aside and in)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
-"""The engine's user-facing controls (torch FSDP2's ``FSDPModule`` methods, for the whole model or chosen units), for
-pipeline schedules and gradient-accumulation loops.
+"""The engine's user-facing controls (torch FSDP2's ``FSDPModule`` methods, for the whole model or chosen units).
 
 [Note: engine controls]
-The controls are per-unit state, not arguments of a call: each is read by the unit's hook at the moment it acts, so
-setting one between microbatches changes what the next hook does, and what a unit holds (kept parameters, a
-secondary shard, held gradients) stays until a later hook or call releases it. Every rank must set the same values
-at the same points, as the collectives depend on them. The flags are independent: ``no_sync`` with
-``reshard_after_backward`` off neither communicates gradients nor gathers again until the last microbatch.
-
-* Held gradients are not ``.grad``: ``zero_grad`` does not see them, and an optimizer step over a unit that holds
-  some raises before stepping. Ignored parameters are still averaged at every backward (same result, more traffic).
-* A ``kept`` unit is left alone by every reshard the engine does on its own (after forward or backward, at the next
-  root forward, for prefetch room), where torch's FSDP2 still reshards it after a forward with
-  ``reshard_after_forward``. It never computes with stale weights: every optimizer step reshards every unit, kept
-  ones too; so do ``reshard()``, ``reshard_idle()`` and ``restore_unsharded()``.
-* An optimizer step between a forward and its backward drops the secondary shard (stale): that backward gathers
-  from the whole shard group.
+The controls are per-unit state read by the unit's hook when it acts, so setting one between microbatches changes
+what the next hook does; what a unit holds (kept parameters, a secondary shard, held gradients) stays until a later
+hook or call releases it. Every rank must set the same values at the same points. Held gradients are not ``.grad``:
+an optimizer step over a unit holding some raises. A ``kept`` unit is left alone by every reshard the engine does on
+its own (FSDP2 still reshards it after forward), but every optimizer step reshards it, so it never computes with
+stale weights; a step between a forward and its backward drops the (stale) secondary shard.
 """
 
 from __future__ import annotations

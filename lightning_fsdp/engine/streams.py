@@ -1,37 +1,17 @@
 """The accelerator streams a sharded model's collectives run on, and the events that order them against compute.
 
 [Note: collectives on their own streams]
-On CPU every kernel runs when called, so this module is inactive (``CollectiveStreams.active`` False) and the units
-take their plain path. On an accelerator the engine follows torch's FSDP2 (``_fsdp_param_group.py``,
-``_fsdp_collectives.py``): an all-gather and a reduce-scatter stream per compute device, high priority so that their
-small copies do not queue behind long compute kernels, ordered by events against the *compute* stream (whatever is
-current when a hook runs). docs/how-it-works.md says what runs where; this says why it is safe.
-
-* Each side-stream block first waits for the compute stream (the optimizer, a checkpoint load or a reshard may just
-  have written or freed what it reads) and ends by recording an event, which the compute stream waits for before
-  reading the result (``_finish_unshard``, ``finish_reduce``). Every reduction is finished by the end of backward,
-  so the optimizer comes after all of them.
-* Collectives are issued inside the side stream's context and their work handles waited for there at once: NCCL and
-  HCCL run a collective on a stream of their own that waits for the current one, and ``wait()`` makes the side
-  stream wait for it without blocking the host. That is FSDP2's ``async_op=False`` inside the stream, spelled so
-  that the unit's code stays the CPU's (a handle whose ``wait()`` runs kernels, the wire-dtype sum, runs them on the
-  side stream too). gloo blocks the host instead: correct, without the overlap.
-* Memory: the caching allocator hands a freed block to its own stream's next allocation, ordered only after that
-  stream's earlier uses. So the full buffer, which reshard frees on the compute stream, is allocated there;
-  autograd's full-size gradients (and held ones), read by the reduce-scatter stream, get ``record_stream`` on it and
-  are dropped as soon as the copy-in is queued (FSDP2 copies them in on the compute stream instead). Side-stream
-  allocations the compute stream reads get ``record_stream(compute)`` too, belt and braces. The used-flags are
-  filled on the device: a blocking host-to-device copy would stall the host until the stream drained.
-* cpu_offload: the host must not read the reduced gradients, nor write the shards, before the asynchronous copies
-  are done, so it waits for both side streams at the end of backward.
-
-What differs from FSDP2: the all-gather stream waits for the compute stream at every unshard (FSDP2 once per
-forward, and it gathers into side-stream memory only), so without ``forward_prefetch`` a forward's all-gather starts
-only when the previous unit's kernels are done; no separate copy-in stream; the replicas' all-reduce runs on the
-reduce-scatter stream (FSDP2 has a third stream); one reduction in flight, as on CPU.
-
-Every stream, event and ``record_stream`` call goes through ``CollectiveStreams``, so ``tests/test_streams.py``
-checks the protocol on CPU with a fake device module.
+Inactive on CPU. On an accelerator, as torch's FSDP2: an all-gather and a reduce-scatter stream per device, high
+priority, ordered by events against the compute stream (docs/how-it-works.md says what runs where; this, why it is
+safe). Each side-stream block first waits for the compute stream (the optimizer, a load or a reshard may just have
+written or freed what it reads) and ends by recording an event the compute stream waits for before reading the
+result. Collectives are issued inside the side stream and their handles waited for there at once: NCCL and HCCL then
+make the side stream wait without blocking the host (gloo blocks the host: correct, without overlap). The caching
+allocator reuses a block on its own stream only, so the full buffer, freed on the compute stream, is allocated there;
+gradients the reduce-scatter stream reads get ``record_stream``. With cpu_offload the host waits for both streams at
+the end of backward. Unlike FSDP2: the all-gather stream waits for compute at every unshard, no copy-in stream, the
+replicas' all-reduce on the reduce-scatter stream, one reduction in flight. Every stream, event and
+``record_stream`` goes through ``CollectiveStreams``, so tests/test_streams.py checks the protocol on CPU.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Checking that a model's forward is a chain over its pieces, so that cutting it computes what it computed whole.
 
 [Note: what the check catches]
-On a later stage, every piece before the stage is an ``AbsentPiece`` that passes its input through, so the stage
-input (the previous stage's output) stands in for whatever those pieces produced. That is right only if the forward
-feeds each piece the output of the piece before it and does nothing else with those values between pieces. Three
-ways a forward breaks it, each of which would otherwise train the wrong model without any error:
-
-* an absent piece is given something other than the latest value of the chain: GPT-2's ``wte(idx) + wpe(pos)``
-  on a later stage calls ``wpe`` with positions, and would add them to the hidden states;
-* between pieces, the forward's own code uses a chain value that is no longer the latest one: a skip connection
-  ``h = blocks(h) + h0`` across a cut, where ``h0`` would be the stage input, not the embedding's output;
-* after the stage's last piece, the forward's own code still computes with the chain (``head(h) + h``): the stage
-  would send that instead of its last piece's output.
-
-The check runs on the meta-device copy, with the shapes of each new batch, before the stage is built: the pieces'
-hooks track the latest chain value and whether a piece is running, and a ``TorchFunctionMode`` sees every operation
-the forward's own code (outside any piece) does. It cannot see values (there are none on the meta device); what
-it checks is where each chain value goes.
+On a later stage the absent pieces pass the stage input through, which is right only if each piece gets the latest
+chain value and the forward's own code does nothing else with chain values. Broken, each would train the wrong model
+silently: an absent piece given something else (``wte(idx) + wpe(pos)``), a skip connection across a cut, code after
+the stage's last piece computing with the chain. The check runs on the meta copy: the pieces' hooks track the latest
+chain value and a ``TorchFunctionMode`` sees every operation of the forward's own code, i.e. where values go.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""``PipelineOptions``: the pipeline-parallel options of ``FSDPStrategy``, validated on every rank before any group.
-
-[Note: what the options mean]
-``size`` (P) is the number of pipeline ranks a model is cut across; the other ``world_size / P`` ranks of each
-pipeline position (D of them) shard that position's stages over a data-parallel group, as plain fsdp_custom shards a
-whole model. ``schedule`` names one of torch.distributed.pipelining's schedules; a single-stage schedule places one
-stage on each pipeline rank, an interleaved one ``stages_per_rank`` stages (stage s on pipeline rank s % P).
-``microbatches`` (M) is how many pieces each rank's batch is cut into. ``split`` says where stages start: a list of
-piece names (see lightning_fsdp/pipeline/split.py) or ``None`` for a split balanced by parameter count.
-"""
+"""``PipelineOptions``: the pipeline-parallel options of ``FSDPStrategy`` (docs/pipeline.md, "Options"), validated on
+every rank before any group."""
 
 from __future__ import annotations
 

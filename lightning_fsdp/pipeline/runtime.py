@@ -1,24 +1,12 @@
 """Running a LightningModule's model as pipeline stages: the (pipeline, data) layout, the schedules, the loss.
 
 [Note: one step of a pipelined model]
-``pipelined_loss(model, inputs, target, loss_fn)`` is what a ``training_step`` calls. Without pipeline parallelism
-it is ``loss_fn(model(inputs), target)``. With it, the rank's ``PipelineRuntime`` cuts the rank's batch into M
-microbatches and runs torch.distributed.pipelining's schedule over this rank's stages: forwards, the P2P sends of
-activations and gradients, and each microbatch's backward, all inside the call. The gradients are then in the
-shards (the sharding engine reduced them over the data-parallel group during the backward passes, or on the last
-microbatch only with ``no_sync``), and the returned loss is the whole global batch's: the mean over microbatches on
-the last stage, averaged over the data-parallel ranks and broadcast to every pipeline rank, with no autograd graph.
-The strategy's ``backward`` therefore runs only Lightning's backward hooks for it.
-
-Scaling: the loss is a mean over a microbatch, so each microbatch's loss is divided by M (and, under automatic
-optimization, by ``accumulate_grad_batches``, as Lightning divides a plain step's loss) before its backward. torch's
-own ``scale_grads`` is off: it divides ``.grad`` after the step, which is wrong once gradients accumulate over
-several steps.
-
-Shapes: torch's stages are built with static shapes (no metadata inference, which would run a real forward and
-backward through the sharding engine's hooks and leave gradients behind). The shapes of every stage's input and
-output come from running the stage views of a meta-device copy of the model, on every rank, without communication,
-for each new batch shape; a schedule is built per batch shape and kept.
+``pipelined_loss`` runs the whole step inside the call: M microbatches through torch.distributed.pipelining's
+schedule over this rank's stages, each microbatch's backward included, so the strategy's ``backward`` runs only
+Lightning's hooks. The returned loss is the global batch's mean, with no graph. Each microbatch's loss is divided by
+M (and ``accumulate_grad_batches``) before its backward: torch's ``scale_grads`` divides after the step, wrong once
+gradients accumulate. Stages use static shapes worked out on the meta copy: torch's shape inference would run a real
+forward and backward through the engine's hooks and leave gradients behind (docs/pipeline.md, "How a step runs").
 """
 
 from __future__ import annotations
@@ -269,15 +257,11 @@ class _ShardedStage(PipelineStage):
     """torch's stage, with the sharding engine's gradient reduction deferred to each stage's last microbatch.
 
     [Note: gradient reduction per stage]
-    Every microbatch's backward but a stage's last one runs with gradient sync off for all of this rank's units:
-    they add full-size gradients locally (torch FSDP2's ``set_requires_gradient_sync(False)``, which torch's stage
-    sets for its own FSDP modules). The stage's last backward reduces the sum once, for the stage's own units only:
-    with several stages per rank, another stage still has microbatches to come, and reducing its units now would
-    reduce them twice. Each backward is also scoped to the stage's units (``ShardingEngine.backward_scope``), so its
-    end leaves the other stage's units, and the records of their forwards, alone. The units of no single stage (the
-    root unit: parameters outside any wrapped module) take gradients from every local stage: they enter the scope
-    only in the step's last backward on this rank, so until then their gradients accumulate in place and they stay
-    unsharded (gathered once per step), and that backward reduces them.
+    Every microbatch's backward but a stage's last runs with gradient sync off (as torch's stage does for FSDP2
+    modules). The last reduces the sum once, for the stage's own units only: another stage on this rank may still
+    have microbatches to come. Each backward is scoped to its stage's units (``ShardingEngine.backward_scope``), so
+    its end leaves the other stage's alone. Units of no single stage (the root) enter the scope only in the step's
+    last backward on this rank, accumulating in place, gathered once per step, until then.
     """
 
     runtime: PipelineRuntime | None = None
@@ -295,14 +279,9 @@ class _ShardedStage(PipelineStage):
 
 
 class PipelineGradients:
-    """Lightning's automatic optimization zeroes gradients *after* ``training_step`` (in its closure, before the
-    backward it expects to run next). A pipelined ``training_step`` has run its backward already, so:
-
-    * before the first ``training_step`` of an accumulation cycle, the gradients of the previous optimizer step are
-      dropped (``set_to_none``, Lightning's default), so the pipeline's backward does not add onto them;
-    * after it, the new gradients are set aside, Lightning's zeroing finds none, and the strategy's ``backward``
-      puts them back.
-    """
+    """Lightning's automatic optimization zeroes gradients *after* ``training_step``, which under pipelining has run
+    its backward already: the previous step's gradients are dropped before the first ``training_step`` of an
+    accumulation cycle, and the new ones set aside after it, for the strategy's ``backward`` to put back."""
 
     def __init__(self) -> None:
         self._held: list[tuple[nn.Parameter, torch.Tensor]] = []
@@ -352,10 +331,9 @@ def pipelined_loss(
 ) -> torch.Tensor:
     """The loss of ``model`` on a batch, as ``training_step`` / ``validation_step`` return it.
 
-    Without pipeline parallelism (any strategy, one device, ``pipeline_parallel_size=1``): ``loss_fn(model(*inputs),
-    target)``, to be backpropagated as usual. With it: the whole batch runs through the pipeline, backward included
-    when training, and the returned loss is the global batch's, without an autograd graph (see
-    lightning_fsdp/pipeline/runtime.py). ``loss_fn`` must return the mean over the samples it is given.
+    Without pipeline parallelism: ``loss_fn(model(*inputs), target)``, backpropagated as usual. With it, the whole
+    batch runs through the pipeline, backward included when training, and the returned loss is the global batch's,
+    without an autograd graph. ``loss_fn`` must return the mean over the samples it is given.
     """
     runtime = runtime_of(model)
     if runtime is None:

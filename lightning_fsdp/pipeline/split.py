@@ -1,21 +1,11 @@
 """Cutting a model into pipeline stages without changing its code or its parameter names.
 
 [Note: pieces, stages and views]
-A model is cut between *pieces*: its direct children in registration order, with a child that is a container
-(``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``) replaced by the container's own children. For a GPT that
-is ``wte, wpe, drop, blocks.0, ..., blocks.N, ln_f, lm_head``. A stage is a run of consecutive pieces.
-
-The contract with the model is that its forward is a chain over the pieces: each piece consumes what the pieces
-before it produced, and a piece that is absent may be replaced by ``nn.Identity`` without changing what the others
-compute. A forward written as ``h = emb(x); for b in blocks: h = b(h); return head(norm(h))`` meets it unchanged.
-One that combines two pieces' outputs (``wte(idx) + wpe(pos)``) meets it only if both pieces are in the first stage.
-
-Each rank keeps the pieces of its own stages in place and every other piece becomes an ``AbsentPiece`` (an
-``nn.Identity``), so the LightningModule's parameters, its optimizer and its checkpoints are this rank's stages
-under the unsplit model's names. A stage's *view* is a shallow copy of the model's module tree that shares the
-stage's pieces and has ``AbsentPiece`` everywhere else: torch's ``PipelineStage`` runs the view's forward, which is
-the model's own forward over the stage's pieces. A *meta copy* (every tensor on the meta device, no memory) keeps
-the whole tree for working out each stage's input and output shapes on every rank without communication.
+*Pieces* are the model's direct children, containers expanded; a stage is a run of consecutive pieces. Each rank
+keeps its stages' pieces in place and replaces every other piece with an ``AbsentPiece`` (an ``nn.Identity``), so
+its parameters, optimizer and checkpoints are its stages' under the unsplit names. A stage's *view* shares the
+stage's pieces in a shallow copy of the module tree, so torch's ``PipelineStage`` runs the model's own forward. The
+*meta copy* works out every stage's shapes on every rank without communication (docs/pipeline.md, "The contract").
 """
 
 from __future__ import annotations
