@@ -1,28 +1,19 @@
 """A small GPT-style character language model in plain PyTorch, written so that a sharding engine meets what a real
-model has:
+model has: ``Block`` is the natural wrap unit, ``lm_head.weight`` *is* ``wte.weight`` when ``tie_weights`` (as in
+GPT-2), and GPT-2's initialisation lives in each leaf's ``reset_parameters()``, so a meta-device model materialised
+module by module equals a normal construction under the same seed.
 
-- ``Block`` is the natural wrap unit (``auto_wrap_policy={Block}``).
-- ``lm_head.weight`` *is* ``wte.weight`` when ``tie_weights``, as in GPT-2.
-- Initialisation (GPT-2's N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)) lives in each
-  parameter-owning leaf's ``reset_parameters()``, so a meta-device model materialised module by module, in
-  (pre-)order, equals a normal construction under the same seed.
-
-Parameter count (``tie_weights=True``, ``bias=True``; V = vocab_size, T = block_size, d = n_embd,
-L = n_layer)::
-
-    V*d + T*d                 token + position embeddings (lm_head shares the token embedding)
-    + L * (12*d*d + 13*d)     per block: qkv 3d*d+3d, proj d*d+d, fc 4d*d+4d, proj 4d*d+d, 2 LayerNorms 4d
-    + 2*d                     final LayerNorm
-
-With ``bias=False`` a block has ``12*d*d + 2*d`` and the final LayerNorm ``d``; with ``tie_weights=False``
-add ``V*d`` for the separate lm_head. The demo's default (4 x 128, V=65, T=64) has 809,856 parameters; the
-benchmark's (6 x 512, T=128) about 19M.
+Parameters (``tie_weights=True``, ``bias=True``; V = vocab_size, T = block_size, d = n_embd, L = n_layer):
+``V*d + T*d + L * (12*d*d + 13*d) + 2*d``; with ``bias=False`` a block has ``12*d*d + 2*d`` and the final LayerNorm
+``d``; untied, add ``V*d``. The demo's default (4 x 128, V=65, T=64) has 809,856; the benchmark's (6 x 512, T=128)
+about 19M.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -151,12 +142,9 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.config = config
         # Registration order = construction order = the order reset_parameters() draws random numbers in
         # when the modules are walked, which keeps meta-device materialisation equal to a normal init.
-        self.wte = _Embedding(config.vocab_size, config.n_embd)
-        self.wpe = _Embedding(config.block_size, config.n_embd)
-        self.drop = nn.Dropout(config.dropout)
+        _add_embeddings(self, config)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         # No bias on the output projection: it would be the one untied piece of a tied head.
@@ -178,19 +166,11 @@ class GPT(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(logits, loss)`` for token ids ``idx`` (B, T): logits (B, T, vocab_size) and the mean cross entropy
         against ``targets`` in float32, or ``None`` without targets."""
-        B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = _embed(self, idx)
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
-        loss = None
-        if targets is not None:
-            # float32 loss: under a low-precision param dtype a bf16 log-softmax loses too much.
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return logits, (next_token_loss(logits, targets) if targets is not None else None)
 
     def num_parameters(self) -> int:
         """Number of parameter elements, counting a tied weight once (see the module docstring)."""
@@ -208,16 +188,24 @@ class Embeddings(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.config = config
-        self.wte = _Embedding(config.vocab_size, config.n_embd)
-        self.wpe = _Embedding(config.block_size, config.n_embd)
-        self.drop = nn.Dropout(config.dropout)
+        _add_embeddings(self, config)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        T = idx.shape[1]
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        return self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+        return _embed(self, idx)
+
+
+def _add_embeddings(module: nn.Module, config: GPTConfig) -> None:
+    module.config = config
+    module.wte = _Embedding(config.vocab_size, config.n_embd)
+    module.wpe = _Embedding(config.block_size, config.n_embd)
+    module.drop = nn.Dropout(config.dropout)
+
+
+def _embed(module: Any, idx: torch.Tensor) -> torch.Tensor:
+    T = idx.shape[1]
+    if T > module.config.block_size:
+        raise ValueError(f"sequence length {T} exceeds block_size {module.config.block_size}")
+    return module.drop(module.wte(idx) + module.wpe(torch.arange(T, device=idx.device)))
 
 
 class PipelineGPT(nn.Module):
@@ -246,5 +234,6 @@ class PipelineGPT(nn.Module):
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy over every position, in float32 (as ``GPT.forward`` computes it)."""
+    """Mean cross entropy over every position, in float32: under a low-precision param dtype a bf16 log-softmax
+    loses too much."""
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
