@@ -5,10 +5,12 @@
 | "32-true"    | float32 (no mixed precision)               | -                        | -                         |
 | "bf16-mixed" | bfloat16                                   | torch.autocast(bfloat16) | -                         |
 | "16-mixed"   | float16                                    | torch.autocast(float16)  | torch's ShardedGradScaler |
-| "bf16-true"  | bfloat16                                   | -                        | -                         |
-| "16-true"    | float16                                    | -                        | -                         |
+| "bf16-true"  | bfloat16                                   | default dtype bfloat16   | -                         |
+| "16-true"    | float16                                    | default dtype float16    | -                         |
 
-In every case the shards stay in full precision and are the optimizer's master weights.
+Under the "-mixed" flags the shards stay float32 and are the optimizer's master weights. Under the "-true" flags the
+module is converted to the half dtype before it is sharded (and built in it under ``trainer.init_module()``), as
+Lightning's FSDPPrecision and HalfPrecision do: shards, gradients and optimizer state are half precision.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.pytorch.plugins.precision import Precision
+from lightning_utilities import apply_to_collection
+from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import (
     ShardedGradScaler,  # also lightning_fsdp.precision.ShardedGradScaler
 )
@@ -85,11 +90,35 @@ class FSDPPrecision(Precision):
         if self.scaler is not None:
             self.scaler = _grad_scaler(device_type)
 
+    @property
+    def _true_dtype(self) -> torch.dtype | None:
+        """The dtype of every floating-point tensor under a "-true" flag; None otherwise."""
+        return _LOW_DTYPE.get(self.precision) if self.precision.endswith("-true") else None
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        # Before sharding, so the shards (and so gradients and optimizer state) are half precision; meta tensors too.
+        return module if self._true_dtype is None else module.to(dtype=self._true_dtype)
+
+    @override
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self._true_dtype is None else _DtypeContextManager(self._true_dtype)
+
+    @override
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self.tensor_init_context()
+
     @override
     def forward_context(self) -> contextlib.AbstractContextManager:
         if self.precision.endswith("-mixed"):
             return torch.autocast(self.device_type, dtype=_LOW_DTYPE[self.precision])
-        return contextlib.nullcontext()
+        return self.tensor_init_context()  # tensors a "-true" forward creates are half precision too
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self._true_dtype is None:
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=torch.Tensor, dst_type=self._true_dtype)
 
     @override
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]

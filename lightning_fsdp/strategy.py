@@ -20,7 +20,6 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -33,9 +32,8 @@ from typing_extensions import override
 
 from accelerators.hpu_runtime import check_eager_mode, compute_device, register_hccl_backend
 from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
-from lightning_fsdp.checkpoint import routing
-from lightning_fsdp.checkpoint.common import CheckpointFormat, CheckpointRun
-from lightning_fsdp.checkpoint.formats import format_for_saving, parse_state_dict_type
+from lightning_fsdp.checkpoint.formats import parse_state_dict_type
+from lightning_fsdp.checkpoint.hooks import CheckpointHooks
 from lightning_fsdp.collective import Collective, all_reduce_tensor
 from lightning_fsdp.engine import (
     MixedPrecision,
@@ -67,62 +65,23 @@ from lightning_fsdp.process_groups import GroupChoice
 from lightning_fsdp.registration import register_strategies
 from lightning_fsdp.rendezvous import check_startup_timeout, init_default_group
 from lightning_fsdp.shutdown import settle_at_exit
-from lightning_fsdp.weight_averaging import (
-    gather_averages_for_save,
-    restore_averaged_models,
-    shard_averaged_models,
-    slice_loaded_averages,
-)
+from lightning_fsdp.stage_end import StageEnd, check_reusable
+from lightning_fsdp.weight_averaging import shard_averaged_models
 
 log = logging.getLogger(__name__)
 
 _BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "hpu": "hccl"}
 
 
-class FSDPStrategy(ParallelStrategy):
+class FSDPStrategy(CheckpointHooks, ParallelStrategy):
     """Fully Sharded Data Parallel training with this project's own sharding engine.
 
     Each rank keeps only its rows of every parameter, gradient and optimizer state; a unit's full parameters exist
     only while it computes. Works on CPU (gloo), CUDA (NCCL) and HPU (HCCL).
 
-    Args (each in full, with its default, in docs/options.md):
-        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, ``"HYBRID_SHARD"`` or
-            ``"HYBRID_SHARD_ZERO2"`` (shard within a node, replicate across nodes).
-        device_mesh: for the hybrid strategies, a 2-D DeviceMesh (replicate, shard) instead of the node layout.
-        auto_wrap_policy: which modules become units: a set of module classes (or import paths), a callable
-            ``(module, recurse, nonwrapped_numel) -> bool``, or an int minimum parameter count.
-        activation_checkpointing_policy: modules whose forward is recomputed in backward (classes or a callable).
-        mixed_precision: a :class:`~lightning_fsdp.MixedPrecision`; or let ``Trainer(precision=...)`` imply one.
-        state_dict_type: checkpoint format: ``"full"`` (one file), ``"sharded"`` (a torch.distributed.checkpoint
-            directory that loads at any world size) or ``"local"`` (a file per rank).
-        sync_module_states: broadcast rank 0's initial parameters and buffers before sharding.
-        param_init_fn: called on each meta-device module to materialise it (default: its ``reset_parameters``).
-        backward_prefetch: ``"BACKWARD_PRE"`` (default), ``"BACKWARD_POST"`` or ``None``.
-        forward_prefetch: gather the next unit (in the order of the first step) before the current one computes.
-        limit_all_gathers: at most two units' full parameters (besides the root's) gathered or in flight.
-        cpu_offload: keep shards, gradients and optimizer state in host memory (no-op on a CPU run).
-        ignored_modules, ignored_states: modules / parameters (or their names) kept whole on every rank.
-        process_group: the shard group (or a callable returning it), or a (shard, replicate) pair.
-        device_id: an int or ``torch.device`` (HPU needs a device object); must name this rank's device.
-        process_group_backend: overrides the backend chosen from the accelerator (gloo/nccl/hccl).
-        start_method: ``"popen"`` (default; forks in a notebook), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
-        timeout: how long a collective waits for the other ranks: how soon a hung or dead rank ends the job. It
-            does not bound start-up.
-        startup_timeout: how long the ranks may take to reach the rendezvous (default 30 minutes, whatever
-            ``timeout`` is).
-        pipeline_parallel_size: P > 1 cuts ``pipeline_module`` into stages over P ranks, each stage sharded over
-            the other ``world_size / P`` (docs/pipeline.md); the steps then call :func:`~lightning_fsdp.pipelined_loss`.
-        pipeline_schedule, pipeline_microbatches, pipeline_stages_per_rank, pipeline_split, pipeline_module: the
-            schedule (``"1F1B"`` default, ``"GPipe"``, ``"Interleaved1F1B"``), microbatches per batch, stages per
-            rank, where stages start, the attribute holding the model to cut (default ``"model"``).
-        reshard_after_forward: ``None`` (the sharding strategy's choice), ``True``, ``False``, or an int N (ZeRO++
-            hpZ: backward gathers within N consecutive ranks).
-        sync_gradients_while_accumulating: ``False`` reduces gradients only on the batch before each optimizer step
-            under ``accumulate_grad_batches``; the units hold full gradients until then.
-
-    The engine's options, validated, are ``strategy.options`` (a
-    :class:`~lightning_fsdp.engine.options.ShardingOptions`); the sharded model's engine is ``strategy.engine`` after
-    setup.
+    Every option is a keyword argument, validated on every rank before any process group exists; each is
+    described, with its default, in docs/options.md. The engine's options, validated, are ``strategy.options`` (a
+    :class:`~lightning_fsdp.engine.options.ShardingOptions`); the sharded model's engine is ``strategy.engine``.
     """
 
     strategy_name = "fsdp_custom"
@@ -164,6 +123,7 @@ class FSDPStrategy(ParallelStrategy):
         sync_gradients_while_accumulating: bool = True,
         reshard_after_forward: bool | int | None = None,
         startup_timeout: timedelta | None = default_pg_timeout,
+        weights_after_stage: str = "auto",
     ) -> None:
         # Validate everything first: this runs on every rank before any process group exists, so a bad value
         # raises the same error everywhere instead of leaving a rank waiting in a collective (options.py).
@@ -188,6 +148,8 @@ class FSDPStrategy(ParallelStrategy):
         )
         check_flag(sync_gradients_while_accumulating, "sync_gradients_while_accumulating")
         self.sync_gradients_while_accumulating = sync_gradients_while_accumulating
+        # What the module holds when a stage ends: lightning_fsdp/stage_end.py
+        self._stage_end = StageEnd(weights_after_stage, self.pipeline_options.size)
         check_start_method(start_method)
         check_lightning_arguments(
             accelerator,
@@ -211,7 +173,6 @@ class FSDPStrategy(ParallelStrategy):
         check_startup_timeout(startup_timeout)
         self._startup_timeout = startup_timeout
         self._stop_at_exit = False  # stop_launched_processes registered to run when this process exits
-        self._stage_failed = False  # on_exception ran: teardown must not gather (the ranks may be apart)
         self._start_method = start_method
         self.engine: ShardingEngine | None = None
 
@@ -291,24 +252,6 @@ class FSDPStrategy(ParallelStrategy):
         """The engine's mixed precision: the explicit option, else what the Trainer's precision flag implies."""
         return self.mixed_precision or self.precision_plugin.mixed_precision_config
 
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        # Set lazily, not in __init__, so a user's plugins=[SomeCheckpointIO()] takes precedence without a conflict.
-        self._checkpoint_io = routing.atomic_by_default(self._checkpoint_io)
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    @override
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # Checkpoints hold full tensors; they can only be split into shards once the model is sharded.
-        return True
-
     # ------------------------------------------------------------------------------------ processes, groups
     @override
     def _configure_launcher(self) -> None:
@@ -373,6 +316,7 @@ class FSDPStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._check_device_id()
+        check_reusable(self.lightning_module)
         if fitting:
             check_trainable(self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -409,12 +353,9 @@ class FSDPStrategy(ParallelStrategy):
         shard_group, replicate_group = self._pipeline_role.shard_groups(
             lambda: self._group_choice.resolve(self.world_size, self.num_processes, self.global_rank, self._timeout)
         )
+        kwargs = engine_kwargs(self.options, module, self.mixed_precision_config, self._offloads)
         return fully_shard(
-            module,
-            process_group=shard_group,
-            replicate_group=replicate_group,
-            device=self.root_device,
-            **engine_kwargs(self.options, module, self.mixed_precision_config, self._offloads),
+            module, process_group=shard_group, replicate_group=replicate_group, device=self.root_device, **kwargs
         )
 
     @property
@@ -441,23 +382,13 @@ class FSDPStrategy(ParallelStrategy):
         return getattr(self.lightning_module, "_trainer", None)
 
     @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
+    def on_train_start(self) -> None:  # Lightning's own hooks of this kind do nothing
         self._even_batches.loop_started(self._trainer())
 
-    @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self._even_batches.loop_started(self._trainer())
-
-    @override
-    def on_test_start(self) -> None:
-        super().on_test_start()
-        self._even_batches.loop_started(self._trainer())
+    on_validation_start = on_test_start = on_train_start
 
     @override
     def on_predict_start(self) -> None:
-        super().on_predict_start()
         # Not under NO_SHARD, whose forward makes no collective: uneven predict batches then work as under DDP.
         if self.sharding_strategy is not ShardingStrategy.NO_SHARD:
             self._even_batches.loop_started(self._trainer())
@@ -528,57 +459,6 @@ class FSDPStrategy(ParallelStrategy):
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         return all_reduce_tensor(tensor, group, reduce_op)
 
-    # ------------------------------------------------------------------------------------------ checkpoints
-    # Saved in the format state_dict_type names, loaded in the one on disk: lightning_fsdp/checkpoint/routing.py.
-    @property
-    def _checkpoint_format(self) -> CheckpointFormat:
-        return format_for_saving(self.state_dict_type)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.engine is not None
-        return self._pipeline_role.model_state_dict(self._checkpoint_format, self.engine)
-
-    @override
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        assert self.engine is not None
-        routing.load_model_state(self.engine, checkpoint, strict, self._pipeline_role)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        assert self.engine is not None
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        return self._pipeline_role.optimizer_state(self._checkpoint_format, self.engine, optimizer)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        assert self.engine is not None
-        routing.load_optimizer_states(self.engine, self.optimizers, checkpoint, self._pipeline_role)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        gather_averages_for_save(self, checkpoint)  # SWA / EMA averages: full tensors, not rank 0's rows only
-        run = CheckpointRun(self.engine, self.optimizers, self.checkpoint_io)
-        routing.save_checkpoint(
-            self._checkpoint_format, checkpoint, filepath, run, self._pipeline_role, storage_options
-        )
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = self.broadcast(checkpoint_path)
-        trainer = self._trainer()
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else None
-        role = self._pipeline_role
-        checkpoint = routing.load_checkpoint(path, self.engine, optimizers, self.checkpoint_io, role, weights_only)
-        return slice_loaded_averages(self, checkpoint)  # each rank's rows of the SWA / EMA averages
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            routing.remove_checkpoint(filepath, self.checkpoint_io)
-
     # ------------------------------------------------------------------------------------------ registry
     @classmethod
     @override
@@ -590,28 +470,19 @@ class FSDPStrategy(ParallelStrategy):
         # A failing rank 0 must not leave the ranks it started blocked in a collective (Lightning stops them only on
         # KeyboardInterrupt), but only once it exits: a script that catches the error and carries on keeps its ranks.
         super().on_exception(exception)
-        self._stage_failed = True  # read by teardown, which Lightning calls next
+        self._stage_end.failed = True  # teardown, which Lightning calls next, must not gather: ranks may be apart
         if not self._stop_at_exit:
             self._stop_at_exit = True
             atexit.register(stop_launched_processes, self._launcher, 5.0)
 
     @override
     def teardown(self) -> None:
-        # A stage that ended normally hands back an ordinary module with the trained weights in full, on the host as
-        # Lightning's other strategies leave it, without the engine's hooks. Every rank gets here then, as gathers need.
         module = self.lightning_module
-        engine = get_engine(module) if module is not None else None
-        failed, self._stage_failed = self._stage_failed, False
-        if engine is not None and not failed:
-            restore_averaged_models(getattr(module, "_trainer", None), engine)  # SWA / EMA averages: whole again too
-            engine.restore_unsharded(torch.device("cpu"))
-            engine = None
-        if engine is None and not (module is not None and has_meta_tensors(module)):
+        if self._stage_end.finish(module, self.num_processes, self.global_rank):
             super().teardown()
             return
-        # After an exception the ranks may not all get here: the module stays sharded with its engine, for a retry,
-        # and out of Lightning's move to the host (which would detach the parameters from the engine's flat buffers,
-        # or fail on a module still on the meta device).
+        # A sharded module (kept, or after an exception) stays out of Lightning's move to the host, which would
+        # detach the parameters from the engine's flat buffers or fail on meta tensors.
         self._lightning_module = None
         try:
             super().teardown()

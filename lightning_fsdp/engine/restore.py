@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from lightning_fsdp.engine.unit import FlatUnit
 
@@ -10,13 +11,22 @@ from lightning_fsdp.engine.unit import FlatUnit
 @torch.no_grad()
 def restore_full_parameters(units: list[FlatUnit], device: torch.device | str) -> None:
     """Every parameter of ``units`` gets its full value on ``device``, back in its modules; the buffers are released.
-    One unit at a time (peak: one unit in full). Gradients, which were shards, are dropped."""
+    One unit at a time (peak: one unit in full). Gradients, which were shards, are dropped.
+
+    ``device="meta"`` keeps no values: each rank still takes part in the gathers (another rank may keep them), and
+    the modules get new meta parameters of the same shapes, dtypes and ``requires_grad``, tied ones still shared."""
+    on_meta = torch.device(device).type == "meta"
     for unit in units:
         unit.reshard()
         fulls = unit.full_tensors()
         for slot, full in zip(unit.slots, fulls):
-            slot.param.data = full.to(device)
-            slot.param.grad = None
+            param = slot.param
+            param.grad = None
+            if on_meta:  # a parameter's data cannot be swapped for a meta tensor (set_data refuses it)
+                param = nn.Parameter(full.to(device), requires_grad=param.requires_grad)
+                slot.param.data = slot.param.data.new_empty(0)  # the old object (the optimizer's) lets its shard go
+            else:
+                param.data = full.to(device)
             for module, attr in slot.uses:
-                module._parameters[attr] = slot.param
+                module._parameters[attr] = param
         unit.release_buffers()
