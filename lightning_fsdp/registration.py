@@ -62,9 +62,11 @@ def _register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     from accelerators import register_hpu_accelerator
+    from lightning_fsdp.compiled_modules import accept_compiled_lightning_modules
 
     register_strategies(StrategyRegistry)
     register_hpu_accelerator()
+    accept_compiled_lightning_modules()
 
 
 def _register_logging_failure() -> None:

@@ -193,7 +193,8 @@ class Uninitialised:
             else:
                 guarded[id(module)] = (module, path, ids)
         for module, path, ids in guarded.values():
-            hook = functools.partial(self._before_forward, path=path, ids=frozenset(ids))
+            # Outside dynamo: a compiled module's hooks run eagerly (see [Note: compiled modules] in state.py).
+            hook = torch.compiler.disable(functools.partial(self._before_forward, path=path, ids=frozenset(ids)))
             self._handles.append(module.register_forward_pre_hook(hook, prepend=True))
         _LIVE.add(self)
         if not _optimizer_hook:

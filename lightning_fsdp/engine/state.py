@@ -23,7 +23,7 @@ really are counts stay counters: the forward depth of the engine and of each uni
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -42,6 +42,12 @@ from lightning_fsdp.engine.restore import restore_full_parameters
 from lightning_fsdp.engine.states import ParamSlot, TrainingState
 from lightning_fsdp.engine.streams import CollectiveStreams, streams_for
 from lightning_fsdp.engine.unit import FlatUnit
+
+
+def outside_compile(hook: Callable) -> Callable:
+    """``hook`` runs eagerly even when called from code that ``torch.compile`` compiles (see [Note: compiled
+    modules])."""
+    return torch.compiler.disable(hook, recursive=True, reason="fsdp_custom engine hook")
 
 
 def _current_graph_task_id() -> int:
@@ -140,15 +146,26 @@ class ShardingEngine(EngineControls):
     # optimizer step are untouched. A call on one rank alone needs the full weights on that rank first:
     # ``unsharded()`` gathers them on every rank and keeps every unit unsharded until it exits, so the calls inside
     # it make no collective.
+    #
+    # [Note: compiled modules]
+    # Every hook the engine registers runs outside dynamo (``outside_compile``), as torch's FSDP2 does with its own.
+    # A module compiled on its own (``torch.compile(block)``, ``block.compile()``) is entered through
+    # ``nn.Module.__call__``, which dynamo does not trace: the unit's hooks run eagerly around it and the compiled
+    # frame is the module's forward alone, one graph with no collective in it. Inside a larger compiled region
+    # (the whole model compiled) a unit's hooks are graph breaks at the unit's boundaries. The hooks only swap
+    # parameters between fixed shard and full tensors of fixed shapes, so no guard sees a change and nothing
+    # recompiles after the first step.
     def _register_hooks(self, unit: FlatUnit) -> None:
         self._handles.append(
             unit.module.register_forward_pre_hook(
-                lambda module, args, kwargs: self._pre_forward(unit, args, kwargs), with_kwargs=True, prepend=True
+                outside_compile(lambda module, args, kwargs: self._pre_forward(unit, args, kwargs)),
+                with_kwargs=True,
+                prepend=True,
             )
         )
         self._handles.append(
             unit.module.register_forward_hook(
-                lambda module, args, output: self._post_forward(unit, output), always_call=True
+                outside_compile(lambda module, args, output: self._post_forward(unit, output)), always_call=True
             )
         )
 
@@ -164,11 +181,15 @@ class ShardingEngine(EngineControls):
                     users.setdefault(id(module), (module, []))[1].append(slot)
         for module, slots in users.values():
             self._handles.append(
-                module.register_forward_pre_hook(lambda _m, _a, slots=slots: self._sync_root_slots(slots))
+                module.register_forward_pre_hook(
+                    outside_compile(lambda _m, _a, slots=slots: self._sync_root_slots(slots))
+                )
             )
             # Backward may start inside the root's forward too, and need the root again after an earlier backward
             # of the same training_step resharded it: these modules' outputs unshard it, as a unit's outputs do.
-            self._handles.append(module.register_forward_hook(lambda _m, _a, output: self._mark_root_use(output)))
+            self._handles.append(
+                module.register_forward_hook(outside_compile(lambda _m, _a, output: self._mark_root_use(output)))
+            )
         # The root has no unit above it to start backward for it: with manual optimization its backward starts
         # before its forward has ended, so its own gradients announce it.
         for slot in root.slots:
