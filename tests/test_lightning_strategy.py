@@ -2,6 +2,8 @@
 
 The script (tests/scripts/lightning_parity.py) is started exactly as users start theirs; Lightning's launcher
 re-runs it once per extra rank. Each configuration is compared with a single-device run on the same global batches.
+Every launch of the module is independent (its own output file and port), so a module fixture starts them all, a few
+at a time (tests/processes.py's ``in_background``), and each test waits for the ones it compares.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.processes import in_background
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "lightning_parity.py"
+LAUNCH_TIMEOUT_S = 600  # one launch, sharing the cores with the others running at once; a guard, not a measurement
 
 
 def run_script(out: Path, *args: str) -> dict:
@@ -26,47 +31,49 @@ def run_script(out: Path, *args: str) -> dict:
         cwd=out.parent,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=LAUNCH_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=False)
 
 
-_references: dict = {}
+ACCUMULATION = ("--optimizer", "sgd", "--accumulate", "2")
 
 
-def reference(tmp_path_factory, *args: str) -> dict:
-    if args not in _references:
-        out = tmp_path_factory.mktemp("ref") / "ref.pt"
-        _references[args] = run_script(out, "--devices", "1", "--strategy", "auto", *args)
-    return _references[args]
+def _strategy_label(devices: int, strategy: tuple[str, ...]) -> str:
+    return "-".join((str(devices), *strategy))
 
 
-def test_deferred_gradient_sync_under_accumulation(tmp_path, tmp_path_factory):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Every launch of the module, started at once: ``{("ref", training flags) | (devices-strategy, training flags):
+    Future of the script's output}``."""
+    folder = tmp_path_factory.mktemp("lightning_parity")
+    jobs: dict = {}
+
+    def add(key: tuple, *args: str) -> None:
+        out = folder / f"run{len(jobs)}.pt"
+        jobs[key] = lambda: run_script(out, *args)
+
+    # The two-rank runs first: each takes longer than a one-process reference.
+    for devices, strategy, training in CASES:
+        add((_strategy_label(devices, strategy), training), "--devices", str(devices), *strategy, *training)
+    for name in ("fsdp_custom_blocks", "fsdp_custom_deferred_sync"):
+        add((name, ACCUMULATION), "--devices", "2", "--strategy", name, *ACCUMULATION)
+    for training in dict.fromkeys([*(training for _, _, training in CASES), ACCUMULATION, ("--optimizer", "sgd")]):
+        add(("ref", training), "--devices", "1", "--strategy", "auto", *training)
+    return in_background(jobs)
+
+
+def reference(runs: dict, *args: str) -> dict:
+    return runs["ref", args].result()
+
+
+def test_deferred_gradient_sync_under_accumulation(runs):
     # sync_gradients_while_accumulating=False: the accumulating batch reduces nothing, the next one reduces the sum.
-    ref = reference(tmp_path_factory, "--optimizer", "sgd", "--accumulate", "2")
-    every = run_script(
-        tmp_path / "every.pt",
-        "--devices",
-        "2",
-        "--strategy",
-        "fsdp_custom_blocks",
-        "--optimizer",
-        "sgd",
-        "--accumulate",
-        "2",
-    )
-    deferred = run_script(
-        tmp_path / "deferred.pt",
-        "--devices",
-        "2",
-        "--strategy",
-        "fsdp_custom_deferred_sync",
-        "--optimizer",
-        "sgd",
-        "--accumulate",
-        "2",
-    )
+    ref = reference(runs, *ACCUMULATION)
+    every = runs["fsdp_custom_blocks", ACCUMULATION].result()
+    deferred = runs["fsdp_custom_deferred_sync", ACCUMULATION].result()
     assert got_all_close(deferred["state"], ref["state"]) == len(ref["state"]) > 0
     torch.testing.assert_close(torch.tensor(deferred["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
     # 6 training batches, 3 optimizer steps: 3 of the 6 backwards reduce. Validation/test/predict reduce nothing.
@@ -94,9 +101,9 @@ CASES = [
 @pytest.mark.parametrize(
     "devices,strategy,training", CASES, ids=lambda v: "-".join(v) if isinstance(v, tuple) else str(v)
 )
-def test_fit_validate_test_predict_match_single_device(tmp_path, tmp_path_factory, devices, strategy, training):
-    ref = reference(tmp_path_factory, *training)
-    got = run_script(tmp_path / "fsdp.pt", "--devices", str(devices), *strategy, *training)
+def test_fit_validate_test_predict_match_single_device(runs, devices, strategy, training):
+    ref = reference(runs, *training)
+    got = runs[_strategy_label(devices, strategy), training].result()
 
     assert got["names"] == ref["names"]  # named_parameters() keeps the unwrapped model's names
     assert len(got["losses"]) == len(ref["losses"]) > 0
@@ -118,7 +125,7 @@ def test_fit_validate_test_predict_match_single_device(tmp_path, tmp_path_factor
     }
 
 
-def test_training_changed_the_model(tmp_path_factory):
+def test_training_changed_the_model(runs):
     # Guards the parity test above against a run where nothing trains: the loss must fall.
-    ref = reference(tmp_path_factory, "--optimizer", "sgd")
+    ref = reference(runs, "--optimizer", "sgd")
     assert ref["losses"][-1] < ref["losses"][0] - 0.3
