@@ -1,29 +1,11 @@
-"""Weight-averaging callbacks on a sharded model: the average is kept sharded too.
+"""Weight-averaging callbacks on a sharded model: the average is kept sharded too (docs/patterns.md, docs/decisions.md).
 
-Lightning's :class:`~lightning.pytorch.callbacks.StochasticWeightAveraging` and
-:class:`~lightning.pytorch.callbacks.WeightAveraging` (and its :class:`EMAWeightAveraging`) copy the LightningModule
-in their ``setup()`` hook, before the strategy shards it, and later combine the copy's parameters with the model's
-elementwise (``zip(average.parameters(), model.parameters())``). After sharding, each model parameter holds only this
-rank's rows (``torch.chunk`` on dim 0), and an elementwise average of shards is the shard of the average. So
-:func:`shard_averaged_models`, which ``FSDPStrategy.setup`` calls right after sharding, replaces every parameter of
-such a copy by this rank's rows of the model's (same modules and Parameter objects, full-size data released); the
-callbacks' own code then runs unchanged and ends with the rows a single device would hold. Buffers are not sharded by
-the engine and stay whole in the copy too. When a stage ends and the strategy gives the model its full parameters
-back, :func:`restore_averaged_models` does the same for the averages (a later stage, such as ``validate`` after
-``fit``, shards them again from their own values).
-
-Checkpoints: the average's shard tensors would otherwise reach a checkpoint written by rank 0 with rank 0's rows only.
-:func:`gather_averages_for_save` (``FSDPStrategy.save_checkpoint``, every rank) gathers them into full tensors first,
-and :func:`slice_loaded_averages` (``FSDPStrategy.load_checkpoint``) gives each rank its rows back before the callbacks
-load them. This works for the full, sharded and local formats; in the two directory formats the full-size average
-(SWA) or the current model (WeightAveraging, whose checkpoint keeps the average in ``state_dict``) goes into
-``meta.pt``, which rank 0 writes.
-
-A callback of your own that keeps copies of the parameters works as it is if it takes them after sharding
-(``on_fit_start`` / ``on_train_start``: they are then this rank's rows); copies taken in ``setup`` (full size) are
-refused before the first step. To checkpoint such shard copies, gather them with :func:`full_tensors` in the
-callback's ``state_dict`` and slice them back with :func:`local_tensors` in ``load_state_dict``; to keep them past the
-end of the stage, gather them in ``on_train_end`` (the engine is closed afterwards).
+Lightning's ``StochasticWeightAveraging`` and ``WeightAveraging`` copy the model in ``setup()``, before sharding, and
+later average the copy's parameters with the model's elementwise; an elementwise average of shards is the shard of
+the average. So right after sharding each copy's parameters become this rank's rows, and the callbacks' own code runs
+unchanged; at the end of a stage they are gathered back whole, and checkpoints gather them full and slice them back.
+A callback of your own keeps shard copies if it takes them after sharding (``on_fit_start``); :func:`full_tensors` and
+:func:`local_tensors` checkpoint them.
 """
 
 from __future__ import annotations
@@ -47,11 +29,9 @@ _SHARDED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary(
 _RESTORED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-def _callback_classes() -> tuple[type | None, type | None]:
-    try:
-        from lightning.pytorch.callbacks import StochasticWeightAveraging
-    except ImportError:  # pragma: no cover - every supported Lightning has it
-        StochasticWeightAveraging = None  # type: ignore[assignment,misc]
+def _callback_classes() -> tuple[type, type | None]:
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
     try:
         from lightning.pytorch.callbacks import WeightAveraging  # Lightning >= 2.6
     except ImportError:  # pragma: no cover
@@ -86,7 +66,6 @@ def _comm_device(engine: ShardingEngine) -> torch.device:
 
 def _gather(local: Tensor, slot: ParamSlot, engine: ShardingEngine) -> Tensor:
     """The full tensor whose rows ``local`` holds on this rank (a collective over the shard group)."""
-
     layout = slot.layout
     local = local.detach()
     if layout.world_size == 1:
@@ -99,7 +78,7 @@ def _averages(trainer: Any) -> list[tuple[Any, str, nn.Module]]:
     swa_cls, wa_cls = _callback_classes()
     found = []
     for callback in getattr(trainer, "callbacks", None) or []:
-        if swa_cls is not None and isinstance(callback, swa_cls):
+        if isinstance(callback, swa_cls):
             module = getattr(callback, "_average_model", None)
             if isinstance(module, nn.Module):
                 found.append((callback, "swa", module))
@@ -124,10 +103,8 @@ def _sharded_averages(trainer: Any, engine: ShardingEngine) -> list[tuple[Any, s
 # =============================================================================================== setup
 @torch.no_grad()
 def shard_averaged_models(trainer: Any, engine: ShardingEngine) -> None:
-    """Give the averaged copy of every known averaging callback this rank's rows of the model's parameters.
-
-    Called on every rank right after the model is sharded. Refuses (on every rank alike) a callback of unknown type
-    that holds full-size copies of the model's parameters, taken before sharding."""
+    """Give the averaged copy of every known averaging callback this rank's rows of the model's parameters, on every
+    rank right after sharding; refuse (on every rank alike) another callback's full-size copies taken before."""
     known = _averages(trainer)
     for callback, _kind, module in known:
         if not _is_sharded_average(module, engine):
@@ -249,19 +226,19 @@ def full_tensors(
 ) -> list[Tensor]:
     """Full tensors (on CPU) from per-rank ``tensors`` aligned with ``params`` (default: the LightningModule's
     ``parameters()``), e.g. an EMA kept as shard copies. Call on every rank: sharded entries are all-gathered.
-
-    Without a sharding engine (one device, another strategy) the tensors are returned as they are (copied to CPU).
-    ``rank0_only``: other ranks get an empty list."""
+    Without a sharding engine the tensors are returned as they are (copied to CPU). ``rank0_only``: other ranks get
+    an empty list."""
     engine = _engine_of(strategy, "full_tensors")
     tensors = list(tensors)
     if engine is None:
         return [t.detach().cpu().clone() for t in tensors]
-    params = list(engine.root.parameters()) if params is None else list(params)
-    if len(params) != len(tensors):
-        raise ValueError(
-            f"full_tensors got {len(tensors)} tensors for {len(params)} parameters; pass one per "
-            "parameter, in the order of params (default: pl_module.parameters())."
-        )
+    params = _aligned(
+        engine,
+        params,
+        tensors,
+        "; pass one per parameter, in the order of params (default: pl_module.parameters())",
+        "full_tensors",
+    )
     keep = not rank0_only or global_rank() == 0
     out = []
     for param, tensor in zip(params, tensors):
@@ -282,14 +259,19 @@ def local_tensors(
     tensors = list(tensors)
     if engine is None:
         return tensors
-    params = list(engine.root.parameters()) if params is None else list(params)
-    if len(params) != len(tensors):
-        raise ValueError(f"local_tensors got {len(tensors)} tensors for {len(params)} parameters.")
+    params = _aligned(engine, params, tensors, "", "local_tensors")
     out = []
     for param, tensor in zip(params, tensors):
         slot = engine.slot_of(param)
         out.append(_local_rows(tensor, slot) if slot is not None else tensor)
     return out
+
+
+def _aligned(engine: ShardingEngine, params: Any, tensors: list[Tensor], hint: str, helper: str) -> list[Any]:
+    params = list(engine.root.parameters()) if params is None else list(params)
+    if len(params) != len(tensors):
+        raise ValueError(f"{helper} got {len(tensors)} tensors for {len(params)} parameters{hint}.")
+    return params
 
 
 def _local_rows(value: Any, slot: ParamSlot) -> Any:
@@ -300,9 +282,8 @@ def _local_rows(value: Any, slot: ParamSlot) -> Any:
 
 # ========================================================================================== checkpoints
 def _full_state(module: nn.Module, engine: ShardingEngine, keep: bool) -> dict[str, Any]:
-    """``module.state_dict()`` of an averaged copy with its sharded parameters gathered to full tensors on CPU.
-
-    Every rank gathers the same keys in the same (state-dict) order; only ranks with ``keep`` hold the result."""
+    """An averaged copy's state dict, sharded parameters gathered to full tensors on CPU (kept where ``keep``), in
+    state-dict order on every rank."""
     slots = managed_keys(engine)
     state = module.state_dict()
     out: dict[str, Any] = {}
@@ -317,13 +298,9 @@ def _full_state(module: nn.Module, engine: ShardingEngine, keep: bool) -> dict[s
 
 @torch.no_grad()
 def gather_averages_for_save(strategy: Any, checkpoint: dict[str, Any]) -> None:
-    """Make the averages in ``checkpoint`` complete before it is written (call on every rank; changes it in place).
-
-    * StochasticWeightAveraging: its callback state's ``average_model_state`` becomes full tensors (on rank 0).
-    * WeightAveraging (its ``on_save_checkpoint`` put the average into ``state_dict`` and the current model into
-      ``current_model_state``): for the full format ``state_dict`` becomes the full average (rank 0); for the
-      sharded and local formats ``state_dict`` holds the average in the format's own sharded form and
-      ``current_model_state`` the full current model (in ``meta.pt``)."""
+    """Make the averages in ``checkpoint`` complete before it is written, in place, on every rank: SWA's
+    ``average_model_state`` full on rank 0; WeightAveraging's average (in ``state_dict``) full for the full format,
+    else in the format's sharded form with the full current model in ``meta.pt``."""
     engine = _live_engine(strategy)
     trainer = getattr(getattr(strategy, "lightning_module", None), "_trainer", None)
     if engine is None or trainer is None:
