@@ -27,6 +27,17 @@ the table the
 script checks that (a) and (b) hold the same model: the same checksums of every parameter (gathered in full on
 rank 0) as the saved files, and the same logits on a fixed batch; and that the export holds the trained weights.
 
+Two more measurements of the same Llama, built under ``trainer.init_module(empty_init=True)`` (no files), trained for
+2 AdamW steps on 2 ranks, each choice in fresh processes:
+
+    python examples/pretrained_memory.py --out /tmp/pretrained_memory --measure stage-end
+    python examples/pretrained_memory.py --out /tmp/pretrained_memory --measure precision
+
+  (d) ``stage-end``: the end of ``fit`` under each ``weights_after_stage``: peak RSS growth from ``on_train_end`` to
+      the return of ``trainer.fit`` (the strategy's teardown is the work in between), and what the module holds;
+  (e) ``precision``: ``bf16-mixed`` against ``bf16-true``: the bytes of the optimizer's parameters, their gradients
+      and its state on each rank in ``on_train_end``, and the peak RSS growth from before the model is built to then.
+
 The Trainer's launcher re-runs this script for rank 1 with the same arguments (``--role``), as any Lightning
 script; the measured runs are started here as subprocesses in their own session, killed as a group on timeout.
 """
@@ -58,7 +69,8 @@ LLAMA = dict(
 )
 SEED = 0
 SEQ = 16
-ROLES = ("usual", "loader", "export")
+ROLES = ("usual", "loader", "export", "stage-end", "precision")
+VARIANTS = {"stage-end": ("full", "rank0", "sharded"), "precision": ("bf16-mixed", "bf16-true")}
 # The fp32 file is the brief's case. Hub models mostly ship in bfloat16 and are often fine-tuned in float32: then
 # from_pretrained must cast, so it cannot map the file's pages as the model's tensors.
 FILE_DTYPES = ("float32", "bfloat16")
@@ -193,6 +205,137 @@ def run_lightning(args: argparse.Namespace) -> None:
     torch.save(module.result, os.path.join(args.out, "results", name))
 
 
+# ------------------------------------------------------------------------------------------------ (d), (e)
+def run_trained(args: argparse.Namespace) -> None:
+    """One rank of (d) (``--variant``: a ``weights_after_stage`` choice) or (e) (``--variant``: a precision flag);
+    writes ``results/<role>-<variant>-rank<r>.pt``."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from lightning_fsdp import FSDPStrategy
+    from lightning_fsdp.engine import get_engine
+
+    torch.set_num_threads(1)
+    stage_end = args.role == "stage-end"
+    meter = PeakGrowth()
+
+    def init_weights(module: torch.nn.Module) -> None:  # param_init_fn: values do not matter here, only sizes
+        with torch.no_grad():
+            for param in module.parameters(recurse=False):
+                param.normal_(0, 0.02) if param.dim() > 1 else param.fill_(1.0)
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
+
+    class Train(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = LlamaForCausalLM(LlamaConfig(**LLAMA))
+            self.result = {}
+
+        def training_step(self, batch, _index):
+            (ids,) = batch
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        def on_train_end(self) -> None:
+            optimizer = self.trainer.optimizers[0]
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            states = [t for p in params for t in optimizer.state[p].values() if isinstance(t, torch.Tensor)]
+            self.result["bytes"] = {
+                "param": nbytes(params),
+                "grad": nbytes(p.grad for p in params if p.grad is not None),
+                "state": nbytes(states),
+            }
+            self.result["dtypes"] = sorted({str(t.dtype) for t in (*params, *states) if t.numel() > 1})
+            if stage_end:
+                meter.start()  # the level before the stage ends
+            else:
+                self.result["peak"] = meter.stop()
+
+    options = {"weights_after_stage": args.variant} if stage_end else {}
+    strategy = FSDPStrategy(auto_wrap_policy={LlamaDecoderLayer}, param_init_fn=init_weights, **options)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=2,
+        precision="32-true" if stage_end else args.variant,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    if not stage_end:
+        meter.start()  # the level before the model is built
+    with trainer.init_module(empty_init=True):
+        module = Train()
+    data = TensorDataset(torch.randint(0, LLAMA["vocab_size"], (4, SEQ), generator=torch.Generator().manual_seed(3)))
+    trainer.fit(module, DataLoader(data, batch_size=1))
+    if stage_end:
+        module.result["peak"] = meter.stop()
+        module.result["holds"] = {
+            "engine": get_engine(module) is not None,
+            "devices": sorted({str(p.device) for p in module.parameters()}),
+            "param_bytes": nbytes(module.parameters()),
+        }
+    name = f"{args.role}-{args.variant}-rank{trainer.global_rank}.pt"
+    torch.save(module.result, os.path.join(args.out, "results", name))
+
+
+def report_trained(out: str, measure: str) -> None:
+    import torch
+
+    runs = {
+        v: [torch.load(os.path.join(out, "results", f"{measure}-{v}-rank{r}.pt"), weights_only=False) for r in (0, 1)]
+        for v in VARIANTS[measure]
+    }
+    full = sum(rank["bytes"]["param"] for rank in runs[VARIANTS[measure][0]])  # fp32 shards, both ranks
+    print()
+    print(
+        f"Llama 110M ({full / MiB:.0f} MiB of fp32 parameters), 2 CPU gloo ranks, FULL_SHARD with LlamaDecoderLayer "
+        "units, built under "
+        "trainer.init_module(empty_init=True), 2 AdamW steps. Peak RSS growth = VmHWM (reset by writing 5 to "
+        "/proc/self/clear_refs) minus the RSS at the reset; private = RssAnon growth sampled every 1 ms; held = RSS "
+        "at the end minus at the reset. Per rank."
+    )
+    print()
+    if measure == "stage-end":
+        print("Measured from on_train_end to the return of trainer.fit (the strategy's teardown in between).")
+        print()
+        print("| weights_after_stage | rank | peak RSS growth (MiB) | peak private growth (MiB) | held (MiB) | holds |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for variant, ranks in runs.items():
+            for rank, result in enumerate(ranks):
+                peak, holds = result["peak"], result["holds"]
+                what = "engine (shards)" if holds["engine"] else ", ".join(holds["devices"]) + " parameters"
+                what += f", {holds['param_bytes'] / MiB:.0f} MiB of parameter data"
+                cells = " | ".join(f"{peak[k] / MiB:.0f}" for k in ("rss", "anon", "held"))
+                print(f"| `{variant}` | {rank} | {cells} | {what} |")
+    else:
+        print("Bytes in on_train_end (after 2 steps); peak growth from before the model is built to then.")
+        print()
+        print(
+            "| precision | rank | parameters (MiB) | gradients (MiB) | optimizer state (MiB) | total (MiB) "
+            "| dtypes | peak RSS growth (MiB) | peak private growth (MiB) |"
+        )
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for variant, ranks in runs.items():
+            for rank, result in enumerate(ranks):
+                b, peak = result["bytes"], result["peak"]
+                total = b["param"] + b["grad"] + b["state"]
+                print(
+                    f"| `{variant}` | {rank} | {b['param'] / MiB:.1f} | {b['grad'] / MiB:.1f} | {b['state'] / MiB:.1f} "
+                    f"| {total / MiB:.1f} | {', '.join(result['dtypes'])} | {peak['rss'] / MiB:.0f} "
+                    f"| {peak['anon'] / MiB:.0f} |"
+                )
+
+
 # ------------------------------------------------------------------------------------------------ (c)
 def run_export(args: argparse.Namespace) -> None:
     import torch
@@ -245,9 +388,10 @@ def read_safetensors_dir(folder: str):
     return sums, total
 
 
-def spawn(role: str, file_dtype: str, out: str, timeout: int) -> None:
+def spawn(role: str, file_dtype: str, out: str, timeout: int, variant: str | None = None) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, os.path.abspath(__file__), "--out", out, "--role", role, "--file-dtype", file_dtype]
+    cmd += [] if variant is None else ["--variant", variant]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)  # rank 1 is rank 0's child
     try:
         proc.wait(timeout=timeout)
@@ -277,15 +421,29 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=1200, help="seconds allowed to each measured run")
     parser.add_argument("--role", choices=ROLES, help=argparse.SUPPRESS)  # internal: one measured run
     parser.add_argument("--file-dtype", choices=FILE_DTYPES, default="float32", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # internal: the choice a (d) or (e) run measures
+    parser.add_argument(
+        "--measure",
+        choices=("load", "stage-end", "precision"),
+        default="load",
+        help="load: (a) to (c); stage-end: (d), the end of fit per weights_after_stage; precision: (e)",
+    )
     args = parser.parse_args()
     args.out = os.path.abspath(args.out)
     if args.role == "export":
         return run_export(args)
+    if args.role in VARIANTS:
+        return run_trained(args)
     if args.role is not None:
         return run_lightning(args)
 
     if not os.path.exists("/proc/self/clear_refs"):
         raise SystemExit("This measurement needs Linux's /proc/self/clear_refs.")
+    if args.measure != "load":
+        os.makedirs(os.path.join(args.out, "results"), exist_ok=True)
+        for variant in VARIANTS[args.measure]:
+            spawn(args.measure, "float32", args.out, args.timeout, variant)
+        return report_trained(args.out, args.measure)
     import torch
 
     torch.set_num_threads(1)
