@@ -1,9 +1,10 @@
 """Weight-averaging callbacks (SWA, EMA, a hand-written EMA) under fsdp_custom against one device.
 
 tests/scripts/weight_averaging_run.py runs every case in one process: once on one device (``strategy="auto"``, the
-reference) and once on 2 CPU ranks under fsdp_custom with ``auto_wrap_policy={Block}``, on the same global batches
-(SGD with momentum, fp32). The averages stay sharded on the 2-rank side and end with the rows one device computes;
-checkpoints hold them complete, and resuming from them (full, local and sharded formats) continues as on one device.
+reference) and once on 2 CPU ranks under fsdp_custom with ``auto_wrap_policy={Block}`` (both launches at once), on the
+same global batches (SGD with momentum, fp32). The averages stay sharded on the 2-rank side and end with the rows one
+device computes; checkpoints hold them complete, and resuming from them (full, local and sharded formats) continues as
+on one device.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import os
 import signal
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
 
-from tests.processes import ROOT, clean_env
+from tests.processes import ROOT, clean_env, in_background
 
 SCRIPT = ROOT / "tests" / "scripts" / "weight_averaging_run.py"
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -48,9 +50,11 @@ def _launch(folder, devices: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    ref = _launch(tmp_path_factory.mktemp("wa_ref"), 1)
-    got = _launch(tmp_path_factory.mktemp("wa_fsdp"), 2)
-    return ref, got
+    # The reference and the 2-rank run at once: each launch has its own folder.
+    ref = partial(_launch, tmp_path_factory.mktemp("wa_ref"), 1)
+    got = partial(_launch, tmp_path_factory.mktemp("wa_fsdp"), 2)
+    running = in_background({"ref": ref, "got": got})
+    return running["ref"].result(), running["got"].result()
 
 
 def _compare(got: dict, ref: dict, what: str) -> int:
