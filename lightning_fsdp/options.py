@@ -146,6 +146,22 @@ def check_lightning_arguments(
             f"process_group_backend={process_group_backend!r} is not valid; expected a backend name such as 'gloo', "
             "'nccl' or 'hccl', or None (chosen from the accelerator)."
         )
+    # The package index's torch has no MPI backend; without this, torch refuses it inside Lightning's setup.
+    from lightning_fsdp.rendezvous import backend_names
+
+    if (
+        process_group_backend is not None
+        and "mpi" in backend_names(process_group_backend)
+        and not torch.distributed.is_mpi_available()
+    ):
+        raise ValueError(
+            f"process_group_backend={process_group_backend!r} is not available: this torch build has no MPI backend "
+            "(torch.distributed.is_mpi_available() is False; torch must be built from source against an MPI "
+            "library to have one). A job launched with mpirun does not need it: Lightning reads the ranks from "
+            "mpirun (MPIEnvironment, with mpi4py installed) and the strategy runs on any backend, so pass "
+            "process_group_backend='gloo' (CPU), 'nccl' (CUDA) or 'hccl' (Gaudi), or leave it None to have it "
+            "chosen from the accelerator."
+        )
     if timeout is not None and not isinstance(timeout, timedelta):
         raise TypeError(
             f"timeout={timeout!r} is not valid; expected a datetime.timedelta (e.g. timedelta(minutes=30)) or None."

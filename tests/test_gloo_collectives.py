@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_fsdp.engine import fully_shard
+from lightning_fsdp.engine.backends import FLAT, TABLE
 from tests.distributed import run_distributed
 from tests.models import Block, ToyLM, batch, loss_fn
 
@@ -20,9 +21,9 @@ def _train(rank: int, world_size: int, torch_collectives: bool) -> tuple[dict, t
     model = ToyLM(dim=16)
     engine = fully_shard(model, auto_wrap_policy={Block})
     comm = engine.shard_comm
-    used_gloo_forms = comm.on_gloo_cpu and comm._gathers_by_broadcast
+    used_gloo_forms = comm.forms is TABLE["gloo"]
     if torch_collectives:
-        comm.on_gloo_cpu = comm._gathers_by_broadcast = False
+        comm.forms = FLAT
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         x, y = batch(step, size=8)

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_fsdp import MixedPrecision
 from lightning_fsdp.engine import fully_shard
+from lightning_fsdp.engine.backends import FLAT
 from lightning_fsdp.engine.streams import INACTIVE, CollectiveStreams, pins_host_memory, stream_module
 from lightning_fsdp.engine.unit import FlatUnit
 from tests.distributed import run_distributed
@@ -425,7 +426,7 @@ def train(rank: int, world_size: int, config: dict[str, Any], checked: bool) -> 
         engine = fully_shard(model, auto_wrap_policy={Block}, **config.get("options", {}))
         # The fake device stands for an accelerator, whose backends (NCCL, HCCL) keep torch's all-gather and
         # reduce-scatter: not gloo's CPU forms (see [Note: collectives on gloo]), in both runs so they compare.
-        engine.shard_comm.on_gloo_cpu = engine.shard_comm._gathers_by_broadcast = False
+        engine.shard_comm.forms = FLAT
         checker = StreamChecker()
         if checked:
             engine._use_streams(RecordingStreams(checker))

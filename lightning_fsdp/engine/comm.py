@@ -1,7 +1,8 @@
 """The engine's collectives, behind one small interface that also counts the bytes it moves.
 
 [Note: which collectives]
-Only flat collectives that gloo, NCCL and HCCL all have. Reductions are SUM followed by an explicit division:
+Only collectives every backend has (NCCL, HCCL, gloo, MPI), in the form each backend's row of the capability table
+gives (see [Note: collectives on gloo]). Reductions are SUM followed by an explicit division:
 ``ReduceOp.AVG`` and ``PREMUL_SUM`` are missing on some backends, and gloo on older torch returned SUM for them
 without a word. Under anomaly checking ``Communicator.agree`` precedes every collective of the step, turning ranks
 that disagree into an error naming what each was about to do instead of a hang.
@@ -13,12 +14,9 @@ narrow reduce-scatter, but each rank's gradient is rounded once and the sum not 
 reduce-scatter rounds every partial sum; the price is a receive buffer of N chunks (docs/options.md).
 
 [Note: collectives on gloo]
-gloo has no reduce-scatter of its own and its all-gather copies out of a temporary; on a CPU-bound step the forms
-below take about half their CPU time (docs/decisions.md). On a gloo group of CPU tensors (``on_gloo_cpu``),
-``reduce_scatter`` of float32/float64 is the all-to-all above in the gradients' own dtype, each rank adding its N
-chunks in rank order (the same sum up to the order of the additions; narrower dtypes keep gloo's, as a float32
-local sum would be more exact than NCCL's), and ``all_gather`` is one broadcast per rank into its chunk of the
-output (exact; up to ``_BROADCAST_GATHER_MAX_RANKS`` ranks).
+Which form of each collective a backend gets (gloo's broadcasts and all-to-all on CPU, MPI's list all-gather and
+all-to-all, the flat collectives elsewhere) and which dtypes it carries is the capability table of ``backends.py``
+([Note: the capability table]); ``Communicator`` reads its row once, ``all_gather_flat`` per call.
 """
 
 from __future__ import annotations
@@ -30,11 +28,25 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from lightning_fsdp.engine.backends import FLAT, CollectiveForms, Gather, ReduceScatter, as_carried, forms_for
 from lightning_fsdp.engine.layout import ShardLayout
 
-# torch 2.13 renamed the flat collectives; older releases only have the *_tensor names.
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _torch_all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, **kwargs: Any) -> Any:
+    # torch 2.13 renamed the flat collectives; older releases only have the *_tensor names. Looked up per call.
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, tensor, **kwargs)
+
+
+def _torch_reduce_scatter_flat(output: torch.Tensor, tensor: torch.Tensor, **kwargs: Any) -> Any:
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, tensor, **kwargs)
+
+
+def all_gather_flat(
+    output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> Any:
+    """``all_gather_into_tensor`` in the form ``group``'s backend has (``backends.py``): ``output`` (N *
+    tensor.numel(),) receives every rank's ``tensor`` in rank order. Not counted in any ``CommStats``."""
+    return Communicator(group, tensor.device).gather_uncounted(output, tensor, async_op=async_op)
 
 
 @dataclass
@@ -55,11 +67,6 @@ class CommStats:
         self.__init__()  # type: ignore[misc]
 
 
-# See [Note: collectives on gloo].
-_SUMMED_AS_SENT = (torch.float32, torch.float64)
-_BROADCAST_GATHER_MAX_RANKS = 8
-
-
 class Works(NamedTuple):
     """Several work handles that complete one collective of the engine."""
 
@@ -69,6 +76,21 @@ class Works(NamedTuple):
     def wait(self) -> None:
         for work in self.works:
             wait_naming_timeout(work, self.timeout_ms)
+
+
+class Widened:
+    """An all-reduce run in float32 for a backend that cannot carry ``tensor``'s dtype: ``wait()`` writes the
+    result back into ``tensor``, rounded once."""
+
+    def __init__(self, work: Any, wide: torch.Tensor, tensor: torch.Tensor) -> None:
+        self._work, self._wide, self._tensor = work, wide, tensor
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        self._work.wait()
+        self._work = None
+        self._tensor.copy_(self._wide)
 
 
 def wait_naming_timeout(work: Any, timeout_ms: int | None) -> None:
@@ -123,20 +145,25 @@ class WireReduction:
 
 
 class Communicator:
-    """Collectives over one process group (the shard group), with byte accounting."""
+    """Collectives over one process group (the shard group), with byte accounting. ``forms``: the row of the
+    capability table to use (default: the group's backend's, see ``backends.py``)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+        forms: CollectiveForms | None = None,
+    ) -> None:
         self.group = group
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
         self.device = device or torch.device("cpu")  # where this group's collectives take tensors (NCCL: GPU)
-        # See [Note: collectives on gloo].
-        self.on_gloo_cpu = (
-            distributed and self.world_size > 1 and self.device.type == "cpu" and dist.get_backend(group) == "gloo"
-        )
-        self._gathers_by_broadcast = self.on_gloo_cpu and self.world_size <= _BROADCAST_GATHER_MAX_RANKS
-        self._timeout_ms = _gloo_timeout_ms(group) if self.on_gloo_cpu else None
+        if forms is None:
+            forms = forms_for(dist.get_backend(group), self.device) if distributed and self.world_size > 1 else FLAT
+        self.forms = forms
+        # Broadcasts and all-to-all fail on gloo without naming the timeout (see wait_naming_timeout).
+        self._timeout_ms = _gloo_timeout_ms(group) if forms is not FLAT else None
         self._global_ranks = (
             [dist.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)]
             if distributed
@@ -154,7 +181,7 @@ class Communicator:
             return
         mine = torch.tensor([tag], dtype=torch.int64, device=self.device)
         every = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
-        all_gather_flat(every, mine, group=self.group)
+        self.gather_uncounted(every, mine)
         tags = every.tolist()
         if len(set(tags)) > 1:
             listing = "; ".join(f"rank {r}: {self.describe_tag(t)}" for r, t in enumerate(tags))
@@ -177,12 +204,22 @@ class Communicator:
         the returned handle before reading it."""
         self.stats.all_gather_bytes += shard.numel() * shard.element_size()
         self.stats.all_gather_calls += 1
+        return self.gather_uncounted(output, shard, async_op=async_op)
+
+    def gather_uncounted(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False) -> Any:
+        """``all_gather`` without counting it in ``stats`` (checks, checkpoints)."""
         if self.world_size == 1:
             output.copy_(shard)
             return None
-        if self._gathers_by_broadcast:
-            chunks = output.view(self.world_size, -1)
-            chunks[self.rank].copy_(shard)
+        form = self.forms.gather_form(self.world_size)
+        output, shard = as_carried(output, self.forms), as_carried(shard, self.forms)
+        if form is Gather.FLAT:
+            return _torch_all_gather_flat(output, shard, group=self.group, async_op=async_op)
+        chunks = output.view(self.world_size, -1)
+        if form is Gather.LIST:
+            works = Works([dist.all_gather(list(chunks), shard.reshape(-1), group=self.group, async_op=True)])
+        else:
+            chunks[self.rank].copy_(shard.reshape(-1))
             works = Works(
                 [
                     dist.broadcast(chunk, src=src, group=self.group, async_op=True)
@@ -190,23 +227,22 @@ class Communicator:
                 ],
                 self._timeout_ms,
             )
-            if async_op:
-                return works
-            works.wait()
-            return None
-        return all_gather_flat(output, shard, group=self.group, async_op=async_op)
+        if async_op:
+            return works
+        works.wait()
+        return None
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, async_op: bool = False) -> Any:
         """SUM-reduce ``full`` (N * output.numel(),) across ranks into this rank's slice, ``output``; with
         ``async_op``, keep ``full`` alive and wait on the returned handle (if any) before reading ``output``."""
-        if self.on_gloo_cpu and full.dtype in _SUMMED_AS_SENT:
+        if self.world_size > 1 and self.forms.reduce_scatter_form(full.dtype) is ReduceScatter.ALL_TO_ALL:
             return self.reduce_scatter_wide(output, full, full.dtype, async_op=async_op)
         self.stats.reduce_scatter_bytes += full.numel() * full.element_size()
         self.stats.reduce_scatter_calls += 1
         if self.world_size == 1:
             output.copy_(full)
             return None
-        return reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return _torch_reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def reduce_scatter_wide(
         self, output: torch.Tensor, full: torch.Tensor, wire_dtype: torch.dtype, *, async_op: bool = False
@@ -220,7 +256,9 @@ class Communicator:
             output.copy_(full)  # nothing travels, so nothing is rounded
             return None
         received = torch.empty_like(wire)
-        work = dist.all_to_all_single(received, wire, group=self.group, async_op=True)
+        work = dist.all_to_all_single(
+            as_carried(received, self.forms), as_carried(wire, self.forms), group=self.group, async_op=True
+        )
         pending = WireReduction(work, wire, received, output, self.world_size, self._timeout_ms)
         if async_op:
             return pending
@@ -228,6 +266,15 @@ class Communicator:
         return None
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, *, async_op: bool = False) -> Any:
+        if self.world_size > 1 and not self.forms.carries(tensor.dtype):
+            wide = tensor.float()
+            self.stats.all_reduce_bytes += wide.numel() * wide.element_size()
+            self.stats.all_reduce_calls += 1
+            pending = Widened(dist.all_reduce(wide, op=op, group=self.group, async_op=True), wide, tensor)
+            if async_op:
+                return pending
+            pending.wait()
+            return None
         self.stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
         self.stats.all_reduce_calls += 1
         if self.world_size > 1:
@@ -239,7 +286,7 @@ class Communicator:
         if self.world_size > 1:
             # The source by its global rank, which every torch release accepts (group_src is recent).
             source = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
-            dist.broadcast(tensor, src=source, group=self.group)
+            dist.broadcast(as_carried(tensor, self.forms), src=source, group=self.group)
 
 
 def gather_rows(local: torch.Tensor, layout: ShardLayout, comm: Communicator) -> torch.Tensor:
@@ -248,10 +295,7 @@ def gather_rows(local: torch.Tensor, layout: ShardLayout, comm: Communicator) ->
     padded = torch.zeros((layout.chunk_rows, layout.row_numel), dtype=local.dtype, device=local.device)
     padded[: layout.local_rows] = local.reshape(layout.local_rows, layout.row_numel)
     out = torch.empty((comm.world_size * layout.chunk_rows, layout.row_numel), dtype=local.dtype, device=local.device)
-    if comm.world_size == 1:
-        out.copy_(padded)
-    else:
-        all_gather_flat(out, padded, group=comm.group)
+    comm.gather_uncounted(out, padded)
     return out[: layout.rows].reshape(layout.shape)
 
 
