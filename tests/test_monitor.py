@@ -11,6 +11,7 @@ import csv
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -23,6 +24,7 @@ from lightning_fsdp.demo.gpt import Block
 from lightning_fsdp.demo.module import GPTLightningModule
 from lightning_fsdp.estimate import MemoryEstimate, estimate_memory
 from lightning_fsdp.monitor import QUANTITIES, ShardingMonitor
+from tests.processes import in_background
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "monitor_run.py"
@@ -49,9 +51,19 @@ def _gpt_on_meta() -> GPTLightningModule:
 
 
 @pytest.fixture(scope="module")
-def logged(tmp_path_factory) -> dict[str, list[dict[str, str]]]:
+def launches(tmp_path_factory) -> dict:
+    """The module's two launches (the GPT's, the tiny model's), at once: each writes into a folder of its own."""
+    gpt, tiny = tmp_path_factory.mktemp("monitor"), tmp_path_factory.mktemp("monitor_tiny")
+    return in_background({"gpt": partial(_gpt_launch, gpt), "tiny": partial(_tiny_launch, tiny)})
+
+
+@pytest.fixture(scope="module")
+def logged(launches) -> dict[str, list[dict[str, str]]]:
+    return launches["gpt"].result()
+
+
+def _gpt_launch(out: Path) -> dict[str, list[dict[str, str]]]:
     """metrics.csv rows per strategy, from one 2-process launch."""
-    out = tmp_path_factory.mktemp("monitor")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(out), "--devices", "2", "--strategies", *STRATEGIES],
@@ -309,8 +321,11 @@ TINY_EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def tiny_logged(tmp_path_factory) -> dict[str, list[dict[str, str]]]:
-    out = tmp_path_factory.mktemp("monitor_tiny")
+def tiny_logged(launches) -> dict[str, list[dict[str, str]]]:
+    return launches["tiny"].result()
+
+
+def _tiny_launch(out: Path) -> dict[str, list[dict[str, str]]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, str(TINY_SCRIPT), "--out", str(out), "--strategies", *TINY_EXPECTED],
