@@ -1,35 +1,11 @@
 """Every rank must run the same batches: uneven inputs end with the same error on every rank, not a hang.
 
-Every step of fsdp_custom gathers parameters from all ranks (and Lightning broadcasts a flag before each training
-batch). A rank that runs out of batches leaves its loop while the others go on to the next step and wait for it in
-a collective, until the process-group timeout (30 minutes by default); DDP hangs the same way. ``FSDPStrategy``
-calls this module's two checks, which turn that into an :class:`UnevenBatchesError` raised on every rank, with the
-same message, before any rank enters a collective the others do not:
-
-1. **At the start of each loop** (the strategy hooks ``on_train_start``, ``on_validation_start`` (sanity check
-   included), ``on_test_start``, ``on_predict_start``, and the first batch of every later training epoch, in case
-   the loaders were reloaded): the ranks all-gather their batch counts as Lightning computed them (per dataloader,
-   ``limit_*_batches`` applied). Counts that differ raise at once, naming each rank's count. A training run whose
-   ``max_steps`` may end it before the shortest rank runs out is instead checked batch by batch (count-based), so
-   it only raises if it would really get there. A loader without a length (an ``IterableDataset``) has no count:
-   its loop is checked batch by batch, and the first batch must exist on every rank or on none.
-2. **At each batch of such a loop** (in the strategy's ``*_step``, before the model's forward and so before the
-   engine's collectives; after the user's step under manual optimization, where the number of optimizer steps is
-   known only then): an all-gather of five ints, ``[loop, batch position, more batches follow, next batch's
-   dataloader, next batch's index]``. Lightning's prefetching fetcher has already fetched the next batch of a loader
-   without a length, so every rank knows one batch ahead whether its loop goes on. A loop that ends after this
-   batch on every rank anyway (``max_steps`` reached) counts as "no more batches" on every rank.
-
-Not checked: ``trainer.predict`` under ``NO_SHARD``, whose forward makes no collective (uneven predict batches work
-there as under DDP; ``FSDPStrategy.on_predict_start`` leaves the check out).
-
-Not covered (see docs/reliability.md): ``dataloader_iter`` steps (the step itself fetches, so nothing is
-known ahead: counts are still compared at the start); a loader without a length under an int ``limit_*_batches``
-(Lightning then trusts the limit as the count and stops prefetching) that yields fewer batches than the limit on
-some rank; a rank whose loader yields no batch at all in a training epoch after the first; a loader whose
-``__len__`` is wrong; a loader with a length on some ranks and none on others (Lightning's own length checks then
-pair different collectives before this one runs); ``trainer.should_stop`` set in exactly the batch where the
-shortest rank runs out (raises, although that run would have stopped).
+A rank that runs out of batches leaves its loop while the others wait for it in the next collective until the
+process-group timeout. Two checks turn that into an :class:`UnevenBatchesError` on every rank before any rank enters
+a collective the others do not: at the start of each loop the ranks all-gather their batch counts; a loop whose
+counts cannot settle it (a loader without a length, uneven counts ``max_steps`` may cut short) is then checked at
+each batch, before the model's forward, one batch ahead (Lightning's prefetching fetcher already holds the next
+batch). What is not covered: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -123,10 +99,8 @@ class EvenBatches:
     # ------------------------------------------------------------------------------------------ the hooks
     def loop_started(self, trainer: Any | None) -> None:
         """Compare the ranks' batch counts for the loop that is starting; decide whether to check per batch."""
-        if trainer is None:
-            return
-        stage = trainer.state.stage
-        if stage not in _CODES or not self._distributed(trainer):
+        stage = self._checked_stage(trainer)
+        if stage is None:
             return
         if stage is RunningStage.TRAINING:
             self._train_epoch = trainer.current_epoch
@@ -134,10 +108,8 @@ class EvenBatches:
 
     def before_step(self, trainer: Any | None) -> None:
         """Called by the strategy's ``*_step`` before the model's step on every rank."""
-        if trainer is None:
-            return
-        stage = trainer.state.stage
-        if stage not in _CODES or not self._distributed(trainer):
+        stage = self._checked_stage(trainer)
+        if stage is None:
             return
         if stage is RunningStage.TRAINING:
             epoch_loop = trainer.fit_loop.epoch_loop
@@ -151,20 +123,17 @@ class EvenBatches:
 
     def after_step(self, trainer: Any | None) -> None:
         """Called by the strategy's ``training_step`` after the user's step; only manual optimization checks here."""
-        if trainer is None:
-            return
-        stage = trainer.state.stage
-        if (
-            stage is RunningStage.TRAINING
-            and self._distributed(trainer)
-            and not trainer.lightning_module.automatic_optimization
-        ):
+        stage = self._checked_stage(trainer)
+        if stage is RunningStage.TRAINING and not trainer.lightning_module.automatic_optimization:
             self._check_batch(trainer, stage)
 
     # -------------------------------------------------------------------------------------------- helpers
     @staticmethod
-    def _distributed(trainer: Any) -> bool:
-        return dist.is_available() and dist.is_initialized() and trainer.world_size > 1
+    def _checked_stage(trainer: Any | None) -> RunningStage | None:
+        """The loop running now, if it is one these checks cover in a distributed run."""
+        if trainer is None or not (dist.is_available() and dist.is_initialized() and trainer.world_size > 1):
+            return None
+        return trainer.state.stage if trainer.state.stage in _CODES else None
 
     def _gather(self, values: list[int]) -> list[list[int]]:
         world = dist.get_world_size()
