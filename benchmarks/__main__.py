@@ -69,6 +69,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--out", default="benchmark-results", help="folder for results.md, results.json, plot.png (default %(default)s)"
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="instead: step time eager and with each Block compiled, for one process, DDP, FSDP2 and fsdp_custom "
+        "(compile.md, compile.json in --out)",
+    )
+    parser.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile backend of --compile (default %(default)s)"
+    )
     args = parser.parse_args(argv)
     try:
         args.variant_keys = parse_variants(args.variants)
@@ -89,6 +98,13 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     cfg = BenchmarkConfig(**config_fields(args, _CONFIG_OPTIONS), variants=args.variant_keys)
+    if args.compile:
+        from benchmarks.compile import run_compile_benchmark
+
+        results = run_compile_benchmark(cfg, args.out, args.compile_backend, command_line("benchmarks", argv))
+        missed = [t["ratio"] for t in results["targets"] if not t["met"]]
+        print(f"results in {args.out}/compile.md" + (f"; targets missed: {', '.join(missed)}" if missed else ""))
+        return 0
     results = run_benchmark(cfg, out=args.out, command=command_line("benchmarks", argv))
     failed = [r["name"] for r in results["variants"] + results["scaling"] if r["status"] != "ok"]
     disagree = [r["name"] for r in results["variants"] if r.get("loss_agrees") is False]

@@ -9,6 +9,7 @@ The reference trains the same model in eager mode in this process, on the same g
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,10 +51,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     folder = tmp_path_factory.mktemp("compile")
     out = folder / "result.pt"
     argv = [sys.executable, str(SCRIPT), "--devices", "2", "--out", str(out)]
+    # The Gaudi test double on the path, for hpu_per_block; the CPU scenarios never import it.
+    fakes = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "fakes")])
+    env = clean_env(PYTHONPATH=fakes, PT_HPU_LAZY_MODE="0", FAKE_HPU_DEVICES="2")
     with open(folder / "run.log", "w") as log:
-        proc = subprocess.Popen(
-            argv, env=clean_env(), cwd=folder, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        proc = subprocess.Popen(argv, env=env, cwd=folder, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -152,5 +154,12 @@ def test_pipeline_stages_with_compiled_blocks(runs: dict, reference: dict) -> No
 
 def test_inductor_per_block(runs: dict, reference: dict) -> None:
     result = _scenario(runs, "per_block_inductor")
+    _assert_matches(result, reference)
+    _assert_one_graph_per_block(result)
+
+
+def test_gaudi_eager_mode_with_hpu_backend(runs: dict, reference: dict) -> None:
+    # Through the Gaudi test double: accelerator="hpu", the "hccl" backend, torch.compile(backend="hpu_backend").
+    result = _scenario(runs, "hpu_per_block")
     _assert_matches(result, reference)
     _assert_one_graph_per_block(result)
