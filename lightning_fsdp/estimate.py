@@ -144,9 +144,9 @@ def estimate_memory(
         unit_flags = 0  # each reduction also carries one used-flag per trainable parameter (FlatUnit.reduce_grads)
         for param in owned[id(unit)]:
             layout = ShardLayout(param.shape, n, r)
-            stored = _itemsize(param.dtype)
-            gathered_size = _itemsize(gather_dtype or param.dtype)
-            reduced_size = _itemsize(reduce_dtype or gather_dtype or param.dtype)
+            stored = param.dtype.itemsize
+            gathered_size = (gather_dtype or param.dtype).itemsize
+            reduced_size = (reduce_dtype or gather_dtype or param.dtype).itemsize
             local = layout.local_numel * stored
             params += local
             unsharded += param.numel() * stored
@@ -233,7 +233,3 @@ def _parse_mixed_precision(value: Any) -> tuple[torch.dtype | None, torch.dtype 
         f"mixed_precision={value!r} ({type(value).__name__}) is not valid; expected a Trainer precision flag such "
         "as 'bf16-mixed', a lightning_fsdp.MixedPrecision (or a dict of its fields), or None."
     )
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
