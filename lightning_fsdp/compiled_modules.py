@@ -18,9 +18,9 @@ def accept_compiled_lightning_modules() -> None:
     """Let the Trainer accept a compiled LightningModule under fsdp_custom (idempotent)."""
     from lightning.pytorch.trainer import trainer as trainer_module
 
-    lightning_check = trainer_module._verify_strategy_supports_compile
-    if getattr(lightning_check, _MARK, False):
-        return
+    lightning_check = getattr(trainer_module, "_verify_strategy_supports_compile", None)
+    if lightning_check is None or getattr(lightning_check, _MARK, False):
+        return  # a Lightning without this check (nothing to extend), or extended already
 
     def verify_strategy_supports_compile(model: Any, strategy: Any) -> None:
         from lightning_fsdp.strategy import FSDPStrategy
