@@ -2,12 +2,14 @@
 and ``--print_config`` output that parses back unchanged.
 
 Training runs start the example script or the command exactly as a user would (Lightning's launcher re-runs it for
-rank 1); parsing and ``--print_config`` run in this process.
+rank 1), both at once (a module fixture; each in a folder of its own); parsing and ``--print_config`` run in this
+process.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import importlib.util
 import os
 import subprocess
@@ -23,6 +25,7 @@ from lightning_fsdp.demo.gpt import Block, CausalSelfAttention, GPTConfig
 from lightning_fsdp.demo.module import GPTLightningModule
 from lightning_fsdp.engine.config import MixedPrecision
 from lightning_fsdp.estimate import estimate_memory
+from tests.processes import in_background
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "cli"
@@ -201,9 +204,51 @@ def _check_full_checkpoint(path: Path) -> None:
     assert checkpoint["hyper_parameters"]["n_embd"] == 32
 
 
-def test_fit_from_yaml_with_the_strategy_by_name(tmp_path):
-    _run([str(TRAIN), "fit", "--config", TRAINER, "--config", GPT_SCRIPT, "--config", BY_NAME, *SHORT], tmp_path)
-    run_dir = tmp_path / "logs" / "lightning_logs" / "version_0"
+COMMAND = ["-m", "lightning_fsdp.cli"]  # what the lightning-fsdp console script runs
+
+
+def _fit_by_name(folder: Path) -> Path:
+    _run([str(TRAIN), "fit", "--config", TRAINER, "--config", GPT_SCRIPT, "--config", BY_NAME, *SHORT], folder)
+    return folder
+
+
+def _fit_by_class_then_test(folder: Path) -> Path:
+    """The command's fit, then its test from the fit's checkpoint in one process (it starts faster)."""
+    _run([*COMMAND, "fit", "--config", TRAINER, "--config", GPT_COMMAND, "--config", BY_CLASS, *SHORT], folder)
+    checkpoint = next((folder / "logs" / "lightning_logs" / "version_0" / "checkpoints").glob("*.ckpt"))
+    _run(
+        [
+            *COMMAND,
+            "test",
+            "--config",
+            TRAINER,
+            "--config",
+            GPT_COMMAND,
+            "--config",
+            BY_CLASS,
+            *SHORT,
+            "--trainer.devices",
+            "1",
+            "--ckpt_path",
+            str(checkpoint),
+        ],
+        folder,
+    )
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Both training runs at once: ``{name: Future of the run's folder}``."""
+    jobs = {
+        "by name": functools.partial(_fit_by_name, tmp_path_factory.mktemp("by_name")),
+        "by class": functools.partial(_fit_by_class_then_test, tmp_path_factory.mktemp("by_class")),
+    }
+    return in_background(jobs)
+
+
+def test_fit_from_yaml_with_the_strategy_by_name(runs):
+    run_dir = runs["by name"].result() / "logs" / "lightning_logs" / "version_0"
     rows = _metrics(run_dir)
     losses = _column(rows, "train_loss")
     assert len(losses) == 3 and losses[-1] < losses[0]
@@ -217,10 +262,9 @@ def test_fit_from_yaml_with_the_strategy_by_name(tmp_path):
     _check_full_checkpoint(next((run_dir / "checkpoints").glob("*.ckpt")))
 
 
-def test_command_fit_by_class_then_test_from_the_checkpoint(tmp_path):
-    command = ["-m", "lightning_fsdp.cli"]  # what the lightning-fsdp console script runs
-    _run([*command, "fit", "--config", TRAINER, "--config", GPT_COMMAND, "--config", BY_CLASS, *SHORT], tmp_path)
-    run_dir = tmp_path / "logs" / "lightning_logs" / "version_0"
+def test_command_fit_by_class_then_test_from_the_checkpoint(runs):
+    folder = runs["by class"].result()
+    run_dir = folder / "logs" / "lightning_logs" / "version_0"
     rows = _metrics(run_dir)
     assert len(_column(rows, "train_loss")) == 3
     # init_args reached the strategy: every Block is a unit (3 units), FULL_SHARD re-gathers them for backward (from
@@ -252,23 +296,5 @@ def test_command_fit_by_class_then_test_from_the_checkpoint(tmp_path):
     # The checkpoint restored under the strategy reproduces the validation loss on the same 64 samples: validation
     # saw 4 batches of 8 per rank, the test runs in one process (it starts faster) over 8 batches of 8. Equal batch
     # sizes make both the mean over all 64.
-    _run(
-        [
-            *command,
-            "test",
-            "--config",
-            TRAINER,
-            "--config",
-            GPT_COMMAND,
-            "--config",
-            BY_CLASS,
-            *SHORT,
-            "--trainer.devices",
-            "1",
-            "--ckpt_path",
-            str(checkpoint),
-        ],
-        tmp_path,
-    )
-    test_rows = _metrics(tmp_path / "logs" / "lightning_logs" / "version_1")
+    test_rows = _metrics(folder / "logs" / "lightning_logs" / "version_1")
     assert _column(test_rows, "test_loss") == pytest.approx(val_loss, rel=1e-4)

@@ -12,7 +12,8 @@ torchrun's environment (``TorchElasticEnvironment``). Checked per sharding strat
 
 The same HYBRID_SHARD run is also started the way ``srun`` starts an sbatch job's tasks (4 plain processes with
 SLURM's variables), so Lightning's ``SLURMEnvironment`` path is covered without a SLURM installation; that run takes
-its groups from the user (``process_group=`` a callable returning ``(shard_group, replicate_group)``).
+its groups from the user (``process_group=`` a callable returning ``(shard_group, replicate_group)``). The three runs
+go two at a time (a module fixture).
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import subprocess
 import sys
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.models import ToyLM, loss_fn, samples
-from tests.processes import _LAUNCHER_VARIABLES
+from tests.processes import _LAUNCHER_VARIABLES, in_background
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "multinode_run.py"
@@ -279,8 +281,24 @@ def check_bytes(result: dict, shard_size: int) -> None:
         assert sum(per_rank[first : first + shard_size]) == full, per_rank
 
 
-def test_hybrid_shard_two_nodes(tmp_path, reference):
-    result = launch_two_nodes(tmp_path, "HYBRID_SHARD")
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    """The module's three runs, two at a time (tests/processes.py's ``in_background``), each in its own folder,
+    on its own ports and rendezvous id."""
+    return in_background(
+        {
+            "torchrun hybrid": partial(launch_two_nodes, tmp_path_factory.mktemp("hybrid"), "HYBRID_SHARD"),
+            "torchrun full": partial(launch_two_nodes, tmp_path_factory.mktemp("full"), "FULL_SHARD"),
+            "slurm groups": partial(
+                launch_as_slurm_tasks, tmp_path_factory.mktemp("slurm"), "HYBRID_SHARD", layout="groups"
+            ),
+        },
+        workers=2,
+    )
+
+
+def test_hybrid_shard_two_nodes(launched, reference):
+    result = launched["torchrun hybrid"].result()
     check_parity(result, reference)
     check_bytes(result, shard_size=PER_NODE)
     full = result["full_param_bytes"]
@@ -291,16 +309,16 @@ def test_hybrid_shard_two_nodes(tmp_path, reference):
     assert per_rank[:PER_NODE] == per_rank[PER_NODE:], per_rank
 
 
-def test_full_shard_two_nodes(tmp_path, reference):
-    result = launch_two_nodes(tmp_path, "FULL_SHARD")
+def test_full_shard_two_nodes(launched, reference):
+    result = launched["torchrun full"].result()
     check_parity(result, reference)
     check_bytes(result, shard_size=WORLD)
 
 
-def test_hybrid_shard_under_slurm_environment_with_user_groups(tmp_path, reference):
+def test_hybrid_shard_under_slurm_environment_with_user_groups(launched, reference):
     # No SLURM here: the tasks get the variables srun would give them, so Lightning's SLURMEnvironment is used. The
     # groups come from the user this time: process_group=callable returning (shard_group, replicate_group).
-    result = launch_as_slurm_tasks(tmp_path, "HYBRID_SHARD", layout="groups")
+    result = launched["slurm groups"].result()
     check_parity(result, reference, environment="SLURMEnvironment")
     check_bytes(result, shard_size=PER_NODE)
 

@@ -9,6 +9,8 @@ save_top_k=-1)`` in the checkpoint format under test. Three runs:
    SIGKILLs the job's process group, both ranks at once;
 3. resumed: fresh processes, ``fit(ckpt_path=<latest checkpoint of run 2>)``, to ``STEPS``.
 
+Run 1 and, for each format, runs 2 then 3 go at once (a module fixture; each in a folder of its own).
+
 Checked:
 
 - the resumed run ends with exactly (bitwise) the reference's parameters and momentum buffers, and its loss at every
@@ -37,12 +39,13 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.processes import ROOT, clean_env, group_members, kill_group  # noqa: E402
+from tests.processes import ROOT, clean_env, group_members, in_background, kill_group  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "scripts" / "soak_run.py"
 
@@ -131,14 +134,47 @@ def check_flat(name: str, rank_results: list[dict], warm_step: int) -> None:
         assert grown <= OBJECT_SLACK, f"rank {rank}: {grown} more Python objects after warm-up: {objects[warm:]}"
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("soak_reference")
+def _reference_run(folder: Path) -> tuple[dict, list[dict]]:
     result, ranks, _ = run_soak(
         folder, "reference", "--ckpt-dir", str(folder / "ckpt"), "--state-dict-type", REFERENCE_MODE
     )
     assert result["global_step"] == STEPS and sorted(result["losses"]) == list(range(STEPS))
     return result, ranks
+
+
+def _killed_then_resumed(folder: Path, mode: str) -> tuple[list[Path], tuple[dict, list[dict], str]]:
+    """Run 2, then run 3 from the latest checkpoint run 2 left: (run 2's checkpoints by step, run 3's results)."""
+    ckpt = folder / "ckpt"
+    run_soak(
+        folder,
+        "killed",
+        "--ckpt-dir",
+        str(ckpt),
+        "--state-dict-type",
+        mode,
+        "--kill-at",
+        str(KILL_AT),
+        expect_kill=True,
+    )
+    saved = sorted((p for p in ckpt.iterdir() if re.fullmatch(r"step=\d+\.ckpt", p.name)), key=_step_of)
+    resumed = run_soak(
+        folder, "resumed", "--ckpt-dir", str(ckpt), "--state-dict-type", mode, "--resume", str(saved[-1])
+    )
+    return saved, resumed
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """The reference and, for each mode, the killed run and its resume, at once: each in a folder of its own."""
+    jobs = {"reference": partial(_reference_run, tmp_path_factory.mktemp("soak_reference"))}
+    for mode in MODES:
+        jobs[mode] = partial(_killed_then_resumed, tmp_path_factory.mktemp(f"soak_{mode}"), mode)
+    return in_background(jobs)
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    return runs["reference"].result()
 
 
 def test_reference_memory_hooks_and_tensors_are_flat(reference):
@@ -156,29 +192,14 @@ def _step_of(path: Path) -> int:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_killed_and_resumed_run_matches_uninterrupted(tmp_path, reference, mode):
+def test_killed_and_resumed_run_matches_uninterrupted(runs, reference, mode):
     ref, ref_ranks = reference
-    ckpt = tmp_path / "ckpt"
-    run_soak(
-        tmp_path,
-        "killed",
-        "--ckpt-dir",
-        str(ckpt),
-        "--state-dict-type",
-        mode,
-        "--kill-at",
-        str(KILL_AT),
-        expect_kill=True,
-    )
-    saved = sorted((p for p in ckpt.iterdir() if re.fullmatch(r"step=\d+\.ckpt", p.name)), key=_step_of)
+    saved, (result, ranks, output) = runs[mode].result()
     assert [_step_of(p) for p in saved] == list(range(CKPT_EVERY, KILL_AT, CKPT_EVERY)), saved
     latest = saved[-1]
     assert _step_of(latest) == RESUME_FROM
     assert latest.is_dir() == (mode != "full")
 
-    result, ranks, output = run_soak(
-        tmp_path, "resumed", "--ckpt-dir", str(ckpt), "--state-dict-type", mode, "--resume", str(latest)
-    )
     assert "not resumable" not in output  # Lightning saw a loader it can resume mid-epoch
     assert result["global_step"] == STEPS
     # It ran exactly the steps after the checkpoint, on the same batches: every loss as in the reference, bitwise.
