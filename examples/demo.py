@@ -167,6 +167,9 @@ def main() -> None:
         accelerator="cpu",
         devices=args.devices,
         strategy=FSDPStrategy(auto_wrap_policy={Block}),
+        # The data is one epoch of max_steps. Without max_epochs Lightning sets it to -1 and its progress bar
+        # prints "Epoch 0/-2".
+        max_epochs=1,
         max_steps=args.max_steps,
         val_check_interval=min(args.val_every, args.max_steps),
         num_sanity_val_steps=0,  # the first validation comes soon enough; save the start-up time
