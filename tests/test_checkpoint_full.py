@@ -2,11 +2,14 @@
 
 Lightning-level scenarios run tests/scripts/checkpoint_run.py as a user would (Lightning's launcher re-runs it per
 rank). Every run uses the same global batches (6 samples per step, 3 steps per epoch), so a run of 2 epochs and a
-run of 1 epoch + checkpoint + resume for 1 more see the same data; on CPU in fp32 they must agree bitwise.
+run of 1 epoch + checkpoint + resume for 1 more see the same data; on CPU in fp32 they must agree bitwise. The runs
+start when the module's first test asks for them, a few at a time, each once the run whose checkpoint it resumes from
+has finished.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -14,6 +17,8 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -21,6 +26,7 @@ from torch import nn
 
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError, temp_path_for
 from tests.models import ToyLM
+from tests.processes import in_background
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "checkpoint_run.py")
@@ -49,7 +55,8 @@ def _script(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
 
 
 class Runs:
-    """Each Lightning run once per test session, on demand; ``run(name)`` returns rank 0's results."""
+    """Every Lightning run once per test session, all started in the background (``in_background``, the runs a
+    resume needs first); ``run(name)`` waits for it and returns rank 0's results."""
 
     SPECS = {
         # fsdp_custom, SGD with momentum: 6 steps, saving after step 3 (at the first epoch's end, where
@@ -91,18 +98,26 @@ class Runs:
 
     def __init__(self, folder: str) -> None:
         self.dir = folder
-        self.results: dict[str, dict] = {}
+        self._submitted = threading.Event()
+        # The runs nothing needs first: a run waits for its need, which the queue started before it.
+        order = sorted(self.SPECS, key=lambda name: name in self.NEEDS)
+        self._futures: dict[str, Future] = in_background(
+            {name: functools.partial(self._launch, name) for name in order}
+        )
+        self._submitted.set()
+
+    def _launch(self, name: str) -> dict:
+        self._submitted.wait()
+        if name in self.NEEDS:
+            self.run(self.NEEDS[name])
+        out = os.path.join(self.dir, f"{name}.pt")
+        args = [a.format(dir=self.dir) for a in self.SPECS[name]]
+        proc = _script("--out", out, *args)
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        return torch.load(out, weights_only=False)
 
     def run(self, name: str) -> dict:
-        if name not in self.results:
-            if name in self.NEEDS:
-                self.run(self.NEEDS[name])
-            out = os.path.join(self.dir, f"{name}.pt")
-            args = [a.format(dir=self.dir) for a in self.SPECS[name]]
-            proc = _script("--out", out, *args)
-            assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-            self.results[name] = torch.load(out, weights_only=False)
-        return self.results[name]
+        return self._futures[name].result()
 
     def checkpoint(self, name: str) -> dict:
         return torch.load(os.path.join(self.dir, f"{name}.ckpt"), weights_only=False)

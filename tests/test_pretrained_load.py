@@ -15,6 +15,8 @@ import os
 import signal
 import subprocess
 import sys
+from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from lightning_fsdp.checkpoint.common import CheckpointMismatchError
 from lightning_fsdp.pretrained import load_pretrained
 from tests.distributed import run_distributed
 from tests.models import Block, ToyLM
+from tests.processes import in_background
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "pretrained_run.py")
@@ -419,21 +422,24 @@ _llama_runs: dict = {}
 def llama_run(tmp_path_factory, tie: bool) -> dict:
     """A tiny Llama saved with save_pretrained, loaded into fsdp_custom on 2 ranks and trained 3 steps (once per
     ``tie``). Returns the script's results plus ``pretrained`` (the directory) and ``checkpoint`` (the trained full
-    checkpoint, for an export round trip)."""
-    if tie not in _llama_runs:
+    checkpoint, for an export round trip). The first call saves both models here, then starts both runs at once."""
+    if not _llama_runs:
         from tests.scripts.pretrained_run import tiny_llama
 
-        folder = tmp_path_factory.mktemp(f"llama_tie{int(tie)}")
-        pretrained = folder / "pretrained"
-        tiny_llama(tie).save_pretrained(pretrained)
-        checkpoint, out = folder / "trained.ckpt", folder / "out.pt"
-        _run_script("--pretrained", str(pretrained), "--save", str(checkpoint), "--out", str(out))
-        _llama_runs[tie] = {
-            **torch.load(out, weights_only=False),
-            "pretrained": pretrained,
-            "checkpoint": checkpoint,
-        }
-    return _llama_runs[tie]
+        launches = {}
+        for t in (True, False):
+            folder = tmp_path_factory.mktemp(f"llama_tie{int(t)}")
+            tiny_llama(t).save_pretrained(folder / "pretrained")
+            launches[t] = partial(_llama_launch, folder)
+        _llama_runs.update(in_background(launches))
+    return _llama_runs[tie].result()
+
+
+def _llama_launch(folder: Path) -> dict:
+    pretrained = folder / "pretrained"
+    checkpoint, out = folder / "trained.ckpt", folder / "out.pt"
+    _run_script("--pretrained", str(pretrained), "--save", str(checkpoint), "--out", str(out))
+    return {**torch.load(out, weights_only=False), "pretrained": pretrained, "checkpoint": checkpoint}
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
