@@ -1,9 +1,5 @@
-"""Crash-safe checkpoint files: write to a temporary file, fsync, then rename it into place.
-
-``AtomicCheckpointIO`` is a drop-in ``TorchCheckpointIO``: a process killed while saving leaves the previous file at
-the path untouched (at worst a stale ``.{name}.tmp-{pid}`` file next to it), and loading a missing, misplaced or
-damaged file raises an error that names the file and says what is wrong with it.
-"""
+"""Crash-safe checkpoint files (write to a temporary file, fsync, rename into place), and load errors that name the
+file and say what is wrong with it."""
 
 from __future__ import annotations
 
@@ -99,6 +95,9 @@ def is_local_path(path: _PATH) -> bool:
     return type(get_filesystem(path)).__name__ == "LocalFileSystem"
 
 
+PICKLE_HEADS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # protocols 2 to 5
+
+
 def _describe_damage(path: str) -> str:
     """Why a file that exists could not be read by ``torch.load``, as far as the file itself tells."""
     size = os.path.getsize(path)
@@ -116,7 +115,7 @@ def _describe_damage(path: str) -> str:
                 f"({exc}); it was probably written by a save that did not finish"
             )
         return f"the file ({size} bytes) is a PyTorch zip archive, but its contents could not be read"
-    if head[:2] in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05"):
+    if head[:2] in PICKLE_HEADS:
         return f"the file ({size} bytes) is a legacy pickle checkpoint that could not be read (truncated or corrupt?)"
     return f"the file ({size} bytes) is not a PyTorch checkpoint (it does not start like a zip archive or a pickle)"
 
@@ -132,7 +131,7 @@ def _container_intact(path: str) -> bool:
                 return archive.testzip() is None
         except (zipfile.BadZipFile, OSError, EOFError):
             return False
-    return head in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+    return head in PICKLE_HEADS
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -189,13 +188,8 @@ def load_error(path: str, exc: BaseException) -> CheckpointLoadError:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose saves are atomic and whose load errors name the file and the problem.
-
-    A save writes ``torch.save`` output to ``.{basename}.tmp-{pid}`` in the target's directory, flushes and fsyncs
-    it, renames it onto the target with ``os.replace`` (atomic for a rename within one directory) and fsyncs the
-    directory. On any exception the temporary file is removed and the previous checkpoint is left as it was.
-    Non-local paths (``s3://`` and other fsspec URLs) are handed to ``TorchCheckpointIO`` unchanged.
-    """
+    """``TorchCheckpointIO`` whose saves are atomic (a killed save leaves the previous file as it was) and whose load
+    errors name the file and the problem. Non-local paths (fsspec URLs) go to ``TorchCheckpointIO`` unchanged."""
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:

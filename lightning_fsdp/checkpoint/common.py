@@ -1,36 +1,19 @@
-"""Pieces shared by the sharded and local checkpoint formats.
-
-* :class:`ShardedStateDict` / :class:`ShardedOptimizerState`: what ``FSDPStrategy.load_checkpoint`` puts into the
-  checkpoint dict for a directory checkpoint. Their managed-parameter entries already hold only this rank's rows,
-  so ``load_model_state_dict`` / ``load_optimizer_state_dict`` copy them in without slicing.
-* :class:`CheckpointFormat` / :class:`DirectoryFormat`: what each of the three formats (``full.FullFormat``,
-  ``sharded.ShardedFormat``, ``local.LocalFormat``) provides; ``formats.py`` picks one. ``write_directory`` is the
-  atomic save protocol both directory formats share.
-* Name helpers mapping state-dict keys and optimizer parameters to the engine's slots.
-"""
+"""What the checkpoint formats share: the format interface, the atomic directory write, the state dicts that hold
+this rank's rows, and the names of state-dict keys and optimizer parameters in the engine's slots."""
 
 from __future__ import annotations
 
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint.atomic_io import (
-    AtomicCheckpointIO,
-    is_local_path,
-)
-from lightning_fsdp.checkpoint.paths import (
-    META_FILE,
-    commit_directory,
-    prepare_temp_dir,
-    remove_path,
-    remove_stale_temps,
-)
+from lightning_fsdp.checkpoint import paths
+from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, is_local_path
 from lightning_fsdp.collective import Collective, raised_alike_on_every_rank
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.layout import ShardLayout
@@ -38,8 +21,6 @@ from lightning_fsdp.engine.unit import ParamSlot
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO
-
-_T = TypeVar("_T")
 
 FORMAT_KEY = "lightning_fsdp"  # meta.pt entry describing the directory (format, version, world size, layout)
 FORMAT_VERSION = 1
@@ -52,9 +33,9 @@ class CheckpointMismatchError(ValueError, RuntimeError):
 
 
 class ShardedStateDict(dict):
-    """A model state dict whose entries for sharded parameters hold only this rank's rows (``rows_of(rank)`` of the
-    current layout); buffers and unsharded parameters are whole. ``unexpected_keys`` lists checkpoint keys the model
-    does not have (not loaded); ``source`` is the checkpoint path."""
+    """A model state dict whose sharded parameters hold only this rank's rows, read from a directory checkpoint (so
+    loading copies them in without slicing). ``unexpected_keys``: checkpoint keys the model lacks; ``source``: the
+    path."""
 
     def __init__(self, *args: Any, unexpected_keys: tuple[str, ...] = (), source: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -63,8 +44,7 @@ class ShardedStateDict(dict):
 
 
 class ShardedOptimizerState(dict):
-    """``optimizer.state_dict()`` for this rank: integer keys, per-parameter state tensors holding this rank's rows;
-    loadable with ``optimizer.load_state_dict`` as it is."""
+    """``optimizer.state_dict()`` for this rank, state tensors holding its rows: ``load_state_dict`` takes it as is."""
 
 
 # ------------------------------------------------------------------------------------------------ names
@@ -74,8 +54,7 @@ def param_names(module: nn.Module) -> dict[int, str]:
 
 
 def engine_param_names(engine: ShardingEngine) -> dict[int, str]:
-    """``param_names`` of the engine's module, read while its modules hold the user's parameters."""
-    engine.reshard_idle()
+    engine.reshard_idle()  # names are read past the stand-ins a forward without backward left
     return param_names(engine.root)
 
 
@@ -110,14 +89,6 @@ def is_local_rows(value: Any, layout: ShardLayout) -> bool:
     )
 
 
-def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
-
-
 def shape_str(shape: Any) -> str:
     return str(tuple(int(s) for s in shape))
 
@@ -141,35 +112,60 @@ def check_keys(
 
 
 @torch.no_grad()
-def load_sharded_model_state_dict(engine: ShardingEngine, state: ShardedStateDict, *, strict: bool = True) -> None:
-    """Copy a :class:`ShardedStateDict` (this rank's rows for managed parameters) into the sharded module."""
+def load_model_state_dict(engine: ShardingEngine, state: Mapping[str, Any], *, strict: bool = True) -> None:
+    """Copy a state dict into the sharded module on every rank: full tensors (each rank copies its rows), or a
+    :class:`ShardedStateDict` (this rank's rows already)."""
     module = engine.root
     managed = managed_keys(engine)
     own = module.state_dict()
-    check_keys(list(own), state, state.unexpected_keys, strict, module, state.source)
+    rows = isinstance(state, ShardedStateDict)
+    if rows:
+        check_keys(list(own), state, state.unexpected_keys, strict, module, state.source)
     for key, slot in managed.items():
         if key not in state:
             continue
         value = state[key]
-        local_shape = tuple(slot.layout.local_shape)
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != local_shape:
-            got = shape_str(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        if rows:
+            local_shape = tuple(slot.layout.local_shape)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != local_shape:
+                got = shape_str(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise CheckpointMismatchError(
+                    f"Checkpoint {state.source!r}: this rank's part of {key!r} has shape {got}, but its shard here "
+                    f"is {shape_str(local_shape)}."
+                )
+            slot.param.data.copy_(value)
+            continue
+        if not isinstance(value, torch.Tensor):
             raise CheckpointMismatchError(
-                f"Checkpoint {state.source!r}: this rank's part of {key!r} has shape {got}, but its shard here is "
-                f"{shape_str(local_shape)}."
+                f"Checkpoint entry {key!r} is a {type(value).__name__}, not a tensor; the model's parameter is a "
+                f"tensor of shape {tuple(slot.layout.shape)}. The checkpoint is damaged or belongs to another model."
             )
-        slot.param.data.copy_(value)
-    # Buffers and unmanaged parameters through nn.Module (managed ones get their current shards, a no-op).
-    rest = {k: v for k, v in state.items() if k not in managed and k in own}
-    for key in managed:
-        if key in own:
-            rest[key] = own[key]
-    module.load_state_dict(rest, strict=False)
+        if tuple(value.shape) != tuple(slot.layout.shape):
+            raise CheckpointMismatchError(
+                f"Checkpoint tensor {key!r} has shape {tuple(value.shape)}, the model's parameter has "
+                f"{tuple(slot.layout.shape)}; it is a checkpoint of another model."
+            )
+        slot.param.data.copy_(slot.layout.local_slice(value.to(slot.param.device, slot.param.dtype)))
+    # Buffers and unmanaged parameters through nn.Module; managed ones get their current shards (a no-op).
+    rest = {k: v for k, v in state.items() if k not in managed}
+    rest.update({key: own[key] for key in managed if key in own})
+    result = module.load_state_dict(rest, strict=False)
+    missing = [k for k in result.missing_keys if k not in managed] + [k for k in managed if k not in state]
+    if strict and not rows and (missing or result.unexpected_keys):
+        raise CheckpointMismatchError(
+            f"Error loading state dict into {type(module).__name__}: missing keys {missing}, "
+            f"unexpected keys {list(result.unexpected_keys)}. Load with strict=False (LightningModule.strict_loading "
+            "= False) to skip them."
+        )
+
+
+# The names the formats' loaders had before they shared one.
+load_sharded_model_state_dict = load_full_model_state_dict = load_model_state_dict
 
 
 def to_index_keyed(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """An optimizer state dict whose ``param_groups`` list parameter *names* (as Lightning's consolidation of a sharded
-    checkpoint gives it) re-keyed by position, i.e. plain ``torch.optim`` layout. Index-keyed input passes through."""
+    """An optimizer state dict keyed by parameter name (Lightning's consolidation of a sharded checkpoint) re-keyed
+    by position, the plain ``torch.optim`` layout; index-keyed input passes through."""
     groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
     if (
         not isinstance(groups, list)
@@ -191,10 +187,17 @@ def to_index_keyed(state_dict: Mapping[str, Any]) -> dict[str, Any]:
             state[position[key]] = entry
         elif isinstance(key, str) and key.isdigit():
             state[int(key)] = entry
-    new_groups = []
-    for g in groups:
-        new_groups.append({**g, "params": [position[p] for p in g["params"]]})
+    new_groups = [{**g, "params": [position[p] for p in g["params"]]} for g in groups]
     return {**state_dict, "state": state, "param_groups": new_groups}
+
+
+def numbered_groups(groups: Sequence[Mapping[str, Any]], sizes: Sequence[int]) -> list[dict[str, Any]]:
+    """``groups`` listing ``sizes`` parameters each, numbered one group after another as ``torch.optim`` does."""
+    numbered, start = [], 0
+    for group, size in zip(groups, sizes):
+        numbered.append({**group, "params": list(range(start, start + size))})
+        start += size
+    return numbered
 
 
 def numel(shape: Any) -> int:
@@ -215,57 +218,44 @@ class CheckpointRun(NamedTuple):
 
 class CheckpointFormat:
     """One checkpoint format: how the strategy's state is taken, written, read back, and read whole by ``convert``.
-
-    [Note: checkpoint formats]
-    The three formats differ in every step, so each is one object with the same five operations and the strategy
-    never asks which one it holds. The format a run *writes* is the one ``state_dict_type`` names
-    (``formats.format_for_saving``); the format a load *reads* is the one on disk (``formats.format_on_disk``, by
-    ``paths.checkpoint_kind``), so any run loads a full file or a sharded directory whatever it writes itself.
-    What a load returns says how to copy it in: a plain state dict holds full tensors (each rank slices its rows);
-    a :class:`ShardedStateDict` / :class:`ShardedOptimizerState` already holds this rank's rows.
-    """
+    The three formats differ in every step, so the strategy never asks which one it holds. A load returns full
+    tensors (each rank slices its rows) or a :class:`ShardedStateDict` / :class:`ShardedOptimizerState` (its rows)."""
 
     kind: ClassVar[str]  # "full", "sharded" or "local": the state_dict_type value and paths.checkpoint_kind's answer
     writes_offline: ClassVar[bool] = False  # whether ``write_full`` works (a target of ``lightning-fsdp convert``)
 
+    # Each of these is called on every rank of the run.
     def model_state_dict(self, engine: ShardingEngine) -> dict[str, Any]:
-        """What ``lightning_module_state_dict`` puts into the checkpoint (call on every rank)."""
         raise NotImplementedError
 
     def optimizer_state(self, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
-        """What the checkpoint's ``optimizer_states`` holds for ``optimizer`` (call on every rank)."""
         raise NotImplementedError
 
     def save(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun, storage_options: Any = None) -> None:
-        """Write a checkpoint built from ``model_state_dict`` / ``optimizer_state`` to ``path`` (call on every rank)."""
         raise NotImplementedError
 
     def load(
         self, path: Any, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None
     ) -> dict[str, Any]:
-        """Read ``path`` on every rank into a Lightning checkpoint dict (optimizer state only if ``optimizers``)."""
+        """``path`` as a Lightning checkpoint dict (optimizer state only if ``run.optimizers``)."""
         raise NotImplementedError
 
+    # ``convert`` and ``export``: in this process alone, in Lightning's full layout.
     def read_as_full(self, path: str, weights_only: bool | None = None) -> dict[str, Any]:
-        """The checkpoint at ``path`` as one full checkpoint dict in Lightning's layout, in this process alone."""
         raise NotImplementedError
 
     def write_full(self, checkpoint: Mapping[str, Any], path: str) -> None:
-        """Write a full checkpoint dict (``read_as_full``'s result) to ``path`` in this format, in this process
-        alone."""
         raise ValueError(f"A {self.kind} checkpoint cannot be written from a full one outside a run.")
 
 
 class DirectoryFormat(CheckpointFormat):
-    """A format whose checkpoint is a directory every rank writes its part of (see :func:`write_directory`) and
-    reads its rows from, on the local (or a network-mounted) file system, not through the ``CheckpointIO``."""
+    """A directory every rank writes its part of and reads its rows from, on a local (or network-mounted) file
+    system, not through the ``CheckpointIO``."""
 
     def write(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun) -> None:
         raise NotImplementedError
 
-    # read(path, run, *, coll, weights_only) -> the checkpoint dict with this rank's rows; a module function of
-    # each format (load_sharded_checkpoint, load_local_checkpoint), which tests also call directly.
-    read: Callable[..., dict[str, Any]]
+    read: Callable[..., dict[str, Any]]  # (path, run, *, coll, weights_only): the checkpoint dict with this rank's rows
 
     def save(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun, storage_options: Any = None) -> None:
         self._check_save_path(path, storage_options)
@@ -296,18 +286,14 @@ class DirectoryFormat(CheckpointFormat):
 def write_directory(
     path: Any, write_part: Callable[[str], None], meta: Callable[[], Mapping[str, Any]], coll: Collective
 ) -> None:
-    """Write a directory checkpoint atomically; call on every rank.
-
-    Rank 0 creates an empty temporary directory next to ``path``; every rank writes its part into it
-    (``write_part(tmp)``, which must raise on every rank if it fails on one); rank 0 then writes ``meta()`` as
-    ``meta.pt`` and renames the directory into place (``paths.commit_directory``). A failure at any step removes the
-    temporary directory, leaves what was at ``path`` untouched, and raises on every rank.
-    """
+    """Write a directory checkpoint atomically, on every rank: each writes its part into rank 0's temporary
+    directory (``write_part(tmp)`` must raise on every rank if it fails on one), then rank 0 writes ``meta()`` and
+    renames it into place. A failure leaves what was at ``path`` untouched and raises on every rank."""
     path = coll.broadcast(os.path.abspath(os.fspath(path)))
     tmp, problem = None, None
     if coll.is_rank0:
         try:
-            tmp = prepare_temp_dir(path)
+            tmp = paths.prepare_temp_dir(path)
         except Exception as exc:  # noqa: BLE001 - shared with every rank below
             problem = exc
     coll.agree_from_rank0(problem)
@@ -317,17 +303,17 @@ def write_directory(
     except BaseException:
         if coll.is_rank0:
             try:
-                remove_path(tmp)
+                paths.remove_path(tmp)
             except OSError:  # the write's own error is the one to report
                 pass
         raise
     problem = None
     if coll.is_rank0:
         try:
-            AtomicCheckpointIO().save_checkpoint(dict(meta()), os.path.join(tmp, META_FILE))
-            commit_directory(tmp, path)
-            remove_stale_temps(path)
+            AtomicCheckpointIO().save_checkpoint(dict(meta()), os.path.join(tmp, paths.META_FILE))
+            paths.commit_directory(tmp, path)
+            paths.remove_stale_temps(path)
         except Exception as exc:  # noqa: BLE001
             problem = exc
-            remove_path(tmp)
+            paths.remove_path(tmp)
     coll.agree_from_rank0(problem)

@@ -1,23 +1,12 @@
-"""``lightning-fsdp convert SRC DST [--to full|sharded]``: move checkpoints between formats, in one process.
-
-* a sharded directory -> one full file in Lightning's layout (``state_dict`` with the unwrapped model's keys, plain
-  ``torch.optim`` optimizer state), which plain Lightning (single device, DDP) and
-  ``LightningModule.load_from_checkpoint`` load as well;
-* a local directory -> one full file (the rank files are stitched together);
-* a full file -> a sharded directory (``--to sharded``), loadable by ``fsdp_custom`` at any world size.
-
-Runs without a process group (``torch.distributed.checkpoint`` in no-dist mode) and holds the whole checkpoint in
-host memory. Every file is read by a restricted unpickler (``torch.load(weights_only=True)``, and ``safe_load``'s for
-DCP files), which refuses, naming the file and the object, anything that would run code when unpickled;
-``--trust-pickled-code`` (``trust_pickled_code=True``) lifts that for a file its user trusts.
-``python -m lightning_fsdp.checkpoint.convert`` runs the same command.
-"""
+"""``lightning-fsdp convert SRC DST [--to full|sharded]``: move checkpoints between formats in one process, without
+a process group, holding the whole checkpoint in host memory (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError
@@ -78,27 +67,40 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--to", choices=_TARGETS, default=None, help="output format (default: full for a directory, sharded for a file)"
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    add_output_arguments(parser, "SRC", "DST")
+    return parser
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, source: str, output: str) -> None:
+    """``--overwrite`` and ``--trust-pickled-code``, which ``convert`` and ``export`` share."""
+    parser.add_argument("--overwrite", action="store_true", help=f"replace {output} if it exists")
     parser.add_argument(
         "--trust-pickled-code",
         action="store_true",
-        help="unpickle SRC's files without restriction, running any code they hold (only for a checkpoint you "
+        help=f"unpickle {source}'s files without restriction, running any code they hold (only for a checkpoint you "
         "trust); by default an object that would run code is refused and named",
     )
-    return parser
+
+
+def run_command(name: str, work: Callable[[], str], errors: tuple[type[Exception], ...]) -> int:
+    """Run a subcommand: its report on stdout and exit code 0, or ``errors`` on stderr and exit code 1."""
+    try:
+        report = work()
+    except errors as exc:
+        print(f"lightning-fsdp {name}: error: {exc}", file=sys.stderr)
+        return 1
+    print(report)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        written = convert(
-            args.src, args.dst, args.to, overwrite=args.overwrite, trust_pickled_code=args.trust_pickled_code
-        )
-    except (CheckpointLoadError, ValueError, OSError) as exc:
-        print(f"lightning-fsdp convert: error: {exc}", file=sys.stderr)
-        return 1
-    print(f"Wrote a {written} checkpoint to {args.dst}")
-    return 0
+
+    def work() -> str:
+        to = convert(args.src, args.dst, args.to, overwrite=args.overwrite, trust_pickled_code=args.trust_pickled_code)
+        return f"Wrote a {to} checkpoint to {args.dst}"
+
+    return run_command("convert", work, (CheckpointLoadError, ValueError, OSError))
 
 
 if __name__ == "__main__":

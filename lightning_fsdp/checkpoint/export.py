@@ -1,35 +1,11 @@
-"""``lightning-fsdp export CHECKPOINT OUT_DIR``: any checkpoint's model weights as a Hugging Face style directory.
-
-The output is what ``transformers``' ``save_pretrained`` writes and ``from_pretrained`` reads: ``model.safetensors``
-when everything fits in one file, else ``model-00001-of-0000N.safetensors`` ... plus ``model.safetensors.index.json``
-(``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``), and ``config.json`` when one is given. Only the
-model weights (the checkpoint's ``state_dict``) are exported; optimizer state and the loops are left behind.
+"""``lightning-fsdp export CHECKPOINT OUT_DIR``: any checkpoint's model weights as a Hugging Face style safetensors
+directory (what ``save_pretrained`` writes), optimizer state and loops left behind (docs/checkpoints.md).
 
 [Note: streaming export]
-A checkpoint is read tensor by tensor and never whole:
-
-* a full file is opened with ``torch.load(mmap=True)``: tensors stay on disk until one is copied out;
-* a sharded directory (``torch.distributed.checkpoint``) is read with one ``dcp.load`` per tensor, its target a
-  single full-size tensor built from the metadata (no process group), so DCP reads only that tensor's chunks;
-* a local directory's rank files are opened with ``torch.load(mmap=True)`` and each tensor is assembled from the
-  rows every shard rank holds (the layout ``meta.pt`` records, as ``local.read_local_checkpoint_full`` does).
-
-The split into files is planned from the shapes alone before anything is read (the file names need the count, and
-each file's header its tensors' shapes and offsets), so every tensor is written to its file as soon as it is read and
-dropped before the next one is read (``_write_files``). Peak memory is therefore about the largest tensor (and DCP's
-temporary copy of its chunks), whatever ``max_shard_size`` is, not the model; memory freed after each read is handed
-back to the operating system (``_return_freed_memory``) so freed blocks do not pile up in the resident set.
-
-Tied weights (two keys naming one parameter, e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``) are written
-under both names as separate tensors: ``from_pretrained`` accepts both keys and re-ties them when the config says
-``tie_word_embeddings``, while dropping one would lose the weight for a model whose config does not tie it.
-
-Every file is read by a restricted unpickler (``torch.load(weights_only=True)``, and ``safe_load``'s for DCP files):
-an object that would run code when unpickled is refused, naming the file and the object, unless the caller trusts
-the checkpoint by name (``trust_pickled_code=True``, ``--trust-pickled-code``).
-
-The directory is written under a temporary name next to ``OUT_DIR`` and renamed into place when complete.
-``python -m lightning_fsdp.checkpoint.export`` runs the same command.
+A checkpoint is read tensor by tensor, never whole: a full or local file memory-mapped, a sharded directory with one
+``dcp.load`` per tensor. The split into files is planned from the shapes alone, so each tensor is written as soon as
+it is read and dropped before the next; peak memory is about the largest tensor. Tied weights are written under both
+names (``from_pretrained`` re-ties them when the config says so; dropping one would lose it where it does not).
 """
 
 from __future__ import annotations
@@ -49,8 +25,10 @@ import torch
 
 from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError, load_error
 from lightning_fsdp.checkpoint.common import numel
+from lightning_fsdp.checkpoint.convert import add_output_arguments, run_command
 from lightning_fsdp.checkpoint.formats import format_on_disk
-from lightning_fsdp.checkpoint.local import concat_rows, read_local_meta
+from lightning_fsdp.checkpoint.full import model_weights
+from lightning_fsdp.checkpoint.local import concat_rows, read_local_meta, shard_holders
 from lightning_fsdp.checkpoint.paths import (
     FULL,
     LOCAL,
@@ -63,7 +41,7 @@ from lightning_fsdp.checkpoint.paths import (
     remove_stale_temps,
 )
 from lightning_fsdp.checkpoint.safe_load import check_shard_files, dcp_load, read_dcp_metadata
-from lightning_fsdp.checkpoint.sharded import dcp_entries, planner_data
+from lightning_fsdp.checkpoint.sharded import dcp_entries
 from lightning_fsdp.collective import Collective
 
 __all__ = ["DTYPES", "export_safetensors", "main", "parse_dtype", "parse_size"]
@@ -180,16 +158,7 @@ def _mmap_load(file: str, weights_only: bool) -> Any:
 
 class _FullSource(_Source):
     def __init__(self, path: str, weights_only: bool) -> None:
-        checkpoint = _mmap_load(path, weights_only)
-        state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
-        if not isinstance(state, Mapping):
-            found = sorted(map(str, checkpoint)) if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
-            raise CheckpointLoadError(
-                f"{path!r} is not a Lightning checkpoint: it has no 'state_dict' entry with the model's weights (its "
-                f"entries: {found}).",
-                path,
-            )
-        self.state = state
+        self.state = state = model_weights(_mmap_load(path, weights_only), path)
         self.tensors = [TensorInfo(k, tuple(v.shape), v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor)]
         self.skipped = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
 
@@ -206,10 +175,7 @@ class _ShardedSource(_Source):
         metadata = read_dcp_metadata(path, weights_only)
         check_shard_files(path, metadata)
         self.tensors, self.skipped, self._flat = [], [], {}
-        entries = dcp_entries(metadata)
-        saved_order = {flat: i for i, flat in enumerate(planner_data(metadata))}  # the saved dict's order
-        for flat in sorted(entries, key=lambda f: saved_order.get(f, len(saved_order))):
-            where, storage = entries[flat]
+        for flat, (where, storage) in dcp_entries(metadata, saved_order=True).items():
             if where[0] != "model" or len(where) != 2:
                 continue  # optimizer state
             key = str(where[1])
@@ -232,9 +198,7 @@ class _LocalSource(_Source):
     def __init__(self, path: str, weights_only: bool) -> None:
         _, info = read_local_meta(path, weights_only)
         world = info["world_size"]
-        self.files = []
-        # The first global rank holding each shard rank's rows (with a subgroup as shard group, groups repeat).
-        self.holders: dict[int, int] = {}
+        files = []
         for rank in range(world):
             data = _mmap_load(os.path.join(path, local_rank_file(rank)), weights_only)
             if not isinstance(data, Mapping) or data.get("rank") != rank or data.get("world_size") != world:
@@ -244,8 +208,9 @@ class _LocalSource(_Source):
                     f"{world}; the checkpoint directory was assembled from different saves.",
                     path,
                 )
-            self.files.append(data["state_dict"])
-            self.holders.setdefault(int(data.get("shard_rank", rank)), rank)
+            files.append(data)
+        self.files = [data["state_dict"] for data in files]
+        self.holders = shard_holders(files)
         self.entries: Mapping[str, Any] = info["entries"]
         self.tensors, self.skipped = [], []
         for key, entry in self.entries.items():
@@ -301,7 +266,7 @@ def _output_names(
             )
         seen[name] = info.key
         out_dtype = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
-        nbytes = numel(info.shape) * torch.empty((), dtype=out_dtype).element_size()
+        nbytes = numel(info.shape) * out_dtype.itemsize
         planned.append(_Planned(info.key, name, tuple(info.shape), out_dtype, nbytes))
     return planned
 
@@ -519,19 +484,14 @@ def _parser() -> argparse.ArgumentParser:
         "self.model)",
     )
     parser.add_argument("--config", default=None, help="config.json to copy into OUT_DIR, or a directory holding one")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
-    parser.add_argument(
-        "--trust-pickled-code",
-        action="store_true",
-        help="unpickle CHECKPOINT's files without restriction, running any code they hold (only for a checkpoint "
-        "you trust); by default an object that would run code is refused and named",
-    )
+    add_output_arguments(parser, "CHECKPOINT", "OUT_DIR")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
+
+    def work() -> str:
         written = export_safetensors(
             args.checkpoint,
             args.out_dir,
@@ -542,11 +502,9 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
             trust_pickled_code=args.trust_pickled_code,
         )
-    except (CheckpointLoadError, ValueError, TypeError, OSError) as exc:
-        print(f"lightning-fsdp export: error: {exc}", file=sys.stderr)
-        return 1
-    print(f"Wrote {len(written)} file(s) to {args.out_dir}: {', '.join(os.path.basename(w) for w in written)}")
-    return 0
+        return f"Wrote {len(written)} file(s) to {args.out_dir}: {', '.join(os.path.basename(w) for w in written)}"
+
+    return run_command("export", work, (CheckpointLoadError, ValueError, TypeError, OSError))
 
 
 if __name__ == "__main__":

@@ -1,20 +1,14 @@
-"""The full format: one checkpoint file in Lightning's usual layout, with unsharded state dicts.
-
-Gathering happens one unit at a time with the result moved to host memory on rank 0, so no rank holds more than
-one unit's full parameters beyond its shards, apart from rank 0's host copy being assembled. Global rank 0 writes
-the file through the strategy's ``CheckpointIO`` (``AtomicCheckpointIO`` by default); every rank reads it whole and
-copies its own rows in. :class:`FullFormat` is the format object the strategy and ``convert`` use.
-"""
+"""The full format: one file in Lightning's usual layout. Saving gathers one unit at a time to rank 0's host memory;
+loading reads the whole file on every rank, which copies its own rows in."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError
@@ -22,6 +16,10 @@ from lightning_fsdp.checkpoint.common import (
     CheckpointFormat,
     CheckpointMismatchError,
     CheckpointRun,
+    is_local_rows,
+    load_full_model_state_dict,  # noqa: F401 - callers import it from here
+    managed_keys,
+    optimizer_params,
     to_index_keyed,
 )
 from lightning_fsdp.checkpoint.paths import FULL, remove_checkpoint_path
@@ -30,33 +28,22 @@ from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import gather_rows
 from lightning_fsdp.engine.layout import ShardLayout
 
-if TYPE_CHECKING:
-    pass
-
 
 def global_rank() -> int:
     # Rank 0 of the world writes; with hybrid sharding every replica group has its own shard-group rank 0.
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _param_keys(module: nn.Module) -> dict[int, list[str]]:
-    keys: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        keys.setdefault(id(param), []).append(name)
-    return keys
-
-
 @torch.no_grad()
 def full_model_state_dict(
     engine: ShardingEngine, *, rank0_only: bool = True, keep: bool | None = None
 ) -> dict[str, Any]:
-    """The unwrapped model's ``state_dict()`` with full tensors on CPU (empty on other ranks if ``rank0_only``).
-    ``keep`` overrides which ranks keep it (under pipeline parallelism: each stage's data-parallel rank 0)."""
-    engine.reshard_idle()  # a forward whose backward never came may have left full-size stand-ins in the modules
-    module = engine.root
+    """The model's state dict with full tensors on CPU (empty on other ranks if ``rank0_only``). ``keep`` overrides
+    which ranks keep it (under pipeline parallelism: each stage's data-parallel rank 0)."""
+    managed = managed_keys(engine)  # first: it puts the user's parameters back where a forward left stand-ins
     if keep is None:
         keep = not rank0_only or global_rank() == 0
-    state = module.state_dict()  # shards for managed parameters; buffers and unmanaged parameters as they are
+    state = engine.root.state_dict()  # shards for managed parameters; buffers and unmanaged parameters as they are
     if engine.closed:
         # The stage has ended and the module holds its full parameters again (ShardingEngine.restore_unsharded).
         return (
@@ -64,13 +51,15 @@ def full_model_state_dict(
             if keep
             else {}
         )
-    keys = _param_keys(module)
+    keys: dict[int, list[str]] = {}
+    for key, slot in managed.items():
+        keys.setdefault(id(slot), []).append(key)
     for unit in engine.units:
         fulls = unit.full_tensors()  # one unit at a time, in the master dtype
         if keep:
             for slot, full in zip(unit.slots, fulls):
                 full = full.to("cpu", copy=True)
-                for key in keys.get(id(slot.param), []):
+                for key in keys.get(id(slot), []):
                     if key in state:
                         state[key] = full
         del fulls
@@ -79,74 +68,23 @@ def full_model_state_dict(
     return {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
 
 
-@torch.no_grad()
-def load_full_model_state_dict(engine: ShardingEngine, state: Mapping[str, Any], *, strict: bool = True) -> None:
-    """Load a full state dict (same on every rank): each rank copies its own rows into its shards."""
-    engine.reshard_idle()
-    module = engine.root
-    keys = _param_keys(module)
-    managed = {}
-    for unit in engine.units:
-        for slot in unit.slots:
-            for key in keys.get(id(slot.param), []):
-                managed[key] = slot
-    rest = {k: v for k, v in state.items() if k not in managed}
-    for key, slot in managed.items():
-        if key not in state:
-            continue
-        value = state[key]
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointMismatchError(
-                f"Checkpoint entry {key!r} is a {type(value).__name__}, not a tensor; the model's parameter is a "
-                f"tensor of shape {tuple(slot.layout.shape)}. The checkpoint is damaged or belongs to another model."
-            )
-        if tuple(value.shape) != tuple(slot.layout.shape):
-            raise CheckpointMismatchError(
-                f"Checkpoint tensor {key!r} has shape {tuple(value.shape)}, the model's parameter has "
-                f"{tuple(slot.layout.shape)}; it is a checkpoint of another model."
-            )
-        slot.param.data.copy_(slot.layout.local_slice(value.to(slot.param.device, slot.param.dtype)))
-    # Let nn.Module handle buffers, unmanaged parameters and strictness; managed parameters are already loaded,
-    # so hand it their current shards to compare against themselves.
-    own = module.state_dict()
-    for key in managed:
-        if key in own:
-            rest[key] = own[key]
-    missing_managed = [k for k in managed if k not in state]
-    result = module.load_state_dict(rest, strict=False)
-    missing = [k for k in result.missing_keys if k not in managed] + missing_managed
-    if strict and (missing or result.unexpected_keys):
-        raise CheckpointMismatchError(
-            f"Error loading state dict into {type(module).__name__}: missing keys {missing}, "
-            f"unexpected keys {list(result.unexpected_keys)}. Load with strict=False (LightningModule.strict_loading "
-            "= False) to skip them."
-        )
-
-
 def _per_parameter(name: str, value: Any, layout: ShardLayout) -> bool:
-    """Whether a full optimizer-state entry has one value per parameter element (so each rank takes its rows).
-
-    A 0-dim parameter's state (``exp_avg``, ``momentum_buffer``) is 0-dim too, like the ``step`` counter every
-    torch optimizer keeps; ``step`` is the one 0-dim entry that is not per element."""
+    """Whether a full optimizer-state entry has one value per parameter element (so each rank takes its rows). A
+    0-dim parameter's state is 0-dim too, like the ``step`` counter, the one 0-dim entry that is not per element."""
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(layout.shape):
         return False
     return value.dim() > 0 or name != "step"
-
-
-def _sharded_state_tensor(value: Any, layout: ShardLayout) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(layout.local_shape)
 
 
 @torch.no_grad()
 def full_optimizer_state_dict(
     engine: ShardingEngine, optimizer: Optimizer, *, rank0_only: bool = True, keep: bool | None = None
 ) -> dict:
-    """``optimizer.state_dict()`` in plain ``torch.optim`` layout for the unwrapped model (full tensors, CPU);
-    ``keep`` as for :func:`full_model_state_dict`."""
+    """``optimizer.state_dict()`` with full tensors on CPU; ``keep`` as for :func:`full_model_state_dict`."""
     state_dict = optimizer.state_dict()
     if keep is None:
         keep = not rank0_only or global_rank() == 0
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = optimizer_params(optimizer)
     full_state: dict[int, dict[str, Any]] = {}
     # Parameter order is the same on every rank, so every rank issues the same gathers in the same order.
     for index, param in enumerate(params):
@@ -155,8 +93,8 @@ def full_optimizer_state_dict(
         new_entry = {}
         for name in sorted(entry):
             value = entry[name]
-            if slot is not None and _sharded_state_tensor(value, slot.layout):
-                # Unsharded layouts only need the shape back (a 0-dim parameter's state is held as one row).
+            if slot is not None and is_local_rows(value, slot.layout):
+                # Unsharded, only a 0-dim parameter's state (held as one row) needs its shape back.
                 if slot.layout.world_size > 1:
                     value = gather_rows(value, slot.layout, engine.shard_comm)
                 else:
@@ -171,7 +109,7 @@ def full_optimizer_state_dict(
 
 
 def load_full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer, state_dict: Mapping) -> None:
-    """Load a plain ``torch.optim`` state dict (same on every rank) into an optimizer over shards."""
+    """Load a plain ``torch.optim`` state dict (the same on every rank) into an optimizer over shards."""
     groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
     if not isinstance(groups, list) or not isinstance(state_dict.get("state"), Mapping):
         found = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else type(state_dict).__name__
@@ -186,7 +124,7 @@ def load_full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer,
             f"The checkpoint's {type(optimizer).__name__} state has parameter groups of sizes {sizes}, but this run's "
             f"has {here}; resume with the same optimizer configuration."
         )
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = optimizer_params(optimizer)
     local_state = {}
     for index, entry in state_dict["state"].items():
         param = params[int(index)]
@@ -198,6 +136,19 @@ def load_full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer,
             new_entry[name] = value
         local_state[index] = new_entry
     optimizer.load_state_dict({"state": local_state, "param_groups": state_dict["param_groups"]})
+
+
+def model_weights(checkpoint: Any, path: str) -> Mapping[str, Any]:
+    """The ``state_dict`` entry of a Lightning checkpoint read from ``path``; raises naming the file if it has none."""
+    state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
+    if not isinstance(state, Mapping):
+        found = sorted(map(str, checkpoint)) if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
+        raise CheckpointLoadError(
+            f"{path!r} is not a Lightning checkpoint: it has no 'state_dict' entry with the model's weights (its "
+            f"entries: {found}).",
+            path,
+        )
+    return state
 
 
 class FullFormat(CheckpointFormat):
@@ -227,12 +178,7 @@ class FullFormat(CheckpointFormat):
 
     def read_as_full(self, path: str, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = AtomicCheckpointIO().load_checkpoint(path, weights_only=weights_only)
-        if not isinstance(checkpoint.get("state_dict"), Mapping):
-            raise CheckpointLoadError(
-                f"{path!r} is not a Lightning checkpoint: it has no 'state_dict' entry with the model's weights (its "
-                f"entries: {sorted(map(str, checkpoint))}).",
-                path,
-            )
+        model_weights(checkpoint, path)
         if "optimizer_states" in checkpoint:
             checkpoint["optimizer_states"] = [to_index_keyed(s) for s in checkpoint["optimizer_states"]]
         return checkpoint

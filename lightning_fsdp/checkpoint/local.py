@@ -1,19 +1,6 @@
-"""Local checkpoints: one file per rank with its raw shards; the fastest to write and read.
-
-Layout of the directory:
-
-* ``rank-{r}.pt`` (one per rank): ``torch.save`` of this rank's model state dict as it is in memory (each sharded
-  parameter is a view of its unit's flat shard buffer, so the buffer is written once, as it is, without copies) and
-  its ``optimizer.state_dict()`` (state tensors hold this rank's rows), plus the rank and world size.
-* ``meta.pt``: the non-tensor parts of the Lightning checkpoint (epoch, global_step, loops, callbacks, lr_schedulers,
-  ...) and a ``"lightning_fsdp"`` entry: format and version, world size, every model entry's shape and, for sharded
-  parameters, the rows each shard rank holds, and each optimizer's parameter names per group.
-
-It loads only at the world size and shard layout that wrote it; anything else (another world size, a changed model,
-another sharding strategy) raises :class:`~lightning_fsdp.checkpoint.common.CheckpointMismatchError` naming the
-difference. ``lightning-fsdp convert`` turns it into a full file (which then loads anywhere, or converts to sharded).
-:class:`LocalFormat` is the format object the strategy and ``convert`` use.
-"""
+"""Local checkpoints: ``rank-{r}.pt`` per rank with its raw shards plus ``meta.pt`` recording the layout; they load
+only at the world size and shard layout that wrote them (anything else raises ``CheckpointMismatchError`` naming the
+difference). Layout: docs/checkpoints.md."""
 
 from __future__ import annotations
 
@@ -24,21 +11,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from lightning_fsdp.checkpoint import common
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError
-from lightning_fsdp.checkpoint.common import (
-    FORMAT_KEY,
-    FORMAT_VERSION,
-    CheckpointMismatchError,
-    CheckpointRun,
-    DirectoryFormat,
-    ShardedOptimizerState,
-    ShardedStateDict,
-    engine_param_names,
-    managed_keys,
-    numel,
-    shape_str,
-    write_directory,
-)
+from lightning_fsdp.checkpoint.common import CheckpointMismatchError, CheckpointRun, ShardedOptimizerState
 from lightning_fsdp.checkpoint.paths import LOCAL, META_FILE, file_problem, local_rank_file
 from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
@@ -46,8 +21,8 @@ from lightning_fsdp.engine import ShardingEngine
 
 # ===================================================================================================== saving
 def local_model_state_dict(engine: ShardingEngine) -> dict[str, Any]:
-    """The module's state dict as it is: this rank's rows of sharded parameters (views, no copies)."""
-    managed = managed_keys(engine)  # first: it puts the user's parameters back where a forward left stand-ins
+    """The module's state dict as it is: this rank's rows (views, no copies)."""
+    managed = common.managed_keys(engine)  # first: it puts the user's parameters back where a forward left stand-ins
     state = engine.root.state_dict()
     if engine.closed:  # the stage ended and the module holds full parameters again: save this rank's rows
         for key, slot in managed.items():
@@ -61,8 +36,8 @@ def local_optimizer_state_dict(optimizer: Optimizer) -> dict[str, Any]:
 
 
 def layout_info(engine: ShardingEngine, optimizers: Sequence[Optimizer] | None, world_size: int) -> dict[str, Any]:
-    """What a local checkpoint must match to be loaded: the ``"lightning_fsdp"`` entry of its ``meta.pt``."""
-    managed = managed_keys(engine)
+    """What a local checkpoint must match to be loaded (``meta.pt``'s ``"lightning_fsdp"`` entry)."""
+    managed = common.managed_keys(engine)
     entries: dict[str, Any] = {}
     for key, value in engine.root.state_dict().items():
         slot = managed.get(key)
@@ -77,7 +52,7 @@ def layout_info(engine: ShardingEngine, optimizers: Sequence[Optimizer] | None, 
             entries[key] = {"shape": tuple(int(s) for s in value.shape), "dtype": str(value.dtype), "rows": None}
         else:
             entries[key] = {"shape": None, "dtype": type(value).__name__, "rows": None}
-    names = engine_param_names(engine)
+    names = common.engine_param_names(engine)
     optimizer_names = None
     if optimizers is not None:
         optimizer_names = [
@@ -85,7 +60,7 @@ def layout_info(engine: ShardingEngine, optimizers: Sequence[Optimizer] | None, 
         ]
     return {
         "format": "local",
-        "version": FORMAT_VERSION,
+        "version": common.FORMAT_VERSION,
         "world_size": world_size,
         "shard_world_size": engine.shard_comm.world_size,
         "entries": entries,
@@ -108,9 +83,8 @@ def save_local_checkpoint(
     optimizers: Sequence[Optimizer] | None,
     coll: Collective | None = None,
 ) -> None:
-    """Write a checkpoint built from :func:`local_model_state_dict` / :func:`local_optimizer_state_dict` to the
-    directory ``path``, atomically: every rank writes its file into a temporary directory, which rank 0 renames into
-    place once all have succeeded. Call on every rank."""
+    """Write a checkpoint of :func:`local_model_state_dict` and ``optimizer.state_dict()`` to ``path``, atomically,
+    on every rank."""
     coll = coll or Collective()
     rest = dict(checkpoint)
     state = rest.pop("state_dict", {})
@@ -119,7 +93,7 @@ def save_local_checkpoint(
     def write_part(tmp: str) -> None:
         part = {
             "format": "local",
-            "version": FORMAT_VERSION,
+            "version": common.FORMAT_VERSION,
             "rank": coll.rank,
             "world_size": coll.world_size,
             "shard_rank": engine.shard_comm.rank,
@@ -130,9 +104,9 @@ def save_local_checkpoint(
 
     def meta() -> dict[str, Any]:
         described = optimizers if optimizer_states is not None else None
-        return {**rest, FORMAT_KEY: layout_info(engine, described, coll.world_size)}
+        return {**rest, common.FORMAT_KEY: layout_info(engine, described, coll.world_size)}
 
-    write_directory(path, write_part, meta, coll)
+    common.write_directory(path, write_part, meta, coll)
 
 
 # ===================================================================================================== loading
@@ -140,16 +114,16 @@ def read_local_meta(path: str, weights_only: bool | None = None) -> tuple[dict[s
     """(Lightning part, ``"lightning_fsdp"`` entry) of a local checkpoint's ``meta.pt``."""
     meta_file = os.path.join(path, META_FILE)
     meta = AtomicCheckpointIO().load_checkpoint(meta_file, weights_only=weights_only)
-    info = meta.pop(FORMAT_KEY, None)
+    info = meta.pop(common.FORMAT_KEY, None)
     if not isinstance(info, Mapping) or info.get("format") != "local":
         raise CheckpointLoadError(
             f"{meta_file!r} does not describe a local checkpoint (no 'lightning_fsdp' entry with format 'local').",
             meta_file,
         )
-    if info.get("version") != FORMAT_VERSION:
+    if info.get("version") != common.FORMAT_VERSION:
         raise CheckpointLoadError(
             f"Local checkpoint {path!r} has format version {info.get('version')}, this release reads version "
-            f"{FORMAT_VERSION}.",
+            f"{common.FORMAT_VERSION}.",
             meta_file,
         )
     return meta, dict(info)
@@ -170,8 +144,11 @@ def _read_rank_file(path: str, rank: int, world_size: int, weights_only: bool | 
     return data
 
 
-def _check_layout(path: str, info: Mapping[str, Any], engine: ShardingEngine, coll: Collective) -> tuple[str, ...]:
-    """Raise :class:`CheckpointMismatchError` naming the first difference; the checkpoint keys the model lacks."""
+def _check_layout(
+    path: str, info: Mapping[str, Any], engine: ShardingEngine, coll: Collective, optimizers: Any
+) -> tuple[str, ...]:
+    """Raise :class:`CheckpointMismatchError` naming the first difference from this run's layout (and
+    ``optimizers``); returns the checkpoint keys the model lacks."""
     if info["world_size"] != coll.world_size:
         raise CheckpointMismatchError(
             f"Local checkpoint {path!r} was written by {info['world_size']} ranks, this run has {coll.world_size}. A "
@@ -179,56 +156,48 @@ def _check_layout(path: str, info: Mapping[str, Any], engine: ShardingEngine, co
             "SRC DST` (a full file loads at any world size) or save with state_dict_type='sharded'."
         )
     entries: Mapping[str, Any] = info["entries"]
-    managed = managed_keys(engine)
-    own = engine.root.state_dict()
+    here = layout_info(engine, optimizers, coll.world_size)
     params = {name for name, _ in engine.root.named_parameters(remove_duplicate=False)}
-    for key, value in own.items():
+    for key, now in here["entries"].items():
         entry = entries.get(key)
         if entry is None:
             continue
         what = "parameter" if key in params else "entry"
-        slot = managed.get(key)
-        here = (
-            tuple(slot.layout.shape)
-            if slot is not None
-            else (tuple(value.shape) if isinstance(value, torch.Tensor) else None)
-        )
         stored = tuple(entry["shape"]) if entry["shape"] is not None else None
-        if here != stored:
+        if now["shape"] != stored:
             raise CheckpointMismatchError(
-                f"Local checkpoint {path!r}: {what} {key!r} has shape "
-                f"{shape_str(stored) if stored is not None else 'None (not a tensor)'} in the checkpoint but "
-                f"{shape_str(here) if here is not None else 'None (not a tensor)'} in the model."
+                f"Local checkpoint {path!r}: {what} {key!r} has shape {_shape(stored)} in the checkpoint but "
+                f"{_shape(now['shape'])} in the model."
             )
-        rows_here = [slot.layout.rows_of(r) for r in range(slot.layout.world_size)] if slot is not None else None
         rows_stored = [tuple(r) for r in entry["rows"]] if entry["rows"] is not None else None
-        if rows_here != rows_stored:
+        if now["rows"] != rows_stored:
             raise CheckpointMismatchError(
                 f"Local checkpoint {path!r}: {what} {key!r} is split into rows {rows_stored} across ranks in the "
-                f"checkpoint but {rows_here} in this run (another sharding strategy or process group?). A local "
+                f"checkpoint but {now['rows']} in this run (another sharding strategy or process group?). A local "
                 "checkpoint needs the same shard layout; use a sharded or full checkpoint to change it."
             )
-    return tuple(k for k in entries if k not in own)
+    if optimizers is not None:
+        _check_optimizers(path, info.get("optimizers") or [], here["optimizers"])
+    return tuple(k for k in entries if k not in here["entries"])
 
 
-def _check_optimizers(
-    path: str, info: Mapping[str, Any], engine: ShardingEngine, optimizers: Sequence[Optimizer]
-) -> None:
-    stored = info.get("optimizers") or []
-    if len(stored) != len(optimizers):
+def _shape(shape: tuple[int, ...] | None) -> str:
+    return common.shape_str(shape) if shape is not None else "None (not a tensor)"
+
+
+def _check_optimizers(path: str, stored: list, here: list) -> None:
+    if len(stored) != len(here):
         raise CheckpointMismatchError(
             f"Local checkpoint {path!r} holds the state of {len(stored)} optimizer(s), but this run configured "
-            f"{len(optimizers)}; resume with the same optimizers."
+            f"{len(here)}; resume with the same optimizers."
         )
-    names = engine_param_names(engine)
-    for index, (groups, optimizer) in enumerate(zip(stored, optimizers)):
-        here = [[names.get(id(p), "?") for p in group["params"]] for group in optimizer.param_groups]
-        if [len(g) for g in groups] != [len(g) for g in here]:
+    for index, (groups, now) in enumerate(zip(stored, here)):
+        if [len(g) for g in groups] != [len(g) for g in now]:
             raise CheckpointMismatchError(
                 f"Local checkpoint {path!r}: optimizer {index} has parameter groups of sizes "
-                f"{[len(g) for g in groups]} in the checkpoint but {[len(g) for g in here]} in this run."
+                f"{[len(g) for g in groups]} in the checkpoint but {[len(g) for g in now]} in this run."
             )
-        for position, (a, b) in enumerate(zip([n for g in groups for n in g], [n for g in here for n in g])):
+        for position, (a, b) in enumerate(zip([n for g in groups for n in g], [n for g in now for n in g])):
             if a != b:
                 raise CheckpointMismatchError(
                     f"Local checkpoint {path!r}: optimizer {index}'s parameter {position} is {a!r} in the checkpoint "
@@ -239,49 +208,50 @@ def _check_optimizers(
 def load_local_checkpoint(
     path: str, run: CheckpointRun, *, coll: Collective | None = None, weights_only: bool | None = None
 ) -> dict[str, Any]:
-    """Read this rank's file of a local checkpoint (on every rank): the Lightning checkpoint dict with ``state_dict``
-    a :class:`ShardedStateDict` and ``optimizer_states`` (when ``optimizers`` is given and the checkpoint has them)
-    :class:`ShardedOptimizerState` entries. Mismatches and damaged files raise on every rank."""
+    """Read this rank's file of a local checkpoint on every rank, as :func:`sharded.load_sharded_checkpoint` does.
+    Mismatches and damaged files raise on every rank."""
     engine, optimizers = run.engine, run.optimizers
     assert engine is not None
     coll = coll or Collective()
 
     def read() -> dict[str, Any]:
         meta, info = read_local_meta(path, weights_only)
-        unexpected = _check_layout(path, info, engine, coll)
         load_optimizers = optimizers is not None and info.get("optimizers") is not None
-        if load_optimizers:
-            _check_optimizers(path, info, engine, optimizers)
+        unexpected = _check_layout(path, info, engine, coll, optimizers if load_optimizers else None)
         data = _read_rank_file(path, coll.rank, coll.world_size, weights_only)
         own = engine.root.state_dict()
         checkpoint = dict(meta)
-        checkpoint["state_dict"] = ShardedStateDict(
+        checkpoint["state_dict"] = common.ShardedStateDict(
             {k: v for k, v in data["state_dict"].items() if k in own}, unexpected_keys=unexpected, source=path
         )
         if load_optimizers:
             checkpoint["optimizer_states"] = [ShardedOptimizerState(s) for s in data["optimizer_states"]]
         return checkpoint
 
-    return coll.run_agreed(read)  # mismatches and damaged files raise on every rank
+    return coll.run_agreed(read)
 
 
 # ===================================================================================================== offline
 def concat_rows(pieces: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-    row_numel = numel(shape[1:]) if len(shape) > 1 else 1
+    row_numel = common.numel(shape[1:]) if len(shape) > 1 else 1
     return torch.cat([p.reshape(-1, row_numel) for p in pieces], dim=0).reshape(shape)
 
 
-def read_local_checkpoint_full(path: str, weights_only: bool | None = None) -> dict[str, Any]:
-    """A local checkpoint directory as one full checkpoint in Lightning's layout, assembled from every rank's file in
-    this process alone (no process group)."""
-    meta, info = read_local_meta(path, weights_only)
-    world = info["world_size"]
-    files = [_read_rank_file(path, r, world, weights_only) for r in range(world)]
-    # The first global rank holding each shard rank's rows (with a subgroup as shard group, groups repeat).
-    entries: Mapping[str, Any] = info["entries"]
+def shard_holders(files: Sequence[Mapping[str, Any]]) -> dict[int, int]:
+    """shard rank -> the first global rank holding its rows (with a subgroup as shard group, groups repeat)."""
     holders: dict[int, int] = {}
     for rank, data in enumerate(files):
         holders.setdefault(int(data.get("shard_rank", rank)), rank)
+    return holders
+
+
+def read_local_checkpoint_full(path: str, weights_only: bool | None = None) -> dict[str, Any]:
+    """A local checkpoint directory as one full checkpoint, assembled from every rank's file in this process alone."""
+    meta, info = read_local_meta(path, weights_only)
+    world = info["world_size"]
+    files = [_read_rank_file(path, r, world, weights_only) for r in range(world)]
+    entries: Mapping[str, Any] = info["entries"]
+    holders = shard_holders(files)
     state: dict[str, Any] = {}
     for key, entry in entries.items():
         if entry["rows"] is None:
@@ -321,9 +291,8 @@ def read_local_checkpoint_full(path: str, weights_only: bool | None = None) -> d
     return checkpoint
 
 
-class LocalFormat(DirectoryFormat):
-    """A file per rank with its raw shards (plus ``meta.pt``); loads only at the world size and layout that wrote it.
-    Not a target of ``convert``: its layout is a running engine's, which an offline conversion does not have."""
+class LocalFormat(common.DirectoryFormat):
+    """Not a target of ``convert``: its layout is a running engine's, which an offline conversion does not have."""
 
     kind = LOCAL
 
@@ -338,6 +307,4 @@ class LocalFormat(DirectoryFormat):
         save_local_checkpoint(checkpoint, path, run.engine, optimizers)
 
     read = staticmethod(load_local_checkpoint)
-
-    def read_as_full(self, path: str, weights_only: bool | None = None) -> dict[str, Any]:
-        return read_local_checkpoint_full(path, weights_only=weights_only)
+    read_as_full = staticmethod(read_local_checkpoint_full)

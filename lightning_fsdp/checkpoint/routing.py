@@ -1,11 +1,6 @@
 """The strategy's checkpoint calls, routed to a format: the one ``state_dict_type`` names for saving, the one on
-disk for loading, whatever ``state_dict_type`` is (a full file or a sharded directory at any world size, a local one
-at its own); see [Note: checkpoint formats] in common.py.
-
-Under pipeline parallelism every format describes the unsplit model. What that takes comes from the strategy's
-pipeline role (``pipeline``, a lightning_fsdp.pipeline.role.PipelineRole): ``checkpoint_info``, ``check_format``,
-``model_state_dict`` and ``optimizer_state``; without pipelining they are the plain format's.
-"""
+disk for loading. Under pipeline parallelism the strategy's pipeline role (``pipeline``) supplies what describes the
+unsplit model; without it, the plain format's."""
 
 from __future__ import annotations
 
@@ -24,11 +19,11 @@ from lightning_fsdp.checkpoint.common import (
     CheckpointRun,
     ShardedOptimizerState,
     ShardedStateDict,
-    load_sharded_model_state_dict,
+    load_model_state_dict,
     to_index_keyed,
 )
 from lightning_fsdp.checkpoint.formats import FULL_FORMAT, format_on_disk
-from lightning_fsdp.checkpoint.full import load_full_model_state_dict, load_full_optimizer_state_dict
+from lightning_fsdp.checkpoint.full import load_full_optimizer_state_dict
 from lightning_fsdp.checkpoint.paths import remove_checkpoint_path
 from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
@@ -130,11 +125,9 @@ def load_model_state(engine: ShardingEngine, checkpoint: Mapping[str, Any], stri
 
 
 def _load_model_state(engine: ShardingEngine, state: Mapping[str, Any], strict: bool, info: Any) -> None:
-    if isinstance(state, ShardedStateDict):  # read from a sharded/local directory: already this rank's rows
-        load_sharded_model_state_dict(engine, state, strict=strict)
-    else:  # a full state dict; under pipeline parallelism the unsplit model's, of which this rank takes its part
-        state = info.local_model_state(state) if info is not None else state
-        load_full_model_state_dict(engine, state, strict=strict)
+    if info is not None and not isinstance(state, ShardedStateDict):  # the unsplit model's full state: this part
+        state = info.local_model_state(state)
+    load_model_state_dict(engine, state, strict=strict)
     # A model built on the meta device: what the checkpoint filled has values now (engine/meta_init.py).
     root = engine.root
     named = {**dict(root.named_parameters(remove_duplicate=False)), **dict(root.named_buffers(remove_duplicate=False))}

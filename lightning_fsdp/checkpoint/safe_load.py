@@ -1,25 +1,7 @@
-"""Reading the files of a sharded checkpoint (``torch.distributed.checkpoint``) without running code they hold.
-
-[Note: loading checkpoints you did not write]
-Every file this package reads is unpickled by a restricted unpickler unless the caller trusts it by name
-(``weights_only=False`` when resuming, ``trust_pickled_code=True`` / ``--trust-pickled-code`` for ``convert`` and
-``export``); ``weights_only=None`` (unset) is restricted, as ``torch.load``'s own default is (:func:`restricted`):
-
-* ``torch.save`` files (a full checkpoint, ``meta.pt``, ``rank-N.pt``): ``torch.load(weights_only=True)``, torch's
-  allowlist (tensors, containers, primitives; more with ``torch.serialization.add_safe_globals``). The refusal is
-  reported by ``atomic_io.load_error``.
-* DCP's ``.metadata``: a plain pickle (protocol 4), which torch's reader unpickles with ``pickle.load`` whatever
-  ``weights_only`` says, and which torch's weights-only unpickler cannot read (it knows protocol 2's opcodes only).
-  :class:`MetadataUnpickler` is ``pickle.Unpickler`` with ``find_class`` limited to the classes DCP's metadata is
-  made of (:func:`metadata_globals`) and those the user allowed with ``torch.serialization.add_safe_globals``; see
-  docs/decisions.md. The storage paths it names must lie inside the checkpoint directory (:func:`confine_storage`).
-* DCP's ``.distcp`` data files: torch reads tensors with ``torch.load(weights_only=True)`` already; non-tensor entries
-  (optimizer hyper-parameters, ``get_extra_state``) go through ``DefaultLoadPlanner.load_bytes``, which uses
-  ``weights_only=False``: :class:`SafeLoadPlanner` passes the caller's choice instead. A refusal in either names the
-  ``.distcp`` file (:class:`SafeFileSystemReader` knows which one it was reading).
-
-Reading goes through :func:`read_dcp_metadata`, :func:`check_shard_files` and :func:`dcp_load`.
-"""
+"""Reading a sharded checkpoint's files without running code they hold (docs/checkpoints.md, "Loading checkpoints
+you did not write"): ``.metadata`` through :class:`MetadataUnpickler` (DCP's metadata classes only; see
+docs/decisions.md), storage paths confined to the directory, and non-tensor ``.distcp`` entries read with the
+caller's ``weights_only`` (torch's own planner uses ``weights_only=False``)."""
 
 from __future__ import annotations
 
@@ -42,6 +24,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from lightning_fsdp.checkpoint.atomic_io import (
+    PICKLE_HEADS,
     CheckpointLoadError,
     UntrustedCheckpointError,
     refusal_error,
@@ -222,7 +205,7 @@ def read_dcp_metadata(path: str, weights_only: bool | None = None) -> Metadata:
 
 def _starts_like_a_pickle(file: str) -> bool:
     with open(file, "rb") as f:
-        return f.read(2) in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+        return f.read(2) in PICKLE_HEADS
 
 
 def check_shard_files(path: str, metadata: Metadata) -> None:

@@ -1,22 +1,5 @@
-"""Sharded checkpoints: a directory in Lightning's layout, loadable at any world size.
-
-Layout (the one Lightning's ``FSDPStrategy(state_dict_type="sharded")`` writes, so Lightning's
-``python -m lightning.pytorch.utilities.consolidate_checkpoint`` consolidates it):
-
-* ``torch.distributed.checkpoint`` (DCP) files (``.metadata`` + ``__{rank}_0.distcp``) holding
-  ``{"model": <state dict>, "optimizer_0": <optimizer state>, ...}``. Each sharded parameter, and each optimizer state
-  tensor shaped like one, is a ``DTensor`` with placement ``Shard(0)`` built from this rank's rows (the engine's
-  ``torch.chunk`` layout is DTensor's), so every rank writes only its own rows; replicated tensors (buffers,
-  unsharded parameters, step counters) are written once. Optimizer state is keyed by parameter name and
-  ``param_groups[i]["params"]`` lists names, so loading maps it onto the optimizer of a run with any world size.
-* ``meta.pt``: everything else of the Lightning checkpoint (epoch, global_step, loops, callbacks, lr_schedulers,
-  precision state, hyper-parameters, ...) plus a ``"lightning_fsdp"`` entry (format, version, world size, how the
-  optimizer state is keyed, number of optimizers).
-
-Reading goes through ``safe_load`` (restricted unpickling of every file unless ``weights_only`` is False; see [Note:
-loading checkpoints you did not write] there). :class:`ShardedFormat` is the format object the strategy and
-``convert`` use.
-"""
+"""Sharded checkpoints: DCP files plus ``meta.pt``, the layout of Lightning's own ``state_dict_type="sharded"``
+(so its ``consolidate_checkpoint`` reads them), loadable at any world size. Layout: docs/checkpoints.md."""
 
 from __future__ import annotations
 
@@ -28,31 +11,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.optim import Optimizer
 
+from lightning_fsdp.checkpoint import common
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO
 from lightning_fsdp.checkpoint.common import (
     FORMAT_KEY,
-    FORMAT_VERSION,
     CheckpointMismatchError,
     CheckpointRun,
-    DirectoryFormat,
     ShardedOptimizerState,
     ShardedStateDict,
-    contiguous_stride,
-    engine_param_names,
     is_local_rows,
     is_sharded,
     managed_keys,
-    optimizer_params,
     shape_str,
-    to_index_keyed,
-    write_directory,
 )
 from lightning_fsdp.checkpoint.paths import META_FILE, SHARDED
 from lightning_fsdp.checkpoint.safe_load import alone_on_purpose, check_shard_files, dcp_load, read_dcp_metadata
@@ -79,10 +52,16 @@ def _mesh(engine: ShardingEngine, device_type: str) -> Any:
 def _dtensor(local: torch.Tensor, layout: ShardLayout, mesh: Any) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Shard
 
-    shape = tuple(layout.shape)
-    return DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=contiguous_stride(shape)
-    )
+    shape = torch.Size(layout.shape)
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=_contiguous_stride(shape))
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
 
 
 def to_global_tensor(local: torch.Tensor, layout: ShardLayout, engine: ShardingEngine) -> torch.Tensor:
@@ -99,7 +78,7 @@ def to_global_tensor(local: torch.Tensor, layout: ShardLayout, engine: ShardingE
 
 @torch.no_grad()
 def sharded_model_state_dict(engine: ShardingEngine) -> dict[str, Any]:
-    """The unwrapped model's ``state_dict()`` keys, sharded parameters as DTensors of this rank's rows (no copies)."""
+    """The model's state dict, sharded parameters as DTensors of this rank's rows (no copies)."""
     managed = managed_keys(engine)  # first: it puts the user's parameters back where a forward left stand-ins
     state = engine.root.state_dict()
     for key, slot in managed.items():
@@ -113,13 +92,11 @@ def sharded_optimizer_state_dict(
     engine: ShardingEngine, optimizer: Optimizer, *, unsplit_groups: Sequence[Sequence[str]] | None = None
 ) -> dict[str, Any]:
     """``optimizer.state_dict()`` keyed by parameter name, state shaped like a shard as DTensors.
-
-    ``unsplit_groups`` (pipeline parallelism, a collective then): the unsplit optimizer's param groups by name,
-    written in place of this rank's own, so that the checkpoint describes every stage's parameters (see [Note:
-    checkpoints across pipeline layouts] in lightning_fsdp/pipeline/checkpoint.py)."""
+    ``unsplit_groups`` (pipeline parallelism, a collective then): the unsplit optimizer's param groups by name, so
+    that the checkpoint describes every stage's parameters."""
     state_dict = optimizer.state_dict()
-    names = engine_param_names(engine)
-    params = optimizer_params(optimizer)
+    names = common.engine_param_names(engine)
+    params = common.optimizer_params(optimizer)
     fqns = [names.get(id(p), f"<unnamed parameter {i}>") for i, p in enumerate(params)]
     state: dict[str, dict[str, Any]] = {}
     scalar_rows: dict[str, list[str]] = {}
@@ -153,7 +130,7 @@ def sharded_optimizer_state_dict(
 
 
 def _split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
-    """(DCP part, meta.pt part, per-optimizer 0-dim row-state names) of a Lightning checkpoint dict."""
+    """(DCP part, meta.pt part, per-optimizer 0-dim row-state names)."""
     rest = dict(checkpoint)
     tensors: dict[str, Any] = {"model": rest.pop("state_dict", {})}
     optimizer_states = rest.pop("optimizer_states", None)
@@ -165,63 +142,49 @@ def _split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], di
     return tensors, rest, scalar_rows
 
 
-def _format_info(
-    world_size: int,
-    num_optimizers: int | None,
-    optimizer_keys: str,
-    scalar_rows: list | None = None,
-    pipeline: Any = None,
-) -> dict[str, Any]:
+def _write(checkpoint: Mapping[str, Any], path: str, coll: Collective, keys: str, pipeline: Any = None) -> None:
+    """The DCP files (every rank its rows) and ``meta.pt`` (rank 0), committed atomically; ``keys``: how the
+    optimizer state is keyed (``"fqn"``, or ``"index"`` converted from a full checkpoint)."""
+    tensors, meta, scalar_rows = _split_checkpoint(checkpoint)
+    optimizer_states = checkpoint.get("optimizer_states")
     info = {
         "format": "sharded",
-        "version": FORMAT_VERSION,
-        "world_size": world_size,
-        "num_optimizers": num_optimizers,
-        "optimizer_keys": optimizer_keys,
+        "version": common.FORMAT_VERSION,
+        "world_size": coll.world_size,
+        "num_optimizers": len(optimizer_states) if optimizer_states is not None else None,
+        "optimizer_keys": keys,
     }
-    if scalar_rows and any(scalar_rows):
+    if any(scalar_rows):
         info["scalar_param_rows"] = scalar_rows
     if pipeline is not None:  # written under pipeline parallelism: the stages, and the unsplit model's key order
         info["pipeline"] = pipeline.describe()
-    return info
-
-
-def _write(tensors: dict[str, Any], meta: dict[str, Any], path: str, coll: Collective) -> None:
-    """The DCP files (every rank its rows) and ``meta.pt`` (rank 0), committed atomically (``write_directory``)."""
+    meta[FORMAT_KEY] = info
 
     def write_part(tmp: str) -> None:
         # A failure on any rank raises a CheckpointException on every rank (DCP gathers the results).
         with alone_on_purpose(coll):
             dcp.save(tensors, checkpoint_id=tmp, no_dist=not coll.distributed)
 
-    write_directory(path, write_part, lambda: meta, coll)
+    common.write_directory(path, write_part, lambda: meta, coll)
 
 
 def save_sharded_checkpoint(
     checkpoint: Mapping[str, Any], path: str, coll: Collective | None = None, pipeline: Any = None
 ) -> None:
-    """Write a checkpoint built from :func:`sharded_model_state_dict` / :func:`sharded_optimizer_state_dict` to the
-    directory ``path``, atomically. Call on every rank. ``pipeline``: the run's ``PipelineCheckpoint``, if pipelined
-    (recorded in ``meta.pt``)."""
-    coll = coll or Collective()
-    tensors, meta, scalar_rows = _split_checkpoint(checkpoint)
-    num_optimizers = len(checkpoint["optimizer_states"]) if "optimizer_states" in checkpoint else None
-    meta[FORMAT_KEY] = _format_info(coll.world_size, num_optimizers, "fqn", scalar_rows, pipeline)
-    _write(tensors, meta, path, coll)
+    """Write a checkpoint of :func:`sharded_model_state_dict` / :func:`sharded_optimizer_state_dict` to ``path``,
+    atomically, on every rank; ``pipeline``: the run's ``PipelineCheckpoint``, recorded in ``meta.pt``."""
+    _write(checkpoint, path, coll or Collective(), "fqn", pipeline)
 
 
 def save_sharded_from_full(checkpoint: Mapping[str, Any], path: str) -> None:
-    """Write a full (Lightning-layout) checkpoint as a sharded directory, in this process alone (no process group).
-
-    Parameter names are not recorded in a full checkpoint's optimizer state, so the optimizer state is keyed by
-    position ("0", "1", ...), which loading maps onto the optimizer's parameters in order, as ``torch.optim`` does.
-    """
+    """Write a full checkpoint as a sharded directory, in this process alone. A full checkpoint's optimizer state
+    has no parameter names, so it is keyed by position, which loading maps in order, as ``torch.optim`` does."""
     checkpoint = dict(checkpoint)
     optimizer_states = checkpoint.get("optimizer_states")
     if optimizer_states is not None:
         converted = []
         for state in optimizer_states:
-            state = to_index_keyed(state)
+            state = common.to_index_keyed(state)
             converted.append(
                 {
                     "state": {str(k): v for k, v in state["state"].items()},
@@ -229,11 +192,7 @@ def save_sharded_from_full(checkpoint: Mapping[str, Any], path: str) -> None:
                 }
             )
         checkpoint["optimizer_states"] = converted
-    tensors, meta, _ = _split_checkpoint(checkpoint)
-    meta.pop(FORMAT_KEY, None)
-    num_optimizers = len(optimizer_states) if optimizer_states is not None else None
-    meta[FORMAT_KEY] = _format_info(1, num_optimizers, "index")
-    _write(tensors, meta, path, Collective(alone=True))
+    _write(checkpoint, path, Collective(alone=True), "index")
 
 
 # ===================================================================================================== reading
@@ -241,21 +200,18 @@ def read_meta(path: str, weights_only: bool | None = None) -> dict[str, Any]:
     return AtomicCheckpointIO().load_checkpoint(os.path.join(path, META_FILE), weights_only=weights_only)
 
 
-def planner_data(metadata: Metadata) -> Mapping[str, tuple]:
-    """flat key -> path in the saved nested dict, in the order of the saved dict (written by DCP's save planner)."""
-    return metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
-
-
-def dcp_entries(metadata: Metadata) -> dict[str, tuple[tuple, Any]]:
-    """flat key -> (path tuple in the saved nested dict, storage metadata)."""
-    paths = planner_data(metadata)
+def dcp_entries(metadata: Metadata, saved_order: bool = False) -> dict[str, tuple[tuple, Any]]:
+    """flat key -> (path in the saved nested dict, storage metadata); ``saved_order``: in the saved dict's order
+    (DCP's save planner records it), else the metadata's."""
+    paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+    order = {flat: i for i, flat in enumerate(paths)} if saved_order else {}
     out = {}
-    for key, storage in metadata.state_dict_metadata.items():
+    for key in sorted(metadata.state_dict_metadata, key=lambda f: order.get(f, len(order))):
         path = paths.get(key)
         if path is None:
             head, _, tail = key.partition(".")
             path = (head, tail) if tail else (head,)
-        out[key] = (tuple(path), storage)
+        out[key] = (tuple(path), metadata.state_dict_metadata[key])
     return out
 
 
@@ -314,12 +270,9 @@ class _ShardedLoad:
         self._plan_model()
 
     # ---------------------------------------------------------------------------------------------- model
-    def _cpu_mesh(self) -> Any:
-        return _mesh(self.engine, "cpu")
-
     def _target(self, full_shape: tuple[int, ...], dtype: torch.dtype, layout: ShardLayout | None) -> Any:
         if layout is not None and is_sharded(layout) and len(full_shape) > 0:
-            return _dtensor(torch.zeros(tuple(layout.local_shape), dtype=dtype), layout, self._cpu_mesh())
+            return _dtensor(torch.zeros(tuple(layout.local_shape), dtype=dtype), layout, _mesh(self.engine, "cpu"))
         return torch.zeros(full_shape, dtype=dtype)
 
     def _plan_model(self) -> None:
@@ -376,13 +329,13 @@ class _ShardedLoad:
         self.optimizer_plans = []
         if self.optimizers is None:
             return
-        names = engine_param_names(self.engine)
+        names = common.engine_param_names(self.engine)
         for index, (prefix, optimizer) in enumerate(zip(self.optimizer_prefixes, self.optimizers)):
             groups = self._groups(prefix)
             here = optimizer.param_groups
             sizes = [len(g.get("params", [])) for g in groups]
             here_sizes = [len(g["params"]) for g in here]
-            params = optimizer_params(optimizer)
+            params = common.optimizer_params(optimizer)
             # The optimizer the checkpoint is compared with: this run's, or under pipeline parallelism the unsplit
             # one (every stage's parameters; see lightning_fsdp/pipeline/checkpoint.py), of which this rank holds
             # the positions mapping.local.
@@ -453,18 +406,13 @@ class _ShardedLoad:
         """Load (two rounds of DCP reads: the small non-tensor entries, then the tensors) and build the dict."""
         # Round 1: all non-tensor entries of the model and the optimizers (param_groups, hyper-parameters).
         bytes_keys = dict(self.bytes_targets)
-        if self.optimizers is not None:
-            for flat, (p, storage) in self.entries.items():
-                if p[0] in self.optimizer_prefixes and isinstance(storage, BytesStorageMetadata):
-                    bytes_keys[flat] = None
-            # Tensor-valued hyper-parameters (a tensor lr) belong to round 1 as well.
-            for flat, (p, storage) in self.entries.items():
-                if (
-                    p[0] in self.optimizer_prefixes
-                    and p[1] == "param_groups"
-                    and isinstance(storage, TensorStorageMetadata)
-                ):
-                    bytes_keys[flat] = torch.zeros(tuple(storage.size), dtype=storage.properties.dtype)
+        for flat, (p, storage) in self.entries.items() if self.optimizers is not None else ():
+            if p[0] not in self.optimizer_prefixes:
+                continue
+            if isinstance(storage, BytesStorageMetadata):
+                bytes_keys[flat] = None
+            elif p[1] == "param_groups" and isinstance(storage, TensorStorageMetadata):  # a tensor lr
+                bytes_keys[flat] = torch.zeros(tuple(storage.size), dtype=storage.properties.dtype)
         dcp_load(bytes_keys, self.path, self.coll, self.weights_only)
         self.loaded_bytes = bytes_keys
         self._plan_optimizers()  # raises the same mismatch on every rank: all read the same entries
@@ -490,19 +438,15 @@ class _ShardedLoad:
         for flat, (position, sub, _kind) in state_targets.items():
             entry = state.setdefault(position, {})
             _set(entry, sub, self._local(flat, loaded[flat]))
-        new_groups, start = [], 0
-        for group, n in zip(groups, sizes):  # this run's group sizes (fewer under pipeline parallelism)
-            new_groups.append({**group, "params": list(range(start, start + n))})
-            start += n
-        return ShardedOptimizerState({"state": state, "param_groups": new_groups})
+        # This run's group sizes (fewer under pipeline parallelism).
+        return ShardedOptimizerState({"state": state, "param_groups": common.numbered_groups(groups, sizes)})
 
 
 def load_sharded_checkpoint(
     path: str, run: CheckpointRun, *, coll: Collective | None = None, weights_only: bool | None = None
 ) -> dict[str, Any]:
-    """Read a sharded directory on every rank: the Lightning checkpoint dict with ``state_dict`` a
-    :class:`ShardedStateDict` and (if ``optimizers`` is given and the checkpoint has them) ``optimizer_states`` as
-    :class:`ShardedOptimizerState` entries, each holding this rank's rows under the current layout."""
+    """Read a sharded directory on every rank into a checkpoint dict holding this rank's rows under the current
+    layout (``ShardedStateDict``, and ``ShardedOptimizerState`` entries if ``run.optimizers`` is given)."""
     engine, optimizers = run.engine, run.optimizers
     assert engine is not None
     coll = coll or Collective()
@@ -513,15 +457,13 @@ def load_sharded_checkpoint(
 
 # ===================================================================================================== offline
 def read_sharded_checkpoint_full(path: str, weights_only: bool | None = None) -> dict[str, Any]:
-    """A sharded directory as one full checkpoint in Lightning's layout (plain ``torch.optim`` optimizer state), read
-    in this process alone, without a process group."""
-    # What torch's format_utils.dcp_to_torch_save reads (every entry whole), through the public dcp.load: a target
-    # for each entry the metadata lists, at its full size, then nested again in the order the saved dict had.
+    """A sharded directory as one full checkpoint (plain ``torch.optim`` optimizer state), in this process alone."""
+    # What torch's format_utils.dcp_to_torch_save reads (every entry whole), through the public dcp.load.
     metadata = read_dcp_metadata(path, weights_only)
     check_shard_files(path, metadata)
     meta = read_meta(path, weights_only)
     info = meta.pop(FORMAT_KEY, None) or {}
-    entries = dcp_entries(metadata)
+    entries = dcp_entries(metadata, saved_order=True)
     targets = {
         flat: torch.empty(tuple(storage.size), dtype=storage.properties.dtype)
         if isinstance(storage, TensorStorageMetadata)
@@ -529,10 +471,9 @@ def read_sharded_checkpoint_full(path: str, weights_only: bool | None = None) ->
         for flat, (_, storage) in entries.items()
     }
     dcp_load(targets, path, Collective(alone=True), weights_only)
-    saved_order = {flat: i for i, flat in enumerate(planner_data(metadata))}
     tensors: dict[str, Any] = {}
-    for flat in sorted(entries, key=lambda f: saved_order.get(f, len(saved_order))):
-        _set(tensors, entries[flat][0], targets[flat])
+    for flat, (where, _) in entries.items():
+        _set(tensors, where, targets[flat])
     checkpoint = dict(meta)
     checkpoint["state_dict"] = tensors.pop("model", {})
     unsplit = (info.get("pipeline") or {}).get("model_keys") if isinstance(info, Mapping) else None
@@ -542,14 +483,12 @@ def read_sharded_checkpoint_full(path: str, weights_only: bool | None = None) ->
         checkpoint["state_dict"] = {**ordered, **{k: v for k, v in state.items() if k not in ordered}}
     prefixes = sorted((k for k in tensors if _OPTIMIZER_KEY.fullmatch(k)), key=lambda s: int(s.split("_")[1]))
     if prefixes:
-        checkpoint["optimizer_states"] = [to_index_keyed(tensors.pop(k)) for k in prefixes]
+        checkpoint["optimizer_states"] = [common.to_index_keyed(tensors.pop(k)) for k in prefixes]
     checkpoint.update(tensors)
     return checkpoint
 
 
-class ShardedFormat(DirectoryFormat):
-    """A DCP directory plus ``meta.pt`` (the layout of Lightning's own sharded checkpoints); loads at any world size."""
-
+class ShardedFormat(common.DirectoryFormat):
     kind = SHARDED
     writes_offline = True
 
@@ -560,9 +499,5 @@ class ShardedFormat(DirectoryFormat):
         save_sharded_checkpoint(checkpoint, path, pipeline=run.pipeline)
 
     read = staticmethod(load_sharded_checkpoint)
-
-    def read_as_full(self, path: str, weights_only: bool | None = None) -> dict[str, Any]:
-        return read_sharded_checkpoint_full(path, weights_only=weights_only)
-
-    def write_full(self, checkpoint: Mapping[str, Any], path: str) -> None:
-        save_sharded_from_full(checkpoint, path)
+    read_as_full = staticmethod(read_sharded_checkpoint_full)
+    write_full = staticmethod(save_sharded_from_full)

@@ -1,34 +1,13 @@
-"""Checkpoints of a pipelined model: whatever the (pipeline, data) layout, a checkpoint describes the unsplit model.
+"""Checkpoints of a pipelined model: whatever the (pipeline, data) layout, a checkpoint describes the unsplit model
+(docs/pipeline.md, "Checkpoints across layouts").
 
 [Note: checkpoints across pipeline layouts]
-Each pipeline rank holds only its stages' pieces (lightning_fsdp/pipeline/split.py), under the unsplit model's
-names, and its optimizer holds only those pieces' parameters. A checkpoint written under P=2 x D=2 must load under
-P=1 (plain fsdp_custom, DDP, one device) and the reverse, so every format is written as the unsplit model's:
-
-* ``"sharded"``: every rank writes its stages' rows (DCP merges the ranks' plans, so the metadata lists every
-  parameter of every stage). The one thing a rank cannot write alone is an optimizer's ``param_groups``: under P=1
-  each group lists the names of all its parameters, so here every rank writes the *unsplit* groups (the same on
-  every rank; DCP keeps one copy). Loading a checkpoint of any layout, each rank reads its stages' rows;
-  ``_ShardedLoad`` (checkpoint/sharded.py) takes the unsplit groups and keys from :class:`PipelineCheckpoint`.
-* ``"full"``: each stage's full state is gathered on its data-parallel rank 0 (the P=1 code, over the stage's
-  data-parallel group), then sent to global rank 0 over the pipeline group, which merges the stages in the unsplit
-  model's order and writes the file a DDP run writes. Loading, every rank reads the file and keeps its stages' part.
-* ``"local"``: refused. Its ``meta.pt`` describes one shard group's layout and it loads only at the layout that
-  wrote it, so it cannot describe a pipeline; ``"sharded"`` writes about as fast and loads anywhere.
-
-The unsplit order. ``nn.Module.state_dict`` and ``named_parameters`` walk the LightningModule's own tensors first,
-then its children in registration order; the pipelined model is one child, and its pieces (its children, containers
-expanded) come in forward order. So a key's place in the unsplit model is (its top-level child, its piece, its place
-on the rank that holds it), which every rank can work out from the key lists of all pipeline ranks.
-
-Optimizer state in the full format is keyed by parameter index, so the index a parameter would have in the unsplit
-run's optimizer must be known. The rule: the unsplit optimizer has the same param groups, in the same order, and
-each group lists its parameters (the union over the pipeline ranks) in the unsplit model's ``named_parameters``
-order; indices run over the groups one after another, as ``torch.optim`` numbers them. That is exactly the
-optimizer ``configure_optimizers`` builds over ``self.parameters()``, and over groups filtered from
-``self.named_parameters()``. An optimizer whose group lists its parameters in another order, or whose pipeline ranks
-disagree on the number of groups or their settings, is refused with an error that says so (raised on every rank:
-each rank checks every rank's lists).
+A pipeline rank holds only its stages' pieces, under the unsplit model's names. ``"sharded"``: every rank writes its
+stages' rows and the *unsplit* optimizer param groups (the one thing a rank cannot write alone). ``"full"``: each
+stage's state is gathered on its data-parallel rank 0, then merged on global rank 0 in the unsplit order. ``"local"``
+is refused: its metadata describes one shard group. A key's place in the unsplit model is (its top-level child, its
+piece, its place on its rank); the unsplit optimizer has the same groups, each listing its parameters in the unsplit
+``named_parameters`` order, which every rank checks against every rank's lists.
 """
 
 from __future__ import annotations
@@ -40,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint.common import CheckpointMismatchError
+from lightning_fsdp.checkpoint.common import CheckpointMismatchError, numbered_groups
 from lightning_fsdp.checkpoint.full import full_model_state_dict, full_optimizer_state_dict
 from lightning_fsdp.checkpoint.paths import FULL, LOCAL, SHARDED
 from lightning_fsdp.checkpoint.sharded import sharded_model_state_dict, sharded_optimizer_state_dict
@@ -200,11 +179,7 @@ class PipelineCheckpoint:
             positions = mapping.by_rank[rank]
             for position, entry in part.get("state", {}).items():
                 entries[positions[int(position)]] = entry
-        groups, start = [], 0
-        for group, size in zip(parts[0]["param_groups"], mapping.sizes):
-            settings = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**settings, "params": list(range(start, start + size))})
-            start += size
+        groups = numbered_groups(parts[0]["param_groups"], mapping.sizes)
         return {"state": dict(sorted(entries.items())), "param_groups": groups}
 
     def local_model_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
@@ -229,11 +204,8 @@ class PipelineCheckpoint:
             entry = saved.get(unsplit, saved.get(str(unsplit)))
             if entry is not None:
                 local_state[position] = entry
-        local_groups, start = [], 0
-        for group, size in zip(groups, [len(g["params"]) for g in here.param_groups]):
-            local_groups.append({**group, "params": list(range(start, start + size))})
-            start += size
-        return {"state": local_state, "param_groups": local_groups}
+        sizes = [len(g["params"]) for g in here.param_groups]
+        return {"state": local_state, "param_groups": numbered_groups(groups, sizes)}
 
 
 def _settings(group: Mapping[str, Any]) -> str:

@@ -1,11 +1,5 @@
-"""``PipelineRole``: everything ``FSDPStrategy`` does differently under pipeline parallelism, behind one object.
-
-The strategy holds one role and calls it wherever a pipelined run differs: the sampler, setup (cut the model into
-stages, the groups to shard them over, the engine), the stage group that gradient clipping sees, the training step
-and its backward, and checkpoints. ``PipelineRole`` itself is the null role, a rank that runs the whole model
-(``pipeline_parallel_size=1``): each method does what a plain run does. ``StageRole`` runs this rank's stages of a
-pipeline (docs/pipeline.md).
-"""
+"""``PipelineRole``: everything ``FSDPStrategy`` does differently under pipeline parallelism, behind one object. The
+null role (``pipeline_parallel_size=1``) does what a plain run does; ``StageRole`` runs this rank's stages."""
 
 from __future__ import annotations
 
@@ -56,18 +50,9 @@ class PipelineRole:
         return {"num_replicas": world_size, "rank": rank}
 
     # ----------------------------------------------------------------------------------------------- setup
-    def split(
-        self,
-        module: nn.Module,
-        *,
-        world_size: int,
-        rank: int,
-        device: torch.device,
-        timeout: timedelta | None,
-        precision: str,
-        mixed_precision: MixedPrecision | None,
-    ) -> None:
-        """Cut the model into stages and keep this rank's (before the model is sharded)."""
+    def split(self, module: nn.Module, **run: Any) -> None:
+        """Cut the model into stages and keep this rank's, before the model is sharded (``run``: as
+        :meth:`StageRole.split` takes it)."""
 
     def shard_groups(self, default: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
         """The (shard, replicate) groups to shard the model over; ``default()`` resolves the strategy's own."""
