@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from lightning_fsdp import FSDPStrategy, export_safetensors, load_pretrained  # noqa: E402
 from lightning_fsdp.demo.data import default_text_path  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -144,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         auto_wrap_policy=layers,  # one unit per decoder layer: at most ~2 layers' full weights gathered at a time
         activation_checkpointing_policy=layers if args.activation_checkpointing else None,
         state_dict_type="sharded",  # each rank writes its own shards; loads at any world size
+        weights_after_stage="sharded",  # keep the shards after fit for the save below: no rank gathers the model
     )
     trainer = L.Trainer(
         accelerator=args.accelerator,
@@ -169,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.is_global_zero:
         # Reads the checkpoint one tensor at a time; the same as `lightning-fsdp export ... --strip-prefix model.`
         export_safetensors(checkpoint, out / "hf", prefix="model.", config=pretrained, overwrite=True)
+        for name in TOKENIZER_FILES:  # so that the export is a complete from_pretrained directory
+            if (pretrained / name).is_file():
+                shutil.copy2(pretrained / name, out / "hf" / name)
         loss = trainer.callback_metrics.get("train_loss")
         print(f"final train_loss {float(loss):.4f}; from_pretrained directory: {out / 'hf'}")
 
