@@ -1,10 +1,7 @@
 """``estimate_memory``: the bytes each rank will hold for a model's state under sharding, before training starts.
-
-It follows the engine's own rules (the same units, the same ``torch.chunk`` layout, the buffers the engine
-allocates) and reads only shapes and dtypes, so a model on ``torch.device("meta")`` can be estimated. What each
-component counts, and what is left out: docs/monitoring.md. The communication assumes every unit runs once forward
-and once backward per step, in module order: the steady state from the second step on, when FULL_SHARD keeps the
-forward's last unit gathered into its backward.
+It follows the engine's own rules (units, ``torch.chunk`` layout, buffers) from shapes and dtypes alone, so a model on
+the meta device can be estimated; what each figure counts: docs/monitoring.md. Communication is the steady state from
+the second step on, every unit once forward and once backward, in module order.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""``ShardingMonitor``: a Lightning callback that logs what sharding costs and saves, per training step and per rank.
-
-    trainer = L.Trainer(strategy="fsdp_custom", devices=2, callbacks=[ShardingMonitor()], logger=CSVLogger("logs"))
-
-Each logged step one small all-gather brings every rank's values to rank 0's loggers as ``fsdp/rank<r>/<quantity>``;
-docs/monitoring.md lists the quantities and how each is measured. CPU has no allocator statistics in torch, so the
-model-state figures come from the engine's accounting and the process-level figure is RSS, not tensor bytes.
+"""``ShardingMonitor``: a Lightning callback that logs what sharding costs and saves, per training step and per rank,
+as ``fsdp/rank<r>/<quantity>`` through rank 0's loggers after one small all-gather (docs/monitoring.md). CPU has no
+allocator statistics in torch: there the model-state figures are the engine's accounting and the process figure RSS.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""The shard group and, for the hybrid strategies, the replicate group a sharded model's collectives run on: the
-user's group, pair or 2-D ``DeviceMesh``, or by default (``node_groups``) one node's processes as a shard group and
-equal local ranks as a replicate group, the groups of
-``init_device_mesh(device_type, (num_nodes, per_node), mesh_dim_names=("replicate", "shard"))``.
+"""The shard group and, for the hybrid strategies, the replicate group: the user's group, pair or 2-D ``DeviceMesh``,
+or by default (``node_groups``) the groups of ``init_device_mesh(device_type, (num_nodes, per_node))``.
 
 [Note: the groups keep the strategy's timeout]
-A new group does not inherit the default group's timeout, and ``init_device_mesh`` takes none (torch issues #119574,
-#119613): its groups get torch's default of 30 minutes, and only ``backend_override``'s backend-specific options,
-missing from torch 2.6, carry one. So ``node_groups`` makes the same groups with ``new_group(..., timeout=timeout)``.
+A new group does not inherit the default group's timeout, and ``init_device_mesh`` takes none (torch #119574,
+#119613), so ``node_groups`` makes the same groups with ``new_group(..., timeout=timeout)``.
 """
 
 from __future__ import annotations
