@@ -1,8 +1,5 @@
-"""Accelerators of lightning-fsdp: an Intel Gaudi (HPU) accelerator for Lightning.
-
-Importing this package never imports the Gaudi software (``habana_frameworks``); it is loaded on demand, so the
-package works on machines without it. ``lightning_fsdp`` calls :func:`register_hpu_accelerator` on import.
-"""
+"""Accelerators of lightning-fsdp: an Intel Gaudi (HPU) accelerator for Lightning. Importing it never imports the
+Gaudi software (``habana_frameworks``), which is loaded on demand."""
 
 from .hpu import HPUAccelerator
 from .hpu_runtime import check_eager_mode

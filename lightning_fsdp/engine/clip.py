@@ -1,10 +1,9 @@
 """Gradient clipping by the global norm over every shard (and pipeline stage): the norm an unsharded run computes.
 
 [Note: the global gradient norm]
-Each rank computes the sum of its shards' per-tensor norms to the p-th power (or their maximum for the inf norm) in
-float32, one all-reduce combines the ranks, and the term of the parameters every rank holds whole is added once.
-torch's ``get_total_norm`` is not used: it rounds each rank's term to the gradients' dtype and its inf norm refuses
-an empty shard (docs/decisions.md).
+Each rank sums its shards' per-tensor norms to the p-th power (the maximum for inf) in float32, one all-reduce
+combines the ranks, and the parameters every rank holds whole count once. Not torch's ``get_total_norm``: it rounds
+each rank's term to the gradients' dtype and its inf norm refuses an empty shard (docs/decisions.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """``ShardingOptions``: the engine's options, validated in one place for ``FSDPStrategy`` and ``fully_shard``.
 
 [Note: validate before the first collective]
-Every option is checked on every rank before any process group exists (``FSDPStrategy.__init__``) or before the
-first collective (``fully_shard``), so a bad value raises the same error everywhere instead of failing on one rank
-while the others wait in a collective. Parsing a parsed value returns it unchanged, so the strategy hands its options
-on to ``fully_shard``.
+Every option is checked on every rank before any process group exists or before the first collective, so a bad
+value raises the same error everywhere. Parsing a parsed value returns it unchanged.
 """
 
 from __future__ import annotations
