@@ -6,13 +6,14 @@ LoRA, requires_grad flipped mid-training, the model used after fit, the model ca
 the steps, between accumulation steps, by rank 0 alone inside ``engine.unsharded()`` and through transformers'
 ``generate()``) runs as a user's script runs it, on 2 ranks and
 on one device, on the same global batches (rank r takes samples r, r+N, ...). Both sides run all their patterns in
-one launch each, cached for the module; each test compares one pattern: final weights (every state entry, fp32,
-rtol 1e-5, atol 1e-6), per-step losses and the pattern's own probes, snapshots and flags. A pattern may instead be
-refused: an error on every rank before the first optimizer step, whose message names the pattern.
+one launch each, the two sides at once, cached for the module; each test compares one pattern: final weights (every
+state entry, fp32, rtol 1e-5, atol 1e-6), per-step losses and the pattern's own probes, snapshots and flags. A
+pattern may instead be refused: an error on every rank before the first optimizer step, whose message names it.
 """
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.processes import ROOT, clean_env, kill_group
+from tests.processes import ROOT, clean_env, in_background, kill_group
 from tests.scripts.patterns_run import CLIP, OPTIONS, PATTERNS
 
 SCRIPT = ROOT / "tests" / "scripts" / "patterns_run.py"
@@ -103,9 +104,12 @@ _sides: dict = {}
 @pytest.fixture(scope="module")
 def sides(tmp_path_factory):
     if not _sides:
+        # The sides are independent (their own files): both run at once, one process next to two.
         folder = tmp_path_factory.mktemp("patterns")
-        _sides["ref"] = run_side(1, folder)
-        _sides["fsdp"] = run_side(2, folder)
+        running = in_background(
+            {"ref": functools.partial(run_side, 1, folder), "fsdp": functools.partial(run_side, 2, folder)}
+        )
+        _sides.update({side: future.result() for side, future in running.items()})
     return _sides
 
 
