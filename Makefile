@@ -1,6 +1,8 @@
 # Two commands do everything on a fresh clone: `make demo` and `make test`.
-# Both create .venv/ on first use. torch is pinned to the CPU build first, so that resolving lightning does not
-# pull a multi-GB CUDA build; a later `pip install -e .` accepts the torch already there.
+# Both create .venv/ on first use. torch is installed first, pinned (TORCH_SPEC), so that resolving lightning does not
+# pull another build; a later `pip install -e .` accepts the torch already there. Which build the pin resolves to is
+# the package index's choice: the CPU build where pip's index serves it (as on the project's machines), the CUDA
+# build from PyPI on Linux x86-64 (README: Install, for the CPU index).
 
 PYTHON ?= python3
 VENV := .venv
