@@ -3,11 +3,11 @@ fsdp_custom on 2 ranks), on one device and under DDP, and theirs resume under P=
 the full format, with the unsplit model's parameter names.
 
 Every training run is tests/scripts/pipeline_checkpoint_run.py (ChainLM, SGD with momentum over two param groups,
-so the optimizer state and its numbering matter), launched as users launch scripts, several jobs per launch. An epoch
-is 2 steps on the same global batches on every layout: a run that saves at the end of epoch 1 and a fresh run that
-resumes from it for epoch 2 must end where the independent reference ends, an uninterrupted 4-step run on one device
-(strategy "auto", no pipelining). A sharded checkpoint reaches DDP and the one-device run as plain Lightning reads
-it: converted to a full file by ``lightning_fsdp.checkpoint.convert`` first.
+so the optimizer state and its numbering matter), launched as users launch scripts, several jobs per launch, the
+independent launches at once. An epoch is 2 steps on the same global batches on every layout: a run that saves at the
+end of epoch 1 and a fresh run that resumes from it for epoch 2 must end where the independent reference ends, an
+uninterrupted 4-step run on one device (strategy "auto", no pipelining). A sharded checkpoint reaches DDP and the
+one-device run as plain Lightning reads it: converted to a full file by ``lightning_fsdp.checkpoint.convert`` first.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
+from concurrent.futures import Future
+from functools import partial
 
 import pytest
 import torch
@@ -25,22 +28,30 @@ from lightning_fsdp.checkpoint.common import CheckpointMismatchError
 from lightning_fsdp.checkpoint.convert import convert
 from lightning_fsdp.checkpoint.sharded import read_dcp_metadata, read_sharded_checkpoint_full
 from lightning_fsdp.pipeline.checkpoint import OptimizerMap, PipelineCheckpoint, _optimizer_map, unsplit_order
-from tests.processes import ROOT
+from tests.processes import ROOT, in_background
 from tests.scripts.checkpoint_runs import launch
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "pipeline_checkpoint_run.py")
 P2 = ["--devices", "4", "--pp", "2"]
 RTOL, ATOL = 1e-5, 1e-6
+LAUNCH_S = 400  # one launch, next to the others running at once; a guard against a hang, not a measurement
 N_PARAMS = 21  # ChainLM: embedding, 4 blocks of 2 linears, norm, head
 STAGE1_KEY = "model.head.bias"  # a parameter of the second stage only (checked below)
 
 
 class Runs:
-    """Each launch once per module, on demand, after the launches whose checkpoints it reads."""
+    """Each launch once per module, all started in the background (tests/processes.py's ``in_background``), each
+    after the launches whose checkpoints it reads."""
 
     def __init__(self, folder: str) -> None:
         self.dir = folder
-        self.results: dict[str, list[dict]] = {}
+        self._prepare_lock = threading.Lock()  # two launches may need the same converted file
+        self._submitted = threading.Event()
+        # The dict's order starts every launch after those it reads; one-device and DDP wait for p2_save only.
+        order = ["p2_save", "p2_interleaved", "p1", "ddp", "single", "p2_resume"]
+        assert sorted(order) == sorted(self.specs())
+        self._futures: dict[str, Future] = in_background({name: partial(self._launch, name) for name in order})
+        self._submitted.set()
 
     def path(self, name: str) -> str:
         return os.path.join(self.dir, name)
@@ -126,19 +137,26 @@ class Runs:
             torch.save(bad, p("bad.ckpt"))
             convert(p("bad.ckpt"), p("bad_s.ckpt"), to="sharded")
 
+    def _launch(self, name: str) -> list[dict]:
+        self._submitted.wait()
+        args, jobs, needs = self.specs()[name]
+        for need in needs:
+            self.get(need)
+        with self._prepare_lock:
+            self.prepare(name)
+        out = self.path(f"out_{name}")
+        proc = launch([sys.executable, SCRIPT, "--out", out, *args, "--jobs", json.dumps(jobs)], timeout=LAUNCH_S)
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        files = sorted(os.listdir(out), key=lambda f: int(f[4:-3]))
+        return [torch.load(os.path.join(out, f), weights_only=False) for f in files]
+
     def get(self, name: str) -> list[dict]:
         """Every rank's results of launch ``name``."""
-        if name not in self.results:
-            args, jobs, needs = self.specs()[name]
-            for need in needs:
-                self.get(need)
-            self.prepare(name)
-            out = self.path(f"out_{name}")
-            proc = launch([sys.executable, SCRIPT, "--out", out, *args, "--jobs", json.dumps(jobs)], timeout=300)
-            assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-            files = sorted(os.listdir(out), key=lambda f: int(f[4:-3]))
-            self.results[name] = [torch.load(os.path.join(out, f), weights_only=False) for f in files]
-        return self.results[name]
+        return self._futures[name].result()
+
+    def wait_all(self) -> None:
+        for future in self._futures.values():
+            future.exception()  # waits; the tests report errors
 
     def job(self, name: str, job: str) -> list[dict]:
         return [rank[job] for rank in self.get(name)]
@@ -147,7 +165,9 @@ class Runs:
 @pytest.fixture(scope="module")
 def runs():
     folder = tempfile.mkdtemp(prefix="pp_ckpt_")
-    yield Runs(folder)
+    runs = Runs(folder)
+    yield runs
+    runs.wait_all()  # no launch still writing into the folder
     shutil.rmtree(folder, ignore_errors=True)
 
 
