@@ -3,13 +3,17 @@
 The parity tests run tests/scripts/pipeline_run.py as users run their scripts: P=2 pipeline ranks x D=2 data ranks
 on 4 gloo processes against the same LightningModule on one device, on the same global batches (the data rank d
 takes samples d, d+2, ...). The reference does not pipeline at all: ``pipelined_loss`` is then the plain
-``loss_fn(model(x), y)``. The other tests check the options and the cutting of a model, without processes.
+``loss_fn(model(x), y)``. Every launch of the module (the parity runs, their references and the three that must fail
+on every rank) is independent: a module fixture starts them all, a few at a time (tests/processes.py's
+``in_background``), and each test waits for the ones it checks. The other tests check the options and the cutting of
+a model, without processes.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,9 +23,10 @@ from torch import nn
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.pipeline import PipelineOptions, pipeline_pieces, plan_stages
 from lightning_fsdp.pipeline.split import AbsentPiece, keep_only, meta_copy, stage_view
-from tests.processes import ROOT, clean_env
+from tests.processes import ROOT, clean_env, in_background
 
 SCRIPT = ROOT / "tests" / "scripts" / "pipeline_run.py"
+LAUNCH_S = 600  # one launch, next to the others running at once; a guard against a hang, not a measurement
 
 
 def run_script(out: Path, *args: str) -> list[dict]:
@@ -31,21 +36,15 @@ def run_script(out: Path, *args: str) -> list[dict]:
         cwd=out.parent,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=LAUNCH_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     files = sorted(out.glob("rank*.pt"), key=lambda f: int(f.stem[4:]))
     return [torch.load(f, weights_only=False) for f in files]
 
 
-_references: dict = {}
-
-
-def reference(tmp_path_factory, *args: str) -> dict:
-    if args not in _references:
-        out = tmp_path_factory.mktemp("ref") / "ref"
-        (_references[args],) = run_script(out, "--devices", "1", "--pp", "1", *args)
-    return _references[args]
+def reference(launched: dict, *args: str) -> dict:
+    return launched["ref", args].result()
 
 
 CASES = [
@@ -60,13 +59,11 @@ CASES = [
 
 @pytest.mark.parametrize("schedule,training", CASES, ids=lambda v: "-".join(v) if isinstance(v, tuple) else v)
 @pytest.mark.parametrize("wrap", [False, True], ids=["root-unit", "block-units"])
-def test_p2_d2_ends_where_one_device_ends(tmp_path, tmp_path_factory, schedule, training, wrap):
+def test_p2_d2_ends_where_one_device_ends(launched, schedule, training, wrap):
     if wrap and schedule == "GPipe":
         pytest.skip("units per block: covered by 1F1B and Interleaved1F1B")
-    ref = reference(tmp_path_factory, *training)
-    ranks = run_script(
-        tmp_path / "pp", "--devices", "4", "--pp", "2", "--schedule", schedule, *training, *(["--wrap"] if wrap else [])
-    )
+    ref = reference(launched, *training)
+    ranks = launched["p2d2", schedule, training, wrap].result()
     assert len(ranks) == 4
     compared = 0
     covered: set[str] = set()
@@ -99,9 +96,9 @@ COMPOSED = [
 
 
 @pytest.mark.parametrize("strategy,training,tol", COMPOSED, ids=lambda v: "-".join(v) if isinstance(v, tuple) else "")
-def test_sharding_strategies_checkpointing_and_bf16_compose(tmp_path, tmp_path_factory, strategy, training, tol):
-    ref = reference(tmp_path_factory, *training)
-    ranks = run_script(tmp_path / "pp", "--devices", "4", "--pp", "2", *strategy, *training)
+def test_sharding_strategies_checkpointing_and_bf16_compose(launched, strategy, training, tol):
+    ref = reference(launched, *training)
+    ranks = launched["composed", strategy, training].result()
     compared = 0
     for got in ranks:
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=tol, atol=tol)
@@ -301,56 +298,73 @@ def test_pipeline_size_must_divide_the_world():
         PipelineOptions.parse(2).check_world(3)
 
 
-def test_world_not_divisible_fails_on_every_rank_before_any_collective(tmp_path):
+def test_world_not_divisible_fails_on_every_rank_before_any_collective(launched):
     # 3 processes, P=2: each rank raises in setup, before the strategy creates a group; none is left waiting.
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "x"), "--devices", "3", "--pp", "2"],
-        env=clean_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = launched["fails", "world"].result()
     assert proc.returncode != 0
     assert "pipeline_parallel_size=2 does not divide the 3 processes" in proc.stderr
 
 
-def test_calling_the_split_model_directly_is_refused(tmp_path):
+def test_calling_the_split_model_directly_is_refused(launched):
     # A training_step that calls self.model(x) would compute only this rank's stages: every rank must refuse it.
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "x"), "--devices", "4", "--pp", "2", "--direct"],
-        env=clean_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = launched["fails", "direct"].result()
     assert proc.returncode != 0
     assert "ChainLM is cut into pipeline stages" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_cut_point_naming_no_module_fails_on_every_rank_before_any_group(tmp_path):
+def test_cut_point_naming_no_module_fails_on_every_rank_before_any_group(launched):
     # Each of the 4 ranks raises in setup, before the strategy creates the (pipeline, data) groups: none waits.
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--out",
-            str(tmp_path / "x"),
-            "--devices",
-            "4",
-            "--pp",
-            "2",
-            "--split",
-            "blocks.9",
-        ],
-        env=clean_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = launched["fails", "split"].result()
     assert proc.returncode != 0
     assert proc.stderr.count("pipeline_split names ['blocks.9'], which are not pieces of ChainLM") >= 4, proc.stderr[
         -3000:
     ]
+
+
+# ------------------------------------------------------------------------------------------- the launches
+FAILING = {
+    # (the launch's flags); each must fail on every rank
+    "world": ("--devices", "3", "--pp", "2"),
+    "direct": ("--devices", "4", "--pp", "2", "--direct"),
+    "split": ("--devices", "4", "--pp", "2", "--split", "blocks.9"),
+}
+
+
+def _failing_run(folder: Path, args: tuple[str, ...]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(folder / "x"), *args],
+        env=clean_env(),
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=240,  # a rank left waiting would show as this timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    """Every launch of the module, the 4-process ones first: ``{key: Future of its result}``."""
+    jobs: dict = {}
+    for schedule, training in CASES:
+        for wrap in (False, True):
+            if wrap and schedule == "GPipe":
+                continue  # skipped by the test
+            args = ("--devices", "4", "--pp", "2", "--schedule", schedule, *training, *(["--wrap"] if wrap else []))
+            out = tmp_path_factory.mktemp("pp") / "pp"
+            jobs["p2d2", schedule, training, wrap] = partial(run_script, out, *args)
+    for strategy, training, _ in COMPOSED:
+        out = tmp_path_factory.mktemp("pp") / "pp"
+        jobs["composed", strategy, training] = partial(
+            run_script, out, "--devices", "4", "--pp", "2", *strategy, *training
+        )
+    for name, args in FAILING.items():
+        jobs["fails", name] = partial(_failing_run, tmp_path_factory.mktemp(f"fails_{name}"), args)
+    for training in dict.fromkeys([*(t for _, t in CASES), *(t for _, t, _ in COMPOSED)]):
+        out = tmp_path_factory.mktemp("ref") / "ref"
+        jobs["ref", training] = partial(_one_reference, out, training)
+    return in_background(jobs)
+
+
+def _one_reference(out: Path, training: tuple[str, ...]) -> dict:
+    (result,) = run_script(out, "--devices", "1", "--pp", "1", *training)
+    return result

@@ -4,7 +4,9 @@ Every run is a user-style launch of tests/scripts/checkpoint_run.py (training sc
 tests/scripts/checkpoint_cases.py (several load scenarios in one process group, every rank's outcome), in its own
 session, killed as a group if it outlives its timeout or fails. Runs write into one temporary folder per pytest
 process, removed at exit. Every training run sees the same global batches (6 samples per step, 3 steps per epoch), so
-a resumed run's steps 4-6 are comparable bit for bit with the uninterrupted run's.
+a resumed run's steps 4-6 are comparable bit for bit with the uninterrupted run's. A test module can ``prefetch`` the
+training runs it will ask for: they start in the background, a few at a time (tests/processes.py's
+``in_background``), each after the run it needs; ``train`` then waits for them.
 """
 
 from __future__ import annotations
@@ -17,9 +19,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import torch
+
+from tests.processes import in_background
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN = os.path.join(ROOT, "tests", "scripts", "checkpoint_run.py")
@@ -141,6 +148,8 @@ class Runs:
         self.dir = tempfile.mkdtemp(prefix="ckpt_runs_")
         atexit.register(shutil.rmtree, self.dir, True)
         self.results: dict[str, Any] = {}
+        self._background: dict[str, Future] = {}
+        self._lock = threading.Lock()
 
     @classmethod
     def shared(cls) -> Runs:
@@ -151,8 +160,28 @@ class Runs:
     def path(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
+    def prefetch(self, names: list[str]) -> None:
+        """Start these training runs, and the runs they need, in the background. Only for runs whose outputs no
+        test inspects before a later run of the list could change them (a resume that saves over its source)."""
+        order: list[str] = []
+        for name in names:
+            for needed in (NEEDS.get(name), name):
+                if needed is not None and needed not in order:
+                    order.append(needed)
+        # Under the lock until every future is recorded: a run that waits for its need looks it up there.
+        with self._lock:
+            new = [name for name in order if name not in self.results and name not in self._background]
+            self._background.update(in_background({name: partial(self._train, name) for name in new}))
+
     def train(self, name: str) -> Any:
         """Rank 0's results of a training run (for runs expected to die: the completed process)."""
+        with self._lock:
+            running = self._background.get(name)
+        if running is not None:
+            return running.result()
+        return self._train(name)
+
+    def _train(self, name: str) -> Any:
         if name not in self.results:
             if name in NEEDS:
                 self.train(NEEDS[name])
