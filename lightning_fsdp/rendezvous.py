@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
@@ -26,6 +27,25 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 ADJUSTABLE_BACKENDS = frozenset({"gloo", "nccl"})
 _JOINED_KEY = "lightning_fsdp/startup/joined"
 _ALL_JOINED_KEY = "lightning_fsdp/startup/all-joined"
+
+
+def check_launch_size(environment: Any, num_nodes: int, devices: int) -> None:
+    """An external launcher (``mpirun -np``, torchrun, SLURM) must start the processes the Trainer expects, else a
+    rank would index past its devices or wait for ranks that never come. Raised on every rank, before any collective.
+    """
+    # Lightning's own environment learns the world size from the strategy (set_world_ranks), also in the ranks its
+    # launcher starts: only the environments that read it from the launcher can disagree with the Trainer.
+    if environment is None or isinstance(environment, LightningEnvironment):
+        return
+    if not environment.creates_processes_externally:
+        return
+    started, expected = environment.world_size(), num_nodes * devices
+    if started != expected:
+        raise ValueError(
+            f"{type(environment).__name__} reports {started} processes, but the Trainer expects num_nodes={num_nodes}"
+            f" x devices={devices} = {expected}: make them agree (e.g. `mpirun -np {expected}`, or "
+            f"Trainer(devices=..., num_nodes=...) whose product is {started})."
+        )
 
 
 def check_startup_timeout(value: Any) -> None:

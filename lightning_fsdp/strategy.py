@@ -63,7 +63,7 @@ from lightning_fsdp.pipeline.runtime import PipelineRuntime
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
 from lightning_fsdp.process_groups import GroupChoice
 from lightning_fsdp.registration import register_strategies
-from lightning_fsdp.rendezvous import check_startup_timeout, init_default_group
+from lightning_fsdp.rendezvous import check_launch_size, check_startup_timeout, init_default_group
 from lightning_fsdp.shutdown import settle_at_exit
 from lightning_fsdp.stage_end import StageEnd, check_reusable
 from lightning_fsdp.weight_averaging import shard_averaged_models
@@ -263,6 +263,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        check_launch_size(self.cluster_environment, self.num_nodes, self.num_processes)
         assert self.accelerator is not None
         self.accelerator.setup_device(self.device)
         if self.device.type == "hpu":
