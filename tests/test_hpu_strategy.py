@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tests.test_lightning_strategy import reference
+from tests.test_lightning_strategy import one_device_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "lightning_parity.py"
@@ -35,7 +35,7 @@ def run_hpu(out: Path, lazy_mode: str, *args: str) -> subprocess.CompletedProces
 
 
 def test_hpu_strategy_trains_like_one_cpu_process(tmp_path, tmp_path_factory):
-    ref = reference(tmp_path_factory, "--optimizer", "sgd")
+    ref = one_device_reference(tmp_path_factory, "--optimizer", "sgd")
     proc = run_hpu(tmp_path / "hpu.pt", "0", "--devices", "2", "--strategy", "fsdp_custom_blocks", "--optimizer", "sgd")
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(tmp_path / "hpu.pt", weights_only=False)

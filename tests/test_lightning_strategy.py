@@ -69,6 +69,17 @@ def reference(runs: dict, *args: str) -> dict:
     return runs["ref", args].result()
 
 
+_one_device: dict[tuple[str, ...], dict] = {}
+
+
+def one_device_reference(tmp_path_factory, *args: str) -> dict:
+    """The one-process run of ``args`` for other test modules (once per session for each ``args``)."""
+    if args not in _one_device:
+        out = tmp_path_factory.mktemp("ref") / "ref.pt"
+        _one_device[args] = run_script(out, "--devices", "1", "--strategy", "auto", *args)
+    return _one_device[args]
+
+
 def test_deferred_gradient_sync_under_accumulation(runs):
     # sync_gradients_while_accumulating=False: the accumulating batch reduces nothing, the next one reduces the sum.
     ref = reference(runs, *ACCUMULATION)

@@ -12,7 +12,7 @@ from lightning_fsdp.engine import fully_shard
 from lightning_fsdp.precision import FSDPPrecision, ShardedGradScaler
 from tests.distributed import run_distributed
 from tests.models import Block, ToyLM, batch, loss_fn
-from tests.test_lightning_strategy import reference, run_script
+from tests.test_lightning_strategy import one_device_reference, run_script
 
 
 @pytest.mark.parametrize(
@@ -52,8 +52,8 @@ def test_unknown_flag_lists_choices():
 
 
 def test_bf16_mixed_trains_within_the_precision_error(tmp_path, tmp_path_factory):
-    fp32 = reference(tmp_path_factory, "--optimizer", "sgd")
-    single_bf16 = reference(tmp_path_factory, "--optimizer", "sgd", "--precision", "bf16-mixed")
+    fp32 = one_device_reference(tmp_path_factory, "--optimizer", "sgd")
+    single_bf16 = one_device_reference(tmp_path_factory, "--optimizer", "sgd", "--precision", "bf16-mixed")
     got = run_script(
         tmp_path / "bf16.pt",
         "--devices",
