@@ -2,23 +2,15 @@
 one reduction in flight, the end of backward). Each unit does its own part of a phase (``FlatUnit.pre_forward`` ...).
 
 [Note: a unit's training step]
-Per unit and step: unshard before forward; reshard after forward (FULL_SHARD, except the root, whose parameters
-are needed again as soon as backward starts); unshard again when the gradient of the unit's output arrives; reduce
-the gradients when the gradient of the unit's inputs has been computed, i.e. when the unit's whole backward is
-done; reshard. That trigger does not depend on which parameters received gradients, so a parameter that one rank
-skips (data-dependent control flow inside a unit) does not change the order of collectives between ranks. A
-callback queued on the autograd engine finishes whatever a step left open (units whose inputs need no gradient, the
-root), in a fixed unit order, so every rank issues the same collectives in the same order.
+The phases are in docs/how-it-works.md ("A training step"). A unit reduces when the gradient of its inputs has been
+computed, which does not depend on which parameters got gradients, so a parameter one rank skips does not change the
+order of collectives. A callback queued on the autograd engine finishes what a step left open, in a fixed unit order.
 
 [Note: the engine's training state]
-``TrainingState`` (as torch FSDP2's) is IDLE between steps, FORWARD while some unit's forward is open and BACKWARD
-from the first gradient that reaches a unit until the queued callback (``_finish_backward``) has run. The phases
-nest: with manual optimization the backward runs inside the root's forward (the state returns to FORWARD after it),
-and activation checkpointing recomputes forwards inside BACKWARD (the state stays BACKWARD). A backward that
-raised leaves the state at BACKWARD; the next root forward outside any backward abandons that step. Counts that
-really are counts stay counters: the forward depth of the engine and of each unit, and each unit's calls per step
-(``UnitStepState``).
-
+``TrainingState`` (as FSDP2's): IDLE between steps, FORWARD while a unit's forward is open, BACKWARD from the first
+gradient until ``_finish_backward``. The phases nest: under manual optimization backward runs inside the root's
+forward (back to FORWARD after it); activation checkpointing recomputes forwards inside BACKWARD. A backward that
+raised leaves BACKWARD; the next root forward outside a backward abandons that step.
 """
 
 from __future__ import annotations
@@ -81,16 +73,12 @@ class ShardingEngine(EngineControls):
         self.mixed_precision = mixed_precision or MixedPrecision()
         self._training_state = TrainingState.IDLE
         self._handles: list[Any] = []
-        # Prefetching follows the order units ran in during the first training step (identical on every rank, so
-        # every rank issues the same prefetches). If the order changes later, an unused prefetch is completed and
-        # resharded at the end of the step: it wastes an all-gather, never unshards wrongly or deadlocks.
         self.forward_prefetch = forward_prefetch
         self.backward_prefetch = backward_prefetch
         self.limit_all_gathers = limit_all_gathers
         self._order: list[FlatUnit] = []
         self._order_frozen = False
-        # The last unit of the forward stays unsharded into its backward, which comes next (see ``_next_up``). Off
-        # where forwards of several micro-batches run before their backwards (pipeline schedules).
+        # Off where several micro-batches' forwards precede their backwards (pipeline schedules); see ``_next_up``.
         self.keep_last_unit_for_backward = True
         self._prefetch_group: dict[int, int] = {}  # set_prefetch_groups: unit id -> group (none: one group)
         self._backward_scope: set[int] | None = None  # backward_scope: the units a backward concerns (None: all)
@@ -102,17 +90,14 @@ class ShardingEngine(EngineControls):
         self._reduced_units: list[FlatUnit] = []
         self._nonfinite_ignored: list[str] = []
         self._forward_depth = 0  # unit forwards open right now (outermost call of each, nested ones included)
-        # reshard_after_forward=N: the Communicator over this rank's N consecutive ranks of the shard group, in use now
-        # (``secondary_comm``) and by group size (torch's groups are created once, by every rank).
+        # reshard_after_forward=N: cached by size, as torch's groups are created once, by every rank.
         self.secondary_comm: Communicator | None = None
         self._secondary_comms: dict[int, Communicator] = {}
-        # The collectives' streams of the units' compute device (see [Note: collectives on their own streams]).
         streams = streams_for([unit.device for unit in units])
         for index, unit in enumerate(units):
             unit.index = index
             unit.streams = streams[unit.device]
             self._register_hooks(unit)
-        # cpu_offload from an accelerator: the host waits for the copies to and from it at the end of backward.
         self._host_copies = any(unit.pinned for unit in units)
         for comm in (shard_comm, replicate_comm):
             if comm is not None:
@@ -124,37 +109,18 @@ class ShardingEngine(EngineControls):
         self.closed = False
 
     # ------------------------------------------------------------------------------------------------ hooks
-    # [Note: what the hooks guarantee]
-    # * The post-forward hook is registered with ``always_call``: it also runs when the forward raises, so a
-    #   caught exception (a user's try/except, Lightning's tuners) leaves no unit unsharded or half-counted.
-    # * A backward that raised never reaches ``_finish_backward``. The next root forward outside any backward
-    #   sees that and abandons the step (``_abandon_step``) before starting a new one.
-    # * A forward always computes with the current weights: every root forward starts by resharding whatever an
-    #   earlier forward left unsharded (the root, SHARD_GRAD_OP units, a forward whose backward never came), except
-    #   kept units, prefetches never outlive the forward or backward that issued them, and every optimizer step
-    #   reshards every unit (the root inside its own forward under manual optimization, kept units), which the next
-    #   module using it unshards again (see [Note: engine controls]).
-    # * ``requires_grad`` is read at each unit's forward (``FlatUnit.sync_requires_grad``), so freezing and
-    #   unfreezing at any time trains as in a single process.
+    # [Note: what the hooks guarantee] (docs/how-it-works.md, "Models that change between steps")
+    # The post-forward hook is ``always_call``, so a forward that raised leaves no unit unsharded or half-counted; a
+    # backward that raised is abandoned by the next root forward; every root forward and optimizer step reshards what
+    # could be stale (see [Note: engine controls]).
     #
     # [Note: calls from outside a step]
-    # Under Lightning the root unit is the LightningModule and a step is its forward; its parameters outside any
-    # Block (embeddings, heads, norms) are unsharded by the modules that use them. Code may call the model outside a
-    # step (callbacks sampling at epoch end, checks in ``on_fit_start``, ``generate()``): each unit's hooks unshard
-    # and reshard it as in a step, and the root is unsharded by the first module that uses it. Every rank must make
-    # the same calls (they all-gather). Such calls do not record the prefetch order, and gradients held for the next
-    # optimizer step are untouched. A call on one rank alone needs the full weights on that rank first:
-    # ``unsharded()`` gathers them on every rank and keeps every unit unsharded until it exits, so the calls inside
-    # it make no collective.
+    # Calls outside a step (callbacks sampling, ``generate()``) unshard and reshard as in a step and must be made on
+    # every rank; they record no prefetch order. A call on one rank alone needs ``unsharded()`` first.
     #
-    # [Note: compiled modules]
-    # Every hook the engine registers runs outside dynamo (``outside_compile``), as torch's FSDP2 does with its own.
-    # A module compiled on its own (``torch.compile(block)``, ``block.compile()``) is entered through
-    # ``nn.Module.__call__``, which dynamo does not trace: the unit's hooks run eagerly around it and the compiled
-    # frame is the module's forward alone, one graph with no collective in it. Inside a larger compiled region
-    # (the whole model compiled) a unit's hooks are graph breaks at the unit's boundaries. The hooks only swap
-    # parameters between fixed shard and full tensors of fixed shapes, so no guard sees a change and nothing
-    # recompiles after the first step.
+    # [Note: compiled modules] (docs/compile.md)
+    # Every hook runs outside dynamo, as FSDP2's: a module compiled alone is one graph inside its unit's eager hooks;
+    # inside a larger compiled region the hooks are graph breaks. Shapes never change, so nothing recompiles.
     def _register_hooks(self, unit: FlatUnit) -> None:
         self._handles.append(
             unit.module.register_forward_pre_hook(
@@ -171,9 +137,8 @@ class ShardingEngine(EngineControls):
 
     def _register_root_hooks(self) -> None:
         root = self.root_unit
-        # The root's forward is the whole training_step under Lightning, so with manual optimization backward and
-        # optimizer steps happen inside it, and toggle_optimizer flips requires_grad there. Modules that use the
-        # root's parameters resync their flags when they run.
+        # Under manual optimization backward, steps and toggle_optimizer happen inside the root's forward: the
+        # modules using the root's parameters resync their flags when they run.
         users: dict[int, tuple[nn.Module, list]] = {}
         for slot in root.slots:
             for module, _attr in slot.uses:
@@ -185,13 +150,11 @@ class ShardingEngine(EngineControls):
                     outside_compile(lambda _m, _a, slots=slots: self._sync_root_slots(slots))
                 )
             )
-            # Backward may start inside the root's forward too, and need the root again after an earlier backward
-            # of the same training_step resharded it: these modules' outputs unshard it, as a unit's outputs do.
+            # A later backward of the same training_step needs the root again: these outputs unshard it.
             self._handles.append(
                 module.register_forward_hook(outside_compile(lambda _m, _a, output: self._mark_root_use(output)))
             )
-        # The root has no unit above it to start backward for it: with manual optimization its backward starts
-        # before its forward has ended, so its own gradients announce it.
+        # No unit above the root starts its backward, which may begin before its forward ends: its gradients do.
         for slot in root.slots:
             # torch refuses hooks on tensors that need no gradient; this one stays when the parameter is unfrozen.
             frozen = not slot.full.requires_grad
@@ -263,8 +226,7 @@ class ShardingEngine(EngineControls):
             if _current_graph_task_id() != -1:
                 return  # the root recomputed inside backward (activation checkpointing): the step goes on
             self._abandon_step()
-        # Whatever an earlier forward left unsharded may predate an optimizer step: reshard it, unshard afresh. Kept
-        # units do not (an optimizer step reshards them).
+        # What an earlier forward left unsharded may predate an optimizer step (kept units: the step resharded them).
         self._reshard_all(spare_kept=True)
         self._hook_ignored_params()
 
@@ -279,8 +241,7 @@ class ShardingEngine(EngineControls):
         if self._forward_depth == 0 and not in_backward:
             self._training_state = TrainingState.IDLE
             if self.forward_prefetch:
-                # A prefetch the forward did not use would otherwise be completed later, with the weights of now.
-                # (Backward prefetches end with their backward, in _finish_backward.)
+                # An unused prefetch would otherwise be completed later, with the weights of now.
                 for other in self.units:
                     if other.is_prefetched and not other.kept:
                         other.reshard()
@@ -290,10 +251,8 @@ class ShardingEngine(EngineControls):
         unit.post_forward(output, may_reshard=may_reshard, on_backward_start=lambda: self._pre_backward(unit))
 
     def _next_up(self, unit: FlatUnit) -> bool:
-        """Whether ``unit``'s backward is the first after this forward: the last unit of the recorded forward order,
-        while the step is a plain forward then backward (``keep_last_unit_for_backward``). Resharding it only to
-        gather it again at once would cost an all-gather that nothing overlaps; torch's FSDP2 prefetches it during
-        the root's backward instead, which holds the same memory."""
+        """Whether ``unit``'s backward comes first after this forward (last in the recorded order): resharding it
+        would cost an all-gather nothing overlaps (docs/how-it-works.md, "A training step")."""
         return self.keep_last_unit_for_backward and self._order_frozen and bool(self._order) and unit is self._order[-1]
 
     def _sync_root_slots(self, slots: list) -> None:
@@ -301,9 +260,7 @@ class ShardingEngine(EngineControls):
             return
         root = self.root_unit
         root.sync_requires_grad(slots)
-        # Also outside the root's forward: a callback or hook calling part of the model (``pl_module.model(x)``,
-        # ``generate()``) on every rank. The root then stays unsharded until the next root forward, optimizer step or
-        # ``reshard_idle``, each of which reshards it (see [Note: calls from outside a step]).
+        # Also outside the root's forward (see [Note: calls from outside a step]).
         if not root.is_unsharded:
             root.unshard()
 
@@ -321,7 +278,6 @@ class ShardingEngine(EngineControls):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _before_optimizer_step(self, optimizer: Any, *, after_closure: bool = False) -> None:
-        # Gradients held with sync off are not in the shards' .grad yet: a step now would use partial gradients.
         if not after_closure:
             self._check_held_gradients(optimizer, late=False)
 
@@ -343,18 +299,14 @@ class ShardingEngine(EngineControls):
             )
 
     def _after_optimizer_step(self) -> None:
-        # Full parameters unsharded before a step are stale: kept units, and the root when manual optimization steps
-        # inside its forward (training_step). Resharded, the modules show the user's updated parameters (weight
-        # clipping after a step edits them), and the next module using them unshards them again.
+        # Full parameters unsharded before a step are stale (kept units; the root under manual optimization).
         if self.closed or self._training_state is TrainingState.BACKWARD:
             return
         self._reshard_all()
 
     def reshard_idle(self) -> None:
-        """Between forwards: reshard whatever an earlier forward left unsharded (the root, SHARD_GRAD_OP units, a
-        forward whose backward never came, kept units), so that the modules hold the user's parameters again.
-        Checkpoint functions call it before reading parameters by name. Safe while a backward is still to come:
-        backward unshards again."""
+        """Between forwards: reshard whatever an earlier forward left unsharded, so that the modules hold the user's
+        parameters again (checkpoint functions call it before reading them by name)."""
         if not self.closed and self._training_state is TrainingState.IDLE:
             self._reshard_all()
 
@@ -391,7 +343,7 @@ class ShardingEngine(EngineControls):
             self._prefetch(self._neighbour(unit, -1))
 
     def finish_reductions(self) -> None:
-        # Only the latest reduction can still be in flight: each one waited for its predecessor before starting.
+        # Only the latest can be in flight: each waited for its predecessor.
         if self._reduced_units:
             self._reduced_units[-1].finish_reduce()
 
@@ -431,8 +383,6 @@ class ShardingEngine(EngineControls):
             for unit in reversed(self.units):
                 if not self._in_scope(unit):
                     continue
-                # Inside the root's forward too (manual optimization): the modules then show the user's parameters
-                # (weight clipping after the step edits the shards), and the next module using the root unshards it.
                 unit.free_after_backward()
                 if unit.trainable_slots and not unit.step_state.reduced and unit.reduce_or_hold(self.finish_reductions):
                     self._reduced_units.append(unit)
@@ -454,8 +404,7 @@ class ShardingEngine(EngineControls):
             self._order_frozen = True
 
     def _wait_host_copies(self) -> None:
-        """cpu_offload on an accelerator: the host waits for the asynchronous copies of shards to the device and of
-        reduced gradients to the host before clipping or the optimizer reads or writes them there."""
+        """cpu_offload on an accelerator: the host waits for the asynchronous copies before clipping or a step."""
         for streams in {id(u.streams): u.streams for u in self.units if u.pinned and u.streams.active}.values():
             streams.synchronize()
 
@@ -509,8 +458,7 @@ class ShardingEngine(EngineControls):
         stats.peak_gathered_units = max(stats.peak_gathered_units, self._alive_units())
 
     def _average_ignored_grad(self, grad: torch.Tensor, name: str) -> torch.Tensor:
-        # An ignored parameter is whole on every rank; its incoming gradient (this backward's contribution, before
-        # accumulation into .grad) is averaged like DDP's, so accumulation across micro-batches stays correct.
+        # This backward's contribution, before accumulation into .grad, as DDP: micro-batch accumulation stays right.
         if torch.is_anomaly_enabled() and not bool(torch.isfinite(grad).all()):
             self._nonfinite_ignored.append(name)
         grad = grad.clone()
@@ -568,13 +516,9 @@ class ShardingEngine(EngineControls):
 
     @torch.no_grad()
     def restore_unsharded(self, device: torch.device | str = "cpu") -> None:
-        """Give every parameter its full value on ``device``, remove the engine's hooks and let go of the module.
-
-        Afterwards the module is an ordinary one that computes exactly what the sharded one did: usable for
-        inference on one rank, or by a new Trainer, which shards it afresh. Call it on every rank of the shard
-        group (each unit is unsharded once); the engine cannot be used afterwards. Gradients are dropped: they were
-        shards. Peak memory on the accelerator: one unit in full.
-        """
+        """Give every parameter its full value on ``device``, remove the engine's hooks and let go of the module
+        (docs/how-it-works.md, "The model after a stage"). Call on every rank of the shard group; gradients are
+        dropped. Peak memory on the accelerator: one unit in full."""
         if self.closed:
             return
         self.finish_reductions()
