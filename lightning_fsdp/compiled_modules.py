@@ -1,10 +1,7 @@
 """``trainer.fit(torch.compile(module))`` under fsdp_custom.
 
-Lightning unwraps a compiled LightningModule (its ``forward`` and ``*_step`` methods stay compiled) and then refuses it
-unless the strategy is one of its own three (``_verify_strategy_supports_compile`` checks ``isinstance``). fsdp_custom
-runs compiled modules as those do (its hooks stay out of dynamo: [Note: compiled modules] in engine/state.py), so the
-Trainer's check is wrapped to let it through and to ask Lightning's own check for every other strategy. The wrap is
-done where the strategy is registered, so it needs no import of the strategy module (see registration.py's note).
+Lightning's ``_verify_strategy_supports_compile`` accepts only its own strategies (``isinstance``); it is wrapped to
+let fsdp_custom through (docs/decisions.md, "torch.compile"). Done at registration, so the strategy is not imported.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Registering ``"fsdp_custom"`` (and its variants) and ``"hpu"`` with Lightning.
 
 [Note: registration without importing Lightning]
-``import lightning_fsdp`` must be enough for ``Trainer(strategy="fsdp_custom")``, yet ``import lightning_fsdp.engine``
-runs the package's ``__init__`` too and must not import Lightning. So the package registers at once where
-``lightning.pytorch`` is already imported, and otherwise right after it is: a one-shot finder on ``sys.meta_path``
-wraps that module's loader (importlib has no public post-import hook; wrapt's would be a dependency for a few
-lines). Any module of the package may be what imports Lightning, and be half-imported when the finder fires, so the
-registration imports none of them: the registry's entry is ``build_strategy``, which imports the strategy when a
-Trainer asks for it. A failed registration is logged, never raised: it must not break ``import lightning`` for code
-that does not use this package.
+``import lightning_fsdp.engine`` runs the package's ``__init__`` and must not import Lightning, so registration
+happens at once if ``lightning.pytorch`` is imported, else right after it is, via a one-shot ``sys.meta_path`` finder
+(importlib has no public post-import hook). The module importing Lightning may be one of ours, half-imported, so the
+entry is ``build_strategy``, importing the strategy only when a Trainer asks. Failures are logged, never raised, so
+``import lightning`` never breaks for code that does not use this package.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Ending a gloo run without racing the process group's worker threads (pytorch/pytorch#56297, #190489).
 
-A worker thread that frees a completed collective's tensors needs the GIL: if it asks while
-``destroy_process_group`` joins it, the process hangs; if it asks once the interpreter finalizes, the process aborts
-(exit code 134) after a run that succeeded. Releasing the GIL for a moment first lets it finish; this narrows the
-race and cannot close it, as only torch can (measured in docs/reliability.md).
+A worker thread freeing a finished collective's tensors needs the GIL: asked during ``destroy_process_group`` it
+hangs, after finalization it aborts (134). Releasing the GIL briefly first narrows the race; only torch can close it
+(docs/reliability.md).
 """
 
 from __future__ import annotations

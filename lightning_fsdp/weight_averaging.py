@@ -1,11 +1,7 @@
 """Weight-averaging callbacks on a sharded model: the average is kept sharded too (docs/patterns.md, docs/decisions.md).
-
-Lightning's ``StochasticWeightAveraging`` and ``WeightAveraging`` copy the model in ``setup()``, before sharding, and
-later average the copy's parameters with the model's elementwise; an elementwise average of shards is the shard of
-the average. So right after sharding each copy's parameters become this rank's rows, and the callbacks' own code runs
-unchanged; at the end of a stage they are gathered back whole, and checkpoints gather them full and slice them back.
-A callback of your own keeps shard copies if it takes them after sharding (``on_fit_start``); :func:`full_tensors` and
-:func:`local_tensors` checkpoint them.
+An elementwise average of shards is the shard of the average, so the callbacks' copies become this rank's rows right
+after sharding and their own code runs unchanged. :func:`full_tensors` and :func:`local_tensors` checkpoint copies a
+callback of your own takes after sharding.
 """
 
 from __future__ import annotations

@@ -2,22 +2,11 @@
 carries: the capability table ``comm.py`` reads.
 
 [Note: the capability table]
-NCCL and HCCL have the flat collectives (``all_gather_into_tensor``, ``reduce_scatter_tensor``) and every dtype.
-gloo has them, but on CPU its all-gather copies out of a temporary and its reduce-scatter is emulated; the forms
-below take about half their CPU time on a CPU-bound step (docs/decisions.md). torch's MPI backend has neither flat
-collective (pytorch/pytorch#85628: ``_allgather_base`` and ``reduce_scatter`` raise) and maps only 8-, 16-, 32- and
-64-bit integers and float32 / float64 to MPI datatypes, so half-precision tensors cannot travel as themselves.
-
-- all-gather: ``FLAT``; ``BROADCAST``, one broadcast per rank into its chunk of the output (exact; gloo, up to
-  ``BROADCAST_GATHER_MAX_RANKS`` ranks); ``LIST``, ``all_gather`` into the output's chunks (MPI: one
-  ``MPI_Allgather`` and a copy per chunk).
-- reduce-scatter: ``FLAT``; ``ALL_TO_ALL``, an ``all_to_all_single`` that hands rank r every rank's r-th chunk,
-  then rank r adds the N chunks in rank order (the bytes of a reduce-scatter; the same sum up to the order of the
-  additions). gloo keeps its own for dtypes narrower than float32, where a local float32 sum would be more exact
-  than NCCL's; MPI has no other.
-- a dtype the backend does not carry travels as its bytes (uint8, which every backend carries), bit for bit, where
-  the collective only moves data (broadcast, all-gather, all-to-all); an all-reduce of it runs in float32 and is
-  rounded back once.
+NCCL and HCCL have the flat collectives and every dtype. gloo on CPU has them, but slow (its all-gather copies out of
+a temporary, its reduce-scatter is emulated): broadcasts and all-to-all take half the time (docs/decisions.md); it
+keeps its own reduce-scatter below float32, where a local float32 sum would be more exact than NCCL's. MPI has
+neither flat collective (pytorch/pytorch#85628) and carries no half dtype: such tensors travel as uint8 bytes where
+the collective only moves data, and an all-reduce of them runs in float32.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """The engine's collectives, behind one small interface that also counts the bytes it moves.
 
 [Note: which collectives]
-Only collectives every backend has (NCCL, HCCL, gloo, MPI), in the form each backend's row of the capability table
-gives (see [Note: collectives on gloo]). Reductions are SUM followed by an explicit division:
-``ReduceOp.AVG`` and ``PREMUL_SUM`` are missing on some backends, and gloo on older torch returned SUM for them
-without a word. Under anomaly checking ``Communicator.agree`` precedes every collective of the step, turning ranks
-that disagree into an error naming what each was about to do instead of a hang.
+Reductions are SUM then an explicit division: ``AVG`` and ``PREMUL_SUM`` are missing on some backends, and older gloo
+silently returned SUM for them. Under anomaly checking ``Communicator.agree`` precedes every collective, so ranks
+that disagree raise, naming what each was about to do, instead of hanging.
 
 [Note: narrow on the wire, wide in the sum]
-``reduce_wire_dtype``: each rank casts its full gradient to the wire dtype, an ``all_to_all_single`` hands rank r
-every rank's r-th chunk, and rank r adds the N chunks in the wide dtype (``WireReduction.wait``). The bytes of a
-narrow reduce-scatter, but each rank's gradient is rounded once and the sum not at all, where a narrow
-reduce-scatter rounds every partial sum; the price is a receive buffer of N chunks (docs/options.md).
+``reduce_wire_dtype``: an ``all_to_all_single`` of gradients cast to the wire dtype, summed in the wide dtype
+(``WireReduction.wait``): a narrow reduce-scatter's bytes, but one rounding per rank and none in the sum, for a
+receive buffer of N chunks (docs/options.md).
 
 [Note: collectives on gloo]
-Which form of each collective a backend gets (gloo's broadcasts and all-to-all on CPU, MPI's list all-gather and
-all-to-all, the flat collectives elsewhere) and which dtypes it carries is the capability table of ``backends.py``
-([Note: the capability table]); ``Communicator`` reads its row once, ``all_gather_flat`` per call.
+The form each backend gets is ``backends.py``'s [Note: the capability table]; ``Communicator`` reads its row once.
 """
 
 from __future__ import annotations

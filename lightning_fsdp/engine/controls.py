@@ -1,12 +1,10 @@
 """The engine's user-facing controls (torch FSDP2's ``FSDPModule`` methods, for the whole model or chosen units).
 
 [Note: engine controls]
-The controls are per-unit state read by the unit's hook when it acts, so setting one between microbatches changes
-what the next hook does; what a unit holds (kept parameters, a secondary shard, held gradients) stays until a later
-hook or call releases it. Every rank must set the same values at the same points. Held gradients are not ``.grad``:
-an optimizer step over a unit holding some raises. A ``kept`` unit is left alone by every reshard the engine does on
-its own (FSDP2 still reshards it after forward), but every optimizer step reshards it, so it never computes with
-stale weights; a step between a forward and its backward drops the (stale) secondary shard.
+Per-unit state read by the unit's hook when it acts, so a change between micro-batches applies to the next hook;
+every rank must make the same changes. Held gradients are not ``.grad`` (a step over them raises). A ``kept`` unit
+survives the engine's own reshards (FSDP2's does not after forward) but not an optimizer step, so it never computes
+with stale weights; for the same reason a step drops a secondary shard.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """Meta-device initialisation: parameters without memory, buffers computed for real, and a record of the tensors
-that were given memory but no values, so that nothing ever computes from them.
+that were given memory but no values, so that nothing ever computes from them (docs/how-it-works.md,
+"Meta-device initialisation").
 
 [Note: parameters on the meta device, buffers for real]
-``parameters_on_meta()`` (what ``trainer.init_module(empty_init=True)`` builds the model under) sends every
-parameter a module registers to the meta device at the moment it is registered, as accelerate's
-``init_empty_weights(include_buffers=False)`` does: ``nn.Module.register_parameter`` is patched for the context's
-duration. Everything else is created on the real device, so a module's constructor computes its buffers as it does
-anywhere else (a rotary embedding's ``inv_freq``, which no state dict holds), and only parameters wait for
-``fully_shard``. A parameter exists for real between its creation and its registration, one at a time: on the host
-that is ``torch.empty``'s untouched pages, on an accelerator one parameter's allocation.
+Only parameters go to meta (``nn.Module.register_parameter`` is patched while the context is open), so constructors
+compute buffers no state dict holds (a rotary ``inv_freq``). A parameter exists for real only between its creation
+and its registration, one at a time.
 
 [Note: the record of uninitialised tensors]
-``fully_shard`` gives a unit's meta tensors memory (``torch.empty_like``) and runs ``param_init_fn``, or each
-module's ``reset_parameters``, under ``InitWatch``, which sees every storage allocated empty and every storage
-written (through ``.data`` too). A tensor of those modules whose storage is still as it was allocated afterwards
-(never written, or replaced by another empty tensor, as ``to_empty`` does) is recorded by name in the model's
-``Uninitialised`` record: a parameter that ``load_pretrained`` will fill needs no initialiser. ``load_pretrained``
-and ``mark_initialised`` clear what they fill. Until the record is empty, a forward of the model, or of any module
-holding a recorded tensor, and an optimizer step over the model's parameters raise ``UninitialisedTensorError``
-naming them. Every rank builds the same record from the same model and clears it by the same calls, so every rank
-raises at the same point, with no collective. A partial write (one row of a parameter) counts as initialising it.
+A tensor whose storage ``InitWatch`` saw allocated empty and never written is recorded rather than refused, since
+``load_pretrained`` may fill it. Every rank builds and clears the same record, so all raise at the same point with no
+collective. A partial write (one row) counts as initialising.
 """
 
 from __future__ import annotations

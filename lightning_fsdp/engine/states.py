@@ -1,12 +1,9 @@
 """The states of the engine and its units (torch FSDP2's ``_fsdp_common``), and the collectives in flight.
 
 [Note: a unit's states]
-``ShardedState`` says where the unit's parameters are; ``UnitStepState`` counts its calls in the current step, which
-decide when its gradients can be reduced. Three more pieces of state outlive a step, set by the engine's controls
-(see [Note: engine controls] in ``controls.py``): ``kept`` (stays unsharded until ``reshard()``; the engine's own
-reshards leave it alone), the secondary shard (hpZ; used up by the next unshard, dropped by any other reshard, as
-the shards may have changed), and held gradients (``ParamSlot.unsynced_grad``, with ``grads_unsynced`` keeping
-the held parameters in the next reduction's plan).
+``ShardedState``: where the parameters are; ``UnitStepState``: the calls this step, which decide when to reduce. The
+controls' state outlives a step ([Note: engine controls]): ``kept``, the secondary shard (dropped by any reshard but
+the next unshard's, as the shards may have changed) and held gradients (``ParamSlot.unsynced_grad``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """The accelerator streams a sharded model's collectives run on, and the events that order them against compute.
 
 [Note: collectives on their own streams]
-Inactive on CPU. On an accelerator, as torch's FSDP2: an all-gather and a reduce-scatter stream per device, high
-priority, ordered by events against the compute stream (docs/how-it-works.md says what runs where; this, why it is
-safe). Each side-stream block first waits for the compute stream (the optimizer, a load or a reshard may just have
-written or freed what it reads) and ends by recording an event the compute stream waits for before reading the
-result. Collectives are issued inside the side stream and their handles waited for there at once: NCCL and HCCL then
-make the side stream wait without blocking the host (gloo blocks the host: correct, without overlap). The caching
-allocator reuses a block on its own stream only, so the full buffer, freed on the compute stream, is allocated there;
-gradients the reduce-scatter stream reads get ``record_stream``. With cpu_offload the host waits for both streams at
-the end of backward. Unlike FSDP2: the all-gather stream waits for compute at every unshard, no copy-in stream, the
-replicas' all-reduce on the reduce-scatter stream, one reduction in flight. Every stream, event and
-``record_stream`` goes through ``CollectiveStreams``, so tests/test_streams.py checks the protocol on CPU.
+What runs where: docs/how-it-works.md ("On an accelerator: streams"). Why it is safe: each side-stream block first
+waits for the compute stream (the optimizer, a load or a reshard may just have written or freed what it reads) and
+ends with an event the compute stream waits for. Handles are waited for inside the side stream, so NCCL and HCCL
+block that stream, not the host. The caching allocator reuses a block on its own stream only, hence full buffers on
+the compute stream and ``record_stream`` on gradients. Unlike FSDP2: the all-gather stream waits for compute at every
+unshard, no copy-in stream, one reduction in flight. Everything goes through ``CollectiveStreams`` so that
+tests/test_streams.py checks the protocol on CPU.
 """
 
 from __future__ import annotations
