@@ -76,12 +76,9 @@ _BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "hpu": "hccl"}
 class FSDPStrategy(CheckpointHooks, ParallelStrategy):
     """Fully Sharded Data Parallel training with this project's own sharding engine.
 
-    Each rank keeps only its rows of every parameter, gradient and optimizer state; a unit's full parameters exist
-    only while it computes. Works on CPU (gloo), CUDA (NCCL) and HPU (HCCL).
-
-    Every option is a keyword argument, validated on every rank before any process group exists; each is
-    described, with its default, in docs/options.md. The engine's options, validated, are ``strategy.options`` (a
-    :class:`~lightning_fsdp.engine.options.ShardingOptions`); the sharded model's engine is ``strategy.engine``.
+    Works on CPU (gloo), CUDA (NCCL) and HPU (HCCL). Every option is a keyword argument, described with its default
+    in docs/options.md; validated, they are ``strategy.options`` (a
+    :class:`~lightning_fsdp.engine.options.ShardingOptions`). The sharded model's engine is ``strategy.engine``.
     """
 
     strategy_name = "fsdp_custom"
@@ -125,8 +122,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         startup_timeout: timedelta | None = default_pg_timeout,
         weights_after_stage: str = "auto",
     ) -> None:
-        # Validate everything first: this runs on every rank before any process group exists, so a bad value
-        # raises the same error everywhere instead of leaving a rank waiting in a collective (options.py).
+        # Before any process group: see [Note: validate before the first collective] in engine/options.py.
         self.options = ShardingOptions.from_arguments(locals(), names=True)
         self.activation_checkpointing_policy = parse_checkpointing_policy(activation_checkpointing_policy)
         self.state_dict_type = parse_state_dict_type(state_dict_type)  # full, sharded or local
@@ -177,7 +173,6 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         self.engine: ShardingEngine | None = None
 
     # --------------------------------------------------------------------------------------------- properties
-    # The sharding options are ``self.options`` (a ShardingOptions); these are the ones read by name elsewhere.
     @property
     def sharding_strategy(self) -> ShardingStrategy:
         return self.options.sharding_strategy
@@ -223,8 +218,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        # Read by Lightning's accelerator connector for strategies it does not know (the batch-size finder, the
-        # data connector's sampler choice).
+        # Read by Lightning for strategies it does not know (batch-size finder, sampler choice).
         return True
 
     @property
@@ -298,9 +292,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # With empty_init the parameters are created on the meta device and materialised unit by unit when sharded,
-        # so no rank ever holds the whole model; buffers are computed by the modules' constructors on the root device
-        # (engine/meta_init.py). configure_model runs with empty_init=None: real tensors, as Lightning's FSDP makes.
+        # docs/how-it-works.md, "Meta-device initialisation".
         from lightning_fsdp.engine.meta_init import parameters_on_meta
 
         with (
@@ -439,9 +431,8 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
             self._pipeline_role.restore_gradients()
             return self.precision_plugin.post_backward(closure_loss, module)
         if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
-            # Trainer(detect_anomaly=True): torch's own NaN check would raise on the rank that produced the NaN only,
-            # leaving the others blocked in their next collective. The engine checks every gradient instead and
-            # names the parameter on every rank (anomaly mode itself, with its forward traces, stays on).
+            # torch's NaN check would raise on the NaN's rank only, the others then hang: the engine checks instead,
+            # on every rank (anomaly mode itself stays on).
             with torch.autograd.set_detect_anomaly(True, check_nan=False):
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -468,8 +459,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # A failing rank 0 must not leave the ranks it started blocked in a collective (Lightning stops them only on
-        # KeyboardInterrupt), but only once it exits: a script that catches the error and carries on keeps its ranks.
+        # Lightning stops the ranks rank 0 started only on KeyboardInterrupt; stop them when it exits after a failure.
         super().on_exception(exception)
         self._stage_end.failed = True  # teardown, which Lightning calls next, must not gather: ranks may be apart
         if not self._stop_at_exit:
@@ -482,8 +472,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         if self._stage_end.finish(module, self.num_processes, self.global_rank):
             super().teardown()
             return
-        # A sharded module (kept, or after an exception) stays out of Lightning's move to the host, which would
-        # detach the parameters from the engine's flat buffers or fail on meta tensors.
+        # Moving a sharded module would detach its parameters from the flat buffers (or fail on meta tensors).
         self._lightning_module = None
         try:
             super().teardown()

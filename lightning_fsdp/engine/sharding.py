@@ -42,23 +42,13 @@ def fully_shard(
 ) -> ShardingEngine:
     """Shard ``module``'s parameters in place across ``process_group`` (default: the whole world).
 
-    Parameters keep their identity and names: each ``nn.Parameter`` afterwards holds this rank's rows, and the
-    optimizer built over ``module.parameters()`` sees only shards. Modules still on the meta device are
-    materialised one unit at a time (``param_init_fn`` or each module's ``reset_parameters``) and sharded at
-    once, so no rank ever holds more than one unit in full. What neither initialises is recorded as uninitialised
-    (for ``load_pretrained`` to fill): until it is filled, a forward or optimizer step raises naming it
-    (engine/meta_init.py).
-
-    ``ignored_modules`` / ``ignored_states`` (parameters or modules) stay whole on every rank and are not sharded;
-    their gradients are averaged across ranks as they arrive (one all-reduce per parameter per backward).
-    ``cpu_offload``: shards, their gradients and so the optimizer state live in host memory; a unit's shard is
-    copied to ``device`` only to be gathered, and reduced gradients are copied back.
-    ``reshard_after_forward``: None follows ``sharding_strategy``; True, False or an int N (reshard to N consecutive
-    ranks of the shard group after forward, ZeRO++ hpZ): see ``ShardingEngine.set_reshard_after_forward``. With an
-    int, call on every rank of the world (it creates process groups).
+    Each ``nn.Parameter`` keeps its identity and name and afterwards holds this rank's rows. Modules on the meta
+    device are materialised and sharded one unit at a time (docs/how-it-works.md, "Meta-device initialisation").
+    The options are those of docs/options.md; ``ignored_modules`` / ``ignored_states`` stay whole, their gradients
+    averaged as they arrive. With an int ``reshard_after_forward``, call on every rank of the world (it creates
+    process groups).
     """
-    # Every argument is checked before the first collective (sync_module_states' broadcasts, the gathers), so a
-    # bad one raises the same error on every rank instead of leaving the others waiting (engine/options.py).
+    # See [Note: validate before the first collective] in engine/options.py.
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard(module={module!r}) is not valid; expected an nn.Module.")
     options = ShardingOptions.from_arguments(locals())
