@@ -1,16 +1,7 @@
 """The strategy's Lightning precision plugin: Trainer(precision=...) flags mapped onto the engine's mixed precision.
 
-| flag         | gathered parameters / reductions / buffers | forward context          | gradient scaler           |
-|--------------|--------------------------------------------|--------------------------|---------------------------|
-| "32-true"    | float32 (no mixed precision)               | -                        | -                         |
-| "bf16-mixed" | bfloat16                                   | torch.autocast(bfloat16) | -                         |
-| "16-mixed"   | float16                                    | torch.autocast(float16)  | torch's ShardedGradScaler |
-| "bf16-true"  | bfloat16                                   | default dtype bfloat16   | -                         |
-| "16-true"    | float16                                    | default dtype float16    | -                         |
-
-Under the "-mixed" flags the shards stay float32 and are the optimizer's master weights. Under the "-true" flags the
-module is converted to the half dtype before it is sharded (and built in it under ``trainer.init_module()``), as
-Lightning's FSDPPrecision and HalfPrecision do: shards, gradients and optimizer state are half precision.
+The table of flags is in docs/options.md. "-true" flags convert the module before it is sharded, as Lightning's
+FSDPPrecision and HalfPrecision do, so shards, gradients and optimizer state are half precision.
 """
 
 from __future__ import annotations
@@ -44,10 +35,8 @@ SUPPORTED_PRECISION = ("32-true", *_LOW_DTYPE)
 def _grad_scaler(device_type: str) -> ShardedGradScaler:
     """torch's FSDP gradient scaler: every rank's inf/NaN verdict is all-reduced, so all skip the same steps.
 
-    Each rank only sees its shards' gradients; if one rank found an inf and skipped the step while another stepped,
-    the shards would silently diverge. ``process_group=None`` is the default group *at each step*: the scaler is
-    built with the plugin, before the strategy starts the process group, and must not hold on to an older one. The
-    whole world is the right group for every sharding strategy, ``HYBRID_SHARD`` included (replicas agree anyway).
+    Otherwise shards would silently diverge. ``process_group=None`` is the default group *at each step*: the scaler
+    is built before the process group exists. The world suits every strategy (replicas agree anyway).
     """
     return ShardedGradScaler(device_type, process_group=None)
 
@@ -55,9 +44,8 @@ def _grad_scaler(device_type: str) -> ShardedGradScaler:
 class FSDPPrecision(Precision):
     """Precision for the fsdp_custom strategy, with gradient clipping by the global norm across shards.
 
-    ``torch.nn.utils.clip_grad_norm_`` on a rank's shards would see only that rank's part of the gradient and
-    clip every rank by a different factor; this plugin asks the sharding engine for the norm an unsharded run
-    computes and scales every shard by the same factor.
+    ``torch.nn.utils.clip_grad_norm_`` on shards would clip each rank by a different factor (docs/how-it-works.md,
+    "Gradient clipping").
     """
 
     def __init__(self, precision: str = "32-true") -> None:

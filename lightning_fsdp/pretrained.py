@@ -2,13 +2,10 @@
 only the rows it holds (``safe_open(...).get_slice(name)[start:end]``), so no rank holds the whole model.
 
 [Note: where the call goes]
-After ``FSDPStrategy.setup`` has sharded the model and built the optimizers: ``on_fit_start`` (or ``on_test_start``
-/ ``on_predict_start``); a resumed run's checkpoint is restored after it. ``setup`` and ``configure_model`` are too
-early. Parameters are copied in place, so the optimizer keeps its references (docs/pretrained.md, "Where the call
-goes").
+After the model is sharded and the optimizers built (``on_fit_start``), so parameters are copied in place and the
+optimizer keeps its references (docs/pretrained.md, "Where the call goes").
 
-Every rank reads the same headers and finds the same mismatches; the verdict is still agreed over the process group
-so that a rank that cannot read a file raises on every rank. Nothing is copied before that.
+The verdict on mismatches is agreed over the group, before any copy, so a rank that cannot read a file raises on all.
 """
 
 from __future__ import annotations
@@ -106,8 +103,7 @@ def load_pretrained(
     module, engine = _resolve(target)
     coll = Collective() if engine is not None else Collective(alone=True)
     plan = coll.run_agreed(lambda: _plan(module, engine, os.fspath(path), prefix, rename, strict))
-    # A read that fails on one rank (a file damaged past its header) raises on every rank, not only there: the
-    # others would otherwise go on to the first step's collectives and wait for it.
+    # A read failing on one rank raises on all; the others would wait in the first step's collectives.
     coll.run_agreed(lambda: _copy(plan.reads))
     # Every rank copied the same tensors: they leave the record of uninitialised ones alike everywhere.
     mark_initialised(target.tensor for target, _file in plan.reads)
@@ -311,9 +307,8 @@ def _plan(
 def _copy(reads: list[tuple[_Target, _FileTensor]]) -> None:
     from safetensors import safe_open
 
-    # One safe_open per tensor: the file is memory-mapped, and every page a read touched stays in this process's
-    # resident set until the file is closed. Kept open for the whole load, that was this rank's rows of the whole
-    # model on top of its shards (measured by examples/pretrained_memory.py); closed after each tensor, it is one.
+    # One safe_open per tensor: pages a read touched of the memory-mapped file stay resident until it is closed
+    # (kept open, this rank's rows of the whole model; examples/pretrained_memory.py).
     for target, ft in reads:
         with safe_open(ft.file, "pt") as f:
             layout = target.layout
@@ -328,8 +323,7 @@ def _copy(reads: list[tuple[_Target, _FileTensor]]) -> None:
 
 def _fill_whole(tensor: torch.Tensor, value: torch.Tensor) -> None:
     if tensor.is_meta:
-        # A module built on the meta device and not sharded: give the tensor real memory, keeping the object (so
-        # ties and optimizers keep their reference), on the CPU since meta has no device to keep.
+        # Unsharded meta module: real memory, same object (ties and optimizers keep it), on the CPU.
         real = value.to(tensor.dtype)
         if isinstance(tensor, nn.Parameter):
             real = nn.Parameter(real, requires_grad=tensor.requires_grad)

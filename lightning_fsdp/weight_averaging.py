@@ -19,8 +19,7 @@ from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import gather_rows
 from lightning_fsdp.engine.unit import ParamSlot
 
-# Averaged copies whose parameters hold this rank's rows, with (a weak reference to) the engine whose layout they
-# follow; and averages handed back whole at the end of a stage (a later stage shards their own values again).
+# Averaged copies holding this rank's rows (with their engine), and averages handed back whole after a stage.
 _SHARDED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 _RESTORED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -104,8 +103,7 @@ def shard_averaged_models(trainer: Any, engine: ShardingEngine) -> None:
     known = _averages(trainer)
     for callback, _kind, module in known:
         if not _is_sharded_average(module, engine):
-            # A fresh copy takes the model's rows (right after meta-device init or sync_module_states too); an
-            # average handed back whole at the end of an earlier stage keeps its own values.
+            # A fresh copy takes the model's rows; an average handed back after an earlier stage keeps its values.
             _shard_copy(module, engine, type(callback).__name__, own_values=module in _RESTORED)
             _SHARDED[module] = weakref.ref(engine)
             _RESTORED.discard(module)
@@ -368,15 +366,13 @@ def slice_loaded_averages(strategy: Any, checkpoint: Any) -> Any:
             state["average_model_state"] = local(state["average_model_state"])
         fitting = getattr(getattr(trainer, "state", None), "fn", None) == "fit"
         if fitting and state.get("scheduler_state") is not None and hasattr(callback, "_clear_schedulers"):
-            # What SWA's on_fit_start does on one device, where the checkpoint is restored before that hook; with
-            # this strategy the restore comes after it, so the schedulers are cleared here (before they are
-            # restored) and SWA rebuilds its SWALR from the checkpoint at the next epoch start.
+            # SWA's on_fit_start does this on one device, where the restore comes before that hook; here it comes
+            # after, so SWA rebuilds its SWALR from the checkpoint at the next epoch start.
             callback._clear_schedulers(trainer)
     if has_wa:
         state = checkpoint.get("state_dict")
         if isinstance(state, Mapping) and not isinstance(state, ShardedStateDict):
-            # WeightAveraging.on_load_checkpoint loads "state_dict" into its sharded average itself; the strategy's
-            # load_model_state_dict takes these rows as well (ShardedStateDict: already this rank's).
+            # The callback and the strategy's load_model_state_dict both load these rows (already this rank's).
             checkpoint["state_dict"] = ShardedStateDict(local(state), source="checkpoint")
         current = checkpoint.get("current_model_state")
         if isinstance(current, Mapping):
