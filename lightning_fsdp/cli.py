@@ -1,7 +1,4 @@
-"""The ``lightning-fsdp`` command (docs/cli.md): ``LightningCLI`` in subclass mode with ``fsdp_custom`` as the default
-strategy, plus ``convert`` and ``export`` where those modules are installed. ``python -m lightning_fsdp.cli`` is the
-same command; Lightning's launcher re-runs it once per extra rank, with the same arguments.
-"""
+"""The ``lightning-fsdp`` command (docs/cli.md); Lightning's launcher re-runs it once per extra rank."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Agreement across ranks: the few object collectives that checks, checkpoints and the strategy need, and the rule
-that turns "one rank found a problem" into the same exception on every rank, so that no rank is left waiting in the
-next collective for one that failed. Every collective is trivial without a process group."""
+"""Agreement across ranks: "one rank found a problem" becomes the same exception on every rank, so that no rank
+waits in the next collective for one that failed. Trivial without a process group."""
 
 from __future__ import annotations
 

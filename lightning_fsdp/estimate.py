@@ -1,8 +1,6 @@
-"""``estimate_memory``: the bytes each rank will hold for a model's state under sharding, before training starts.
-It follows the engine's own rules (units, ``torch.chunk`` layout, buffers) from shapes and dtypes alone, so a model on
-the meta device can be estimated; what each figure counts: docs/monitoring.md. Communication is the steady state from
-the second step on, every unit once forward and once backward, in module order.
-"""
+"""``estimate_memory``: the bytes each rank will hold under sharding, from shapes and dtypes alone (a meta model
+works), by the engine's own rules; what each figure counts: docs/monitoring.md. Communication is the steady state
+from the second step on."""
 
 from __future__ import annotations
 
@@ -95,16 +93,13 @@ def estimate_memory(
     """Predict the bytes rank ``rank`` of ``world_size`` holds when ``model`` is trained with this strategy.
 
     Args:
-        model: the model as it will be sharded (a LightningModule, or the ``nn.Module`` given to ``fully_shard``);
-            may live on the meta device.
-        world_size: ranks in the shard group (for the hybrid strategies one shard group, by default a node's).
-        sharding_strategy: as for ``FSDPStrategy``; the hybrid ones count as FULL_SHARD / SHARD_GRAD_OP within the
-            shard group, plus the replicas' all-reduce in ``all_reduce_bytes``.
-        mixed_precision: ``None``, a Lightning precision flag (``"bf16-mixed"``, ...), or an object with
-            ``param_dtype`` and ``reduce_dtype`` such as ``MixedPrecision`` (or a dict of its fields).
+        model: the model as it will be sharded; may live on the meta device.
+        world_size: ranks in the shard group (for the hybrid strategies one shard group).
+        sharding_strategy: as for ``FSDPStrategy``.
+        mixed_precision: ``None``, a Lightning precision flag, or ``MixedPrecision`` (or a dict of its fields).
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` (no momentum), ``"sgd_momentum"`` or ``None``.
         auto_wrap_policy: as for ``FSDPStrategy``; ``None`` for a single root unit.
-        rank: the rank to estimate; rank 0, the default, holds the most rows.
+        rank: the rank to estimate; rank 0 holds the most rows.
 
     Returns:
         A :class:`MemoryEstimate`; ``print()`` it for a table.
@@ -156,8 +151,7 @@ def estimate_memory(
                 unit_flags += reduced_size
                 if not sharded:  # NO_SHARD all-reduces full gradients instead of reduce-scattering them
                     all_reduce += (param.numel() + 1) * reduced_size
-        # A NO_SHARD unit computes on its own parameters, unless it computes in another dtype: then it holds a full
-        # copy in that dtype while it runs, as a sharded unit does. (A unit's parameters share one dtype.)
+        # NO_SHARD computes on its own parameters unless in another dtype, then holds a full copy as sharding does.
         unit_dtype = owned[id(unit)][0].dtype if owned[id(unit)] else None
         computes_on_own_params = not sharded and (gather_dtype is None or gather_dtype == unit_dtype)
         full_bytes[id(unit)] = 0 if computes_on_own_params else unit_full

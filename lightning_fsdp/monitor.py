@@ -1,7 +1,5 @@
-"""``ShardingMonitor``: a Lightning callback that logs what sharding costs and saves, per training step and per rank,
-as ``fsdp/rank<r>/<quantity>`` through rank 0's loggers after one small all-gather (docs/monitoring.md). CPU has no
-allocator statistics in torch: there the model-state figures are the engine's accounting and the process figure RSS.
-"""
+"""``ShardingMonitor`` (docs/monitoring.md). CPU has no allocator statistics in torch: there the model-state figures
+are the engine's accounting and the process figure RSS."""
 
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ _COMM_FIELDS = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")
 class ShardingMonitor(pl.Callback):
     """Logs per-step, per-rank memory of the sharded model state and the bytes each collective moved.
 
-    Works with the ``fsdp_custom`` strategy (any of its registered variants); with another strategy it warns once and
-    logs nothing. The quantities and how each is measured are listed in docs/monitoring.md.
+    With another strategy than ``fsdp_custom`` it warns once and logs nothing. The quantities: docs/monitoring.md.
 
     Args:
         log_every_n_steps: log every this many training batches; ``None`` follows ``Trainer(log_every_n_steps=)``.
@@ -177,8 +174,7 @@ class ShardingMonitor(pl.Callback):
 
 
 def _gathered_bytes(engine: ShardingEngine) -> int:
-    # A freed unit's full buffer has a zero-byte storage; a gathered one holds every rank's padded rows in the
-    # compute dtype. Units that compute on their shard buffer (NO_SHARD in full precision) have an empty one.
+    # A freed unit's full buffer has a zero-byte storage (and an unsharded fp32 unit's is empty).
     return sum(u.full_flat.untyped_storage().nbytes() for u in engine.units)
 
 

@@ -80,24 +80,9 @@ def load_pretrained(
 ) -> LoadResult:
     """Load the tensors of a safetensors file or directory into ``target``'s parameters and buffers.
 
-    Args:
-        target: a module sharded by fsdp_custom (the LightningModule, or a submodule of it such as the wrapped
-            Hugging Face model), its ``ShardingEngine``, or a module that is not sharded (loaded whole). Call on
-            every rank, after the model was sharded (see [Note: where the call goes] in this module).
-        path: a ``.safetensors`` file, or a directory holding ``model.safetensors`` or a sharded set with its
-            ``model.safetensors.index.json`` (whose ``weight_map`` names the file of each tensor).
-        prefix: added in front of every (renamed) file name to give the key in ``target.state_dict()``, e.g.
-            ``"model."`` to load a Hugging Face file into the LightningModule that holds the model as ``self.model``.
-        rename: file name -> key (before ``prefix``): a function, or a dict (names not in it stay as they are).
-            A function returning ``None`` skips that tensor (neither loaded nor unexpected). Removing a prefix:
-            ``rename=lambda name: name.removeprefix("transformer.")``.
-        strict: if True, any missing, unexpected or wrongly shaped tensor raises one
-            ``CheckpointMismatchError`` naming them all, on every rank, before anything is copied. If False,
-            they are returned in the ``LoadResult`` and everything else is loaded.
-
-    Values are cast to each parameter's dtype and moved to its device by ``copy_`` (a bfloat16 file loads into a
-    float32 model and back). A tied parameter (several keys, one ``Parameter``) is read once, from whichever of
-    its keys the file holds, and stays tied.
+    Call on every rank, after the model was sharded (see [Note: where the call goes] in this module). The arguments
+    (``target``: a sharded module or submodule, its ``ShardingEngine``, or an unsharded module; ``path``; the key
+    ``prefix + rename(name)``; ``strict``) and how dtypes and tied weights load: docs/pretrained.md.
     """
     _check_arguments(target, path, prefix, rename, strict)
     module, engine = _resolve(target)

@@ -1,8 +1,7 @@
 """What the module holds when a Trainer stage ends normally: the ``weights_after_stage`` option (docs/options.md).
 
-Gathering the full model on every rank at once needs the model's size times the node's local ranks in host
-memory: a model that only fits sharded would end its training in an out-of-memory kill. ``"auto"`` therefore
-gathers only when that fits in the memory the node has free, and otherwise leaves the module sharded.
+``"auto"`` gathers only if the model times the node's local ranks fits in free host memory: a model that only fits
+sharded would otherwise end its training in an out-of-memory kill.
 """
 
 from __future__ import annotations
