@@ -95,7 +95,7 @@ def estimate_memory(
     Args:
         model: the model as it will be sharded; may live on the meta device.
         world_size: ranks in the shard group (for the hybrid strategies one shard group).
-        sharding_strategy: as for ``FSDPStrategy``.
+        sharding_strategy: as for ``FSDPStrategy``; hybrid ones add the replicas' all-reduce to ``all_reduce_bytes``.
         mixed_precision: ``None``, a Lightning precision flag, or ``MixedPrecision`` (or a dict of its fields).
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` (no momentum), ``"sgd_momentum"`` or ``None``.
         auto_wrap_policy: as for ``FSDPStrategy``; ``None`` for a single root unit.
