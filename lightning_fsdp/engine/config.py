@@ -13,13 +13,8 @@ from torch import nn
 
 
 class ShardingStrategy(enum.Enum):
-    """How parameters, gradients and optimizer state are split across the ranks of the shard group.
-
-    FULL_SHARD: a unit is gathered for its forward, freed, and gathered again for its backward. SHARD_GRAD_OP: it
-    stays gathered from its forward until its backward ends. NO_SHARD: every rank holds the whole model and gradients
-    are all-reduced (DDP). HYBRID_SHARD / HYBRID_SHARD_ZERO2: FULL_SHARD / SHARD_GRAD_OP within a shard group (by
-    default one node's processes), replicated across shard groups.
-    """
+    """How parameters, gradients and optimizer state are split across the ranks of the shard group; each value is
+    described in docs/options.md (``sharding_strategy``)."""
 
     FULL_SHARD = "FULL_SHARD"
     SHARD_GRAD_OP = "SHARD_GRAD_OP"
@@ -153,14 +148,8 @@ def _wrap_policy_error(value: Any) -> str:
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """Low-precision compute while the full-precision shards stay the optimizer's master weights (docs/options.md).
-
-    ``param_dtype``: the dtype units are gathered and compute in. ``reduce_dtype``: the dtype gradients are reduced
-    in (default ``param_dtype``). ``buffer_dtype``: buffers are cast to it at sharding. ``keep_low_precision_grads``
-    must stay False: reduced gradients take the shards' dtype. ``cast_forward_inputs``: every unit casts floating
-    inputs to ``param_dtype``; ``cast_root_forward_inputs``: the root does (default). ``reduce_wire_dtype``
-    (bfloat16 or float16, sharded strategies only): gradients travel in it and are summed in the reduce dtype.
-    """
+    """Low-precision compute while the full-precision shards stay the optimizer's master weights; each field is
+    described in docs/options.md ("Mixed precision")."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None

@@ -59,20 +59,15 @@ class EngineControls:
                     unit.reshard()
 
     def set_requires_gradient_sync(self, requires: bool, units: Iterable[FlatUnit] | None = None) -> None:
-        """Whether each unit's backward reduces its gradients across ranks (default True; torch FSDP2's name).
-
-        With False, a backward adds its full-size gradients to the ones the unit holds (one full gradient per unit);
-        the next backward with True reduces the sum once. An optimizer step while gradients are held raises
-        ``RuntimeError``. ``units``: only these (default: all).
-        """
+        """Whether each unit's (default: all) backward reduces its gradients (torch FSDP2's name). With False the unit
+        holds one full-size gradient sum, reduced once by the next backward with True; a step meanwhile raises."""
         check_flag(requires, "requires")
         for unit in self.units if units is None else units:
             unit.requires_gradient_sync = requires
 
     @contextmanager
     def no_sync(self, units: Iterable[FlatUnit] | None = None) -> Iterator[None]:
-        """``set_requires_gradient_sync(False, units)`` inside the block; each unit's previous value is restored on
-        exit."""
+        """``set_requires_gradient_sync(False, units)`` inside the block, previous values restored on exit."""
         chosen = list(self.units if units is None else units)
         previous = [unit.requires_gradient_sync for unit in chosen]
         self.set_requires_gradient_sync(False, chosen)
@@ -83,28 +78,20 @@ class EngineControls:
                 unit.requires_gradient_sync = requires
 
     def set_prefetch_groups(self, groups: Iterable[Iterable[FlatUnit]]) -> None:
-        """Prefetching never crosses from one group of units to another. The order units are prefetched in is the
-        forward order of the first step; where separate parts of the model run in an order that does not predict
-        (pipeline stages on one rank, driven by a schedule), each part is a group and prefetches only within it."""
+        """Prefetching never crosses from one group of units to another: for parts of a model whose order the first
+        step does not predict (pipeline stages on one rank)."""
         self._prefetch_group = {id(unit): index for index, group in enumerate(groups) for unit in group}
 
     def set_reshard_after_backward(self, flag: bool) -> None:
         """Whether each unit frees its full parameters when its backward ends (default True; torch FSDP2's name).
-
-        With False the next micro-batches gather nothing, at the cost of the full parameters in memory until the next
-        optimizer step (or ``reshard()``) frees them.
-        """
+        With False they stay until the next optimizer step or ``reshard()``, and later micro-batches gather nothing."""
         check_flag(flag, "flag")
         for unit in self.units:
             unit.reshard_after_backward = flag
 
     def set_reshard_after_forward(self, value: bool | int | None) -> None:
-        """What each unit (except the root) does with its full parameters when its forward ends.
-
-        True frees them; False keeps them until backward; an int N (1 < N < shard group size, dividing it) frees
-        them but keeps this rank's 1/N, so backward gathers over N consecutive ranks only (ZeRO++ hpZ). None: the
-        sharding strategy's default. The first use of an N creates process groups: call it on every rank.
-        """
+        """What each unit but the root does with its full parameters after forward: the values of docs/options.md's
+        ``reshard_after_forward``. The first use of an N creates process groups: call it on every rank."""
         check_reshard_after_forward(value, self.root_unit.world_size)
         if value is None:
             value = self.sharding_strategy.reshard_after_forward
@@ -124,9 +111,7 @@ class EngineControls:
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather every unit now and keep it unsharded until ``reshard()`` or the next optimizer step (torch
-        FSDP2's ``unshard``). With ``async_op`` the returned handle's ``wait()`` completes the all-gathers. Call on
-        every rank of the shard group.
-        """
+        FSDP2's ``unshard``); with ``async_op``, the handle's ``wait()`` completes it. Call on every rank."""
         check_flag(async_op, "async_op")
         for unit in self.units:
             if async_op:
