@@ -21,8 +21,7 @@ from lightning_fsdp.engine.wrap import assign_owners, enclosing_units, select_un
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
-# Optimizer name -> (state tensors of the parameter's shape per parameter, bytes of scalar state per parameter).
-# Adam and AdamW keep exp_avg and exp_avg_sq, and ``step`` as a float32 0-dim tensor.
+# Optimizer name -> (state tensors shaped like the parameter, bytes of scalar state), per parameter.
 _OPTIMIZERS: dict[str, tuple[int, int]] = {
     "adamw": (2, 4),
     "adam": (2, 4),

@@ -22,8 +22,7 @@ from lightning_fsdp.weight_averaging import restore_averaged_models
 CHOICES = ("auto", "full", "rank0", "sharded")
 # Test hook and escape hatch: the free host memory in bytes, instead of what the system reports.
 FREE_MEMORY_VARIABLE = "LIGHTNING_FSDP_FREE_HOST_MEMORY"
-# The gathered model must fit in this fraction of the free memory: the rest is left to the page cache, the
-# allocator's slack and what other processes take meanwhile.
+# The rest is left to the page cache, the allocator's slack and other processes.
 SAFETY_FACTOR = 0.75
 
 

@@ -82,8 +82,7 @@ class GradientReduction:
                 works.append(self._reduce_scatter(out, flat))
                 if self.reduce_wire_dtype is None:
                     inputs.append(flat)  # the wire reduction keeps its own narrow copy: the full gradient can go
-            # _chunk_cat pads each gradient to ceil(d0/N) rows per rank and lays the ranks out one after another;
-            # the flags, repeated once per rank, end every rank's chunk.
+            # Rank-major, each gradient padded to ceil(d0/N) rows; the flags end every rank's chunk.
             staged = [grads[j] for j in plan.staged] + [flags.expand(n, k)]
             flat_in = torch._chunk_cat(staged, dim=0, num_chunks=n).view(-1).to(self.reduce_dtype)
             if pre_divide:
@@ -198,8 +197,8 @@ class GradientReduction:
             self.replicate_comm.all_reduce(reduced)
         if not pending.pre_divide:
             reduced.div_(pending.ranks)
-        # Divided, the sums stay > 0 exactly where some rank had a gradient, which is all the engine asks. A copy:
-        # a view would keep the whole reduction buffer, which the gradients are views of, alive after zero_grad.
+        # Divided, the sums stay > 0 where some rank had a gradient, all the engine asks. A copy: a view would keep the
+        # whole reduction buffer alive after zero_grad.
         used_counts = reduced[plan.numel :].clone()
         return self._to_shard_device(reduced[: plan.numel]), used_counts
 

@@ -177,11 +177,9 @@ def _attribute_tensors(module: nn.Module) -> list[torch.Tensor]:
 def _materialize(
     modules: list[nn.Module], device: torch.device, param_init_fn: Callable | None
 ) -> list[tuple[nn.Module, str, str]]:
-    """Allocate and initialise this unit's meta-device tensors on ``device``, keeping Parameter identity (ties).
-
-    Returns the tensors of those modules still uninitialised afterwards, as (module, kind, attribute name): neither
-    ``param_init_fn`` nor ``reset_parameters`` wrote them (see [Note: the record of uninitialised tensors]).
-    """
+    """Allocate and initialise this unit's meta-device tensors on ``device``, keeping Parameter identity (ties);
+    returns (module, kind, attribute name) of those no initialiser wrote (see [Note: the record of uninitialised
+    tensors])."""
     meta_modules = [m for m in modules if any(t.is_meta for t in _params_and_buffers(m))]
     if not meta_modules:
         return []
@@ -210,11 +208,8 @@ def _materialize(
 
 
 def _materialize_leftovers(root: nn.Module, device: torch.device) -> None:
-    """Meta tensors that are neither parameters nor buffers (e.g. torchmetrics states) still need real memory.
-
-    They are zero-filled (deterministic, unlike ``empty``), then the module's own ``reset()`` or
-    ``reset_parameters()`` gets the chance to set its real defaults.
-    """
+    """Meta tensors that are neither parameters nor buffers (torchmetrics states): zero-filled (deterministic, unlike
+    ``empty``), then the module's ``reset()`` or ``reset_parameters()`` may set its real defaults."""
     for module in root.modules():
         if not any(t.is_meta for t in _attribute_tensors(module)):
             continue
@@ -235,10 +230,8 @@ def _cast_buffers(modules: list[nn.Module], dtype: torch.dtype) -> None:
 def _broadcast_from_first_rank(
     modules: list[nn.Module], params: list[nn.Parameter], shard_comm: Communicator, replicate_comm: Communicator | None
 ) -> None:
-    """The first rank's values everywhere this model lives: over the shard group, then across its replicas.
-
-    Only over the groups the engine was given: ranks outside them may be training something else.
-    """
+    """The first rank's values over the shard group, then its replicas; only those groups, as ranks outside them may
+    be training something else."""
     tensors = params + [b for m in modules for b in m.buffers(recurse=False)]
     for comm in (shard_comm, replicate_comm):
         if comm is not None and comm.world_size > 1:

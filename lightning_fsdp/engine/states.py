@@ -80,11 +80,9 @@ class ParamSlot:
     layout: ShardLayout
     offset: int = 0  # element offset of this parameter's padded chunk in the flat shard buffer
     full: nn.Parameter | None = None
-    # Took part with requires_grad=True in a forward of the current step: its gradient may still arrive even if the
-    # user has frozen it since, so the step's reduction keeps a place for it.
+    # Trainable in a forward of this step: its gradient may arrive though frozen since, so the reduction keeps it.
     in_graph: bool = False
-    # The requires_grad the engine last gave ``full``: if ``full`` differs at the next sync, the user flipped it
-    # through the module while it was installed there (after a forward whose backward never came).
+    # What the engine last gave ``full``: a difference at the next sync is the user's flip through the module.
     synced_requires_grad: bool = True
     # Gradient sync off: the full-size gradient of the backwards since the last reduction (``FlatUnit.hold_grads``).
     unsynced_grad: torch.Tensor | None = None
@@ -134,7 +132,6 @@ class PendingReduce(NamedTuple):
     pre_divide: bool
     ranks: int
     plan: ReducePlan
-    # On an accelerator: recorded after the post-reduce work on the reduce-scatter stream, and what ``_post_reduce``
-    # returned. Both None on CPU.
+    # On an accelerator: the event after the post-reduce work, and what ``_post_reduce`` returned. None on CPU.
     event: Any = None
     result: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -48,8 +48,8 @@ def pins_host_memory(device: torch.device) -> bool:
 
 
 class CollectiveStreams:
-    """The all-gather and reduce-scatter streams of one engine's compute device (see [Note: collectives on their own
-    streams]). Inactive on CPU: ``active`` is False and nothing else may be called."""
+    """One compute device's all-gather and reduce-scatter streams ([Note: collectives on their own streams]). On CPU
+    ``active`` is False and nothing else may be called."""
 
     def __init__(self, device: torch.device | str, device_module: Any | None = None) -> None:
         self.device = torch.device(device)

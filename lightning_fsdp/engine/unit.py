@@ -90,13 +90,11 @@ class FlatUnit(GradientReduction):
         self.pinned = offloaded and pins_host_memory(self.device)
         self.streams: CollectiveStreams = INACTIVE
         self.index = 0  # position in the engine's unit list: names this unit's collectives for ``Communicator.agree``
-        # The engine's view of the unit's forward: calls open right now (the outermost one, and nested or
-        # recomputed ones inside it), and whether the open outermost call put a ``_PostBackward`` on its inputs.
+        # Calls open now (nested and recomputed ones included); whether the outermost marked its inputs.
         self.forward_depth = 0
         self.marked_call = False
         self.step_state = UnitStepState()
-        # After a reduction: per trainable parameter, how many ranks had a gradient for it (> 0: some rank used it),
-        # and whether its shard already had a gradient (accumulation). Read once per backward by the engine.
+        # After a reduction, per trainable parameter: how many ranks had a gradient; whether the shard had one.
         self.used_counts: torch.Tensor | None = None
         self._had_grad: list[bool] = []
         self.nonfinite: list[str] = []  # anomaly checking: parameters whose local gradient was not finite
@@ -463,10 +461,8 @@ class FlatUnit(GradientReduction):
                 self.reshard(secondary=self.secondary_comm)
             return
         if marked:
-            # The forward raised (its output is None then) or returned nothing that needs a gradient: no backward
-            # will signal the end of this call, so the end of backward reduces the unit.
+            # Raised, or nothing needs a gradient: no backward signals this call, so the end of backward reduces.
             self.step_state.untrack_call(was_tracked=True)
-        # No backward will come through this forward (eval, no_grad, nothing requires grad, or it raised).
         if not self.kept:
             self.reshard()
 
@@ -481,9 +477,8 @@ class FlatUnit(GradientReduction):
         return self.reduce_or_hold(finish_previous_reduction)
 
     def free_after_backward(self) -> None:
-        """Reshard now that backward no longer needs the full parameters, unless ``reshard_after_backward`` is off,
-        which keeps the unit unsharded (``kept``) until the next optimizer step or ``reshard()``. Before the reduction
-        allocates its buffers: the gradients do not need the full parameters."""
+        """Reshard (or keep, with ``reshard_after_backward`` off) before the reduction allocates its buffers: the
+        gradients do not need the full parameters."""
         if self.kept:
             return
         if not self.reshard_after_backward and self.is_unsharded:
