@@ -94,11 +94,8 @@ def _export_entry() -> Callable[[list[str]], int | None] | None:
 
 
 def main(args: Sequence[str] | None = None) -> int | None:
-    """Run the command with ``args`` (default: ``sys.argv[1:]``).
-
-    Returns the exit status for the console script (``sys.exit(main())``): ``convert``'s or ``export``'s, or
-    ``None`` (success) after a Lightning subcommand; errors raise or exit on their own.
-    """
+    """Run the command with ``args`` (default: ``sys.argv[1:]``); returns the exit status for ``sys.exit(main())``:
+    ``convert``'s or ``export``'s, or ``None`` after a Lightning subcommand."""
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] == ["convert"]:
         convert = _convert_entry()

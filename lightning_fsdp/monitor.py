@@ -83,9 +83,8 @@ class ShardingMonitor(pl.Callback):
         self._remove_instrumentation()
 
     def _instrument_gathers(self, engine: ShardingEngine) -> None:
-        """Sample the live full-parameter bytes right after every unit gather, the moments they can peak. Wrapping
-        each unit's ``unshard`` (undone at the end of training) also sees the gathers of backward, which module hooks
-        would miss."""
+        """Sample the full-parameter bytes after every unit gather, when they can peak: wrapping ``unshard`` also sees
+        backward's gathers, which module hooks would miss."""
         self._remove_instrumentation()
         for unit in engine.units:
             original = unit.unshard

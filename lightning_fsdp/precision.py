@@ -33,20 +33,14 @@ SUPPORTED_PRECISION = ("32-true", *_LOW_DTYPE)
 
 
 def _grad_scaler(device_type: str) -> ShardedGradScaler:
-    """torch's FSDP gradient scaler: every rank's inf/NaN verdict is all-reduced, so all skip the same steps.
-
-    Otherwise shards would silently diverge. ``process_group=None`` is the default group *at each step*: the scaler
-    is built before the process group exists. The world suits every strategy (replicas agree anyway).
-    """
+    """torch's FSDP gradient scaler: every rank's inf/NaN verdict is all-reduced, so all skip the same steps (else
+    shards diverge). ``process_group=None`` means the default group *at each step*: the scaler predates the group."""
     return ShardedGradScaler(device_type, process_group=None)
 
 
 class FSDPPrecision(Precision):
-    """Precision for the fsdp_custom strategy, with gradient clipping by the global norm across shards.
-
-    ``torch.nn.utils.clip_grad_norm_`` on shards would clip each rank by a different factor (docs/how-it-works.md,
-    "Gradient clipping").
-    """
+    """Precision for the fsdp_custom strategy, with gradient clipping by the global norm across shards
+    (docs/how-it-works.md, "Gradient clipping")."""
 
     def __init__(self, precision: str = "32-true") -> None:
         if precision not in SUPPORTED_PRECISION:

@@ -30,10 +30,8 @@ def clip_grad_norm_(
     device: torch.device,
     stage_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Clip gradients by the global norm over all shards; call on every rank of ``shard_comm``. ``is_sharded`` tells
-    a shard from a parameter every rank holds whole; ``stage_group``: the ranks of the other pipeline stages, so that
-    every stage clips by the whole model's norm.
-    """
+    """Clip gradients by the global norm over all shards; call on every rank of ``shard_comm``. ``is_sharded``: a
+    shard, not a whole parameter; ``stage_group``: the other pipeline stages, so all clip by the whole model's norm."""
     norm_type = float(norm_type)
     params = [p for p in parameters if p.grad is not None]
     sharded = [p.grad for p in params if is_sharded(p)]

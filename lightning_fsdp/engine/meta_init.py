@@ -88,11 +88,8 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 class InitWatch(TorchDispatchMode):
-    """While active: the storages allocated empty (``torch.empty``, ``empty_like``, ...) and not written since.
-
-    Every aten op passes through ``__torch_dispatch__``, writes through ``.data`` and views included: an argument
-    the op's schema marks as written stops being empty; a new (non-view) result is empty if an empty factory made it.
-    """
+    """While active: the storages allocated empty and not written since. Every aten op passes through here (``.data``
+    writes too): an argument its schema marks as written stops being empty; an empty factory's new result is empty."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -64,10 +64,8 @@ class ShardingOptions:
         reshard_after_forward: Any = None,
         names: bool = False,
     ) -> ShardingOptions:
-        """Check and normalise the user's values; raises ``TypeError`` / ``ValueError`` naming the bad one.
-
-        ``names``: ``ignored_modules`` / ``ignored_states`` may also hold names (strings, as in YAML configs), which
-        the strategy resolves once the model exists."""
+        """Check and normalise the user's values; raises ``TypeError`` / ``ValueError`` naming the bad one. ``names``:
+        the ignored entries may be strings (YAML), which the strategy resolves once the model exists."""
         cpu_offload = getattr(cpu_offload, "offload_params", cpu_offload)  # torch's CPUOffload(offload_params=...)
         for option, flag in (
             ("forward_prefetch", forward_prefetch),

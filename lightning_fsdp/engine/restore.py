@@ -10,11 +10,8 @@ from lightning_fsdp.engine.unit import FlatUnit
 
 @torch.no_grad()
 def restore_full_parameters(units: list[FlatUnit], device: torch.device | str) -> None:
-    """Every parameter of ``units`` gets its full value on ``device``, back in its modules; the buffers are released.
-    One unit at a time (peak: one unit in full). Gradients, which were shards, are dropped.
-
-    ``device="meta"`` keeps no values: each rank still takes part in the gathers (another rank may keep them), and
-    the modules get new meta parameters of the same shapes, dtypes and ``requires_grad``, tied ones still shared."""
+    """Every parameter of ``units`` gets its full value on ``device``, one unit at a time; gradients are dropped.
+    ``device="meta"`` keeps no values but still joins the gathers (another rank may keep them); ties stay shared."""
     on_meta = torch.device(device).type == "meta"
     for unit in units:
         unit.reshard()

@@ -42,11 +42,9 @@ def fully_shard(
 ) -> ShardingEngine:
     """Shard ``module``'s parameters in place across ``process_group`` (default: the whole world).
 
-    Each ``nn.Parameter`` keeps its identity and name and afterwards holds this rank's rows. Modules on the meta
-    device are materialised and sharded one unit at a time (docs/how-it-works.md, "Meta-device initialisation").
-    The options are those of docs/options.md; ``ignored_modules`` / ``ignored_states`` stay whole, their gradients
-    averaged as they arrive. With an int ``reshard_after_forward``, call on every rank of the world (it creates
-    process groups).
+    Each ``nn.Parameter`` keeps its identity and name and holds this rank's rows; meta modules are materialised one
+    unit at a time (docs/how-it-works.md). Options: docs/options.md. With an int ``reshard_after_forward``, call on
+    every rank of the world (it creates process groups).
     """
     # See [Note: validate before the first collective] in engine/options.py.
     if not isinstance(module, nn.Module):
