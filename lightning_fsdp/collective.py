@@ -12,8 +12,7 @@ import torch.distributed as dist
 _T = TypeVar("_T")
 _E = TypeVar("_E", bound=type[BaseException])
 
-# Exception classes another rank re-raises as themselves (by name); any other is re-raised as a RuntimeError naming
-# it. A class whose instances carry a ``path`` is rebuilt with it as its second argument.
+# Classes other ranks re-raise by name (others become a RuntimeError); a ``path`` attribute is the second argument.
 _REBUILDABLE: dict[str, type[BaseException]] = {}
 
 

@@ -292,8 +292,8 @@ def _plan(
 def _copy(reads: list[tuple[_Target, _FileTensor]]) -> None:
     from safetensors import safe_open
 
-    # One safe_open per tensor: pages a read touched of the memory-mapped file stay resident until it is closed
-    # (kept open, this rank's rows of the whole model; examples/pretrained_memory.py).
+    # One safe_open per tensor: touched pages of the mapped file stay resident until closed
+    # (examples/pretrained_memory.py).
     for target, ft in reads:
         with safe_open(ft.file, "pt") as f:
             layout = target.layout

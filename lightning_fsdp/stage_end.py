@@ -26,8 +26,7 @@ FREE_MEMORY_VARIABLE = "LIGHTNING_FSDP_FREE_HOST_MEMORY"
 SAFETY_FACTOR = 0.75
 
 
-# Modules a "rank0" stage end left with meta parameters on the other ranks (recorded on every rank alike): sharding
-# one again would give those ranks freshly initialised values, silently unlike rank 0's.
+# Modules a "rank0" stage end left meta on other ranks: sharding again would silently re-initialise them there.
 _RANK0_ONLY: weakref.WeakSet = weakref.WeakSet()
 
 

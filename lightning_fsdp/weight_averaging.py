@@ -366,8 +366,7 @@ def slice_loaded_averages(strategy: Any, checkpoint: Any) -> Any:
             state["average_model_state"] = local(state["average_model_state"])
         fitting = getattr(getattr(trainer, "state", None), "fn", None) == "fit"
         if fitting and state.get("scheduler_state") is not None and hasattr(callback, "_clear_schedulers"):
-            # SWA's on_fit_start does this on one device, where the restore comes before that hook; here it comes
-            # after, so SWA rebuilds its SWALR from the checkpoint at the next epoch start.
+            # SWA's on_fit_start does this on one device, where the restore precedes that hook; here it follows.
             callback._clear_schedulers(trainer)
     if has_wa:
         state = checkpoint.get("state_dict")

@@ -57,8 +57,7 @@ FLAT = CollectiveForms()
 # torch's ProcessGroupMPI datatype map (ProcessGroupMPI.cpp, mpiDatatype).
 MPI_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32, torch.float64})
 
-# Backend name (torch.distributed.get_backend) -> forms. gloo's row applies to CPU tensors only; every backend not
-# listed, and gloo on another device, gets FLAT.
+# gloo's row applies to CPU tensors only; any backend not listed, and gloo on another device, gets FLAT.
 TABLE: dict[str, CollectiveForms] = {
     "gloo": CollectiveForms(Gather.BROADCAST, ReduceScatter.ALL_TO_ALL, ReduceScatter.FLAT),
     "mpi": CollectiveForms(Gather.LIST, ReduceScatter.ALL_TO_ALL, ReduceScatter.ALL_TO_ALL, MPI_DTYPES),

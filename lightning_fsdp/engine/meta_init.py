@@ -143,8 +143,7 @@ class _Entry:
         self.ref = weakref.ref(tensor)
 
 
-# The records still guarding a model. torch has only process-wide optimizer hooks: one, registered with the first
-# record and kept (it runs while an optimizer steps, so it is never removed), looks at the records still live.
+# torch has only process-wide optimizer hooks: one, never removed (it may be running), checks the live records.
 _LIVE: weakref.WeakSet[Uninitialised] = weakref.WeakSet()
 _optimizer_hook: list[Any] = []
 
@@ -163,8 +162,7 @@ class Uninitialised:
         if not self._entries:
             return
         self._param_ids = {id(p) for p in root.parameters()}
-        # Every module whose tree holds a recorded tensor (a tied one under each of its holders) is guarded, for the
-        # recorded tensors in its tree: a module called on its own raises only if it could use one of them.
+        # Each module guards only its tree's recorded tensors: called alone it raises only if it could use one.
         modules = dict(root.named_modules(remove_duplicate=False))
         within: dict[str, set[int]] = {}
         for path, module in modules.items():

@@ -57,8 +57,7 @@ def unwatch_optimizer_steps(engine: ShardingEngine) -> None:
 
 
 def _before_any_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    # A closure (Lightning always passes one) runs the step's forward and backward inside step(), after this hook:
-    # the gradients it holds may be reduced by then, so they are checked once the step is over instead.
+    # A closure (Lightning's) runs forward and backward after this hook: its gradients are checked after the step.
     closure = bool(args) or kwargs.get("closure") is not None
     for engine in list(_LIVE_ENGINES):
         engine._before_optimizer_step(optimizer, after_closure=closure)

@@ -137,8 +137,7 @@ class ShardingEngine(EngineControls):
 
     def _register_root_hooks(self) -> None:
         root = self.root_unit
-        # Under manual optimization backward, steps and toggle_optimizer happen inside the root's forward: the
-        # modules using the root's parameters resync their flags when they run.
+        # Manual optimization flips requires_grad inside the root's forward: the root's users resync when they run.
         users: dict[int, tuple[nn.Module, list]] = {}
         for slot in root.slots:
             for module, _attr in slot.uses:
@@ -192,8 +191,7 @@ class ShardingEngine(EngineControls):
         if first:
             if not in_backward:
                 unit.sync_requires_grad()
-                # The order prefetching follows is a training step's: calls from outside one (a callback sampling
-                # from a part of the model) do not record it.
+                # Only a training step records the prefetch order.
                 if (
                     not self._order_frozen
                     and unit is not self.root_unit

@@ -36,8 +36,7 @@ from lightning_fsdp.engine.streams import INACTIVE, CollectiveStreams, pins_host
 class FlatUnit(GradientReduction):
     """Unshard, reshard and gradient reduction for one unit's parameters: flat collectives over its shard buffer."""
 
-    # From this full size (1 MiB of float32) a parameter is gathered on its own, in place, with no staging copy;
-    # smaller ones share one collective through a staging buffer.
+    # From 1 MiB of float32 a parameter is gathered on its own, in place; smaller ones share a staged collective.
     direct_gather_min_numel = 2**18
 
     def __init__(
