@@ -67,8 +67,7 @@ def check_device_id(value: Any) -> None:
 
 
 def check_device_id_matches(device_id: int | torch.device | None, device: torch.device) -> None:
-    """``device_id`` must name this rank's ``device`` (as the accelerator names it: hpu:0 even where the test
-    double computes on CPU)."""
+    """``device_id`` must name this rank's ``device`` as the accelerator names it (hpu:0 under the test double)."""
     if device_id is None:
         return
     wanted = torch.device(device.type, device_id) if isinstance(device_id, int) else device_id

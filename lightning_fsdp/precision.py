@@ -39,8 +39,7 @@ def _grad_scaler(device_type: str) -> ShardedGradScaler:
 
 
 class FSDPPrecision(Precision):
-    """Precision for the fsdp_custom strategy, with gradient clipping by the global norm across shards
-    (docs/how-it-works.md, "Gradient clipping")."""
+    """Precision for fsdp_custom: clipping by the global norm across shards (docs/how-it-works.md)."""
 
     def __init__(self, precision: str = "32-true") -> None:
         if precision not in SUPPORTED_PRECISION:

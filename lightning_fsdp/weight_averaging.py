@@ -276,8 +276,7 @@ def _local_rows(value: Any, slot: ParamSlot) -> Any:
 
 # ========================================================================================== checkpoints
 def _full_state(module: nn.Module, engine: ShardingEngine, keep: bool) -> dict[str, Any]:
-    """An averaged copy's state dict, sharded parameters gathered to full tensors on CPU (kept where ``keep``), in
-    state-dict order on every rank."""
+    """An averaged copy's state dict with shards gathered full on CPU (kept where ``keep``), alike on every rank."""
     slots = managed_keys(engine)
     state = module.state_dict()
     out: dict[str, Any] = {}
@@ -337,8 +336,7 @@ def gather_averages_for_save(strategy: Any, checkpoint: dict[str, Any]) -> None:
 
 @torch.no_grad()
 def slice_loaded_averages(strategy: Any, checkpoint: Any) -> Any:
-    """Give each rank its rows of the full averages in a loaded checkpoint, before the callbacks load them; returns
-    the checkpoint (changed in place). No collectives."""
+    """Give each rank its rows of a loaded checkpoint's full averages, in place (returned); no collectives."""
     from lightning_fsdp.checkpoint.common import ShardedStateDict
 
     engine = _live_engine(strategy)

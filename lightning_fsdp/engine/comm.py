@@ -46,8 +46,7 @@ def all_gather_flat(
 
 @dataclass
 class CommStats:
-    """Bytes this rank sent into each kind of collective of the training step since the last ``reset`` (input
-    sizes). Checkpoint gathers are not counted."""
+    """Input bytes this rank put into each kind of training-step collective since ``reset`` (not checkpoints')."""
 
     all_gather_bytes: int = 0
     reduce_scatter_bytes: int = 0
@@ -74,8 +73,7 @@ class Works(NamedTuple):
 
 
 class Widened:
-    """An all-reduce run in float32 for a backend that cannot carry ``tensor``'s dtype: ``wait()`` writes the
-    result back into ``tensor``, rounded once."""
+    """An all-reduce in float32 for a dtype the backend cannot carry; ``wait()`` writes it back, rounded once."""
 
     def __init__(self, work: Any, wide: torch.Tensor, tensor: torch.Tensor) -> None:
         self._work, self._wide, self._tensor = work, wide, tensor

@@ -13,8 +13,7 @@ from torch import nn
 
 
 class ShardingStrategy(enum.Enum):
-    """How parameters, gradients and optimizer state are split across the ranks of the shard group; each value is
-    described in docs/options.md (``sharding_strategy``)."""
+    """How parameters, gradients and optimizer state are split across the shard group (docs/options.md)."""
 
     FULL_SHARD = "FULL_SHARD"
     SHARD_GRAD_OP = "SHARD_GRAD_OP"
@@ -148,8 +147,7 @@ def _wrap_policy_error(value: Any) -> str:
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """Low-precision compute while the full-precision shards stay the optimizer's master weights; each field is
-    described in docs/options.md ("Mixed precision")."""
+    """Low-precision compute, full-precision master shards; the fields: docs/options.md ("Mixed precision")."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None

@@ -166,8 +166,7 @@ def _params_and_buffers(module: nn.Module) -> list[torch.Tensor]:
 
 
 def _attribute_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Tensors ``module`` keeps outside its parameters and buffers, as plain attributes: torchmetrics keeps its
-    states so, and their defaults in ``_defaults``."""
+    """Tensors ``module`` keeps as plain attributes (torchmetrics states, and their ``_defaults``)."""
     tensors = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
     return tensors + [v for v in getattr(module, "_defaults", {}).values() if isinstance(v, torch.Tensor)]
 
@@ -228,8 +227,7 @@ def _cast_buffers(modules: list[nn.Module], dtype: torch.dtype) -> None:
 def _broadcast_from_first_rank(
     modules: list[nn.Module], params: list[nn.Parameter], shard_comm: Communicator, replicate_comm: Communicator | None
 ) -> None:
-    """The first rank's values over the shard group, then its replicas; only those groups, as ranks outside them may
-    be training something else."""
+    """The first rank's values over the shard group, then its replicas (ranks outside may train something else)."""
     tensors = params + [b for m in modules for b in m.buffers(recurse=False)]
     for comm in (shard_comm, replicate_comm):
         if comm is not None and comm.world_size > 1:

@@ -37,8 +37,7 @@ from lightning_fsdp.engine.unit import FlatUnit
 
 
 def outside_compile(hook: Callable) -> Callable:
-    """``hook`` runs eagerly even when called from code that ``torch.compile`` compiles (see [Note: compiled
-    modules])."""
+    """``hook`` runs eagerly even when called from compiled code (see [Note: compiled modules])."""
     return torch.compiler.disable(hook, recursive=True, reason="fsdp_custom engine hook")
 
 
@@ -309,8 +308,7 @@ class ShardingEngine(EngineControls):
             self._reshard_all()
 
     def _reshard_all(self, *, spare_kept: bool = False) -> None:
-        """Reshard every unit whose forward is not running (the root's is when the step is its forward), except kept
-        ones with ``spare_kept``."""
+        """Reshard the root and every unit whose forward is not running, except kept ones with ``spare_kept``."""
         for unit in self.units:
             if (unit is self.root_unit or unit.forward_depth == 0) and not (spare_kept and unit.kept):
                 unit.reshard()

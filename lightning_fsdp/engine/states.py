@@ -46,8 +46,7 @@ class ShardedState(Enum):
 
 @dataclass
 class UnitStepState:
-    """A unit's calls in the current training step. A call whose inputs need no gradient (untracked) does not
-    signal the end of its backward, so the end of backward reduces the unit."""
+    """A unit's calls this step; an untracked call (no input needs a gradient) leaves reducing to backward's end."""
 
     forward_calls: int = 0  # outermost calls this step that will signal the end of their backward
     backward_calls: int = 0  # of those, how many have signalled

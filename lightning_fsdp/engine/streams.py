@@ -23,8 +23,7 @@ HIGH_PRIORITY = -1
 
 
 def stream_module(device: torch.device) -> Any | None:
-    """The device module (``torch.cuda``, ``torch.hpu``) whose streams order ``device``'s work; None on CPU, or where
-    the module has no real streams or no device."""
+    """``torch.cuda`` / ``torch.hpu``, whose streams order ``device``'s work; None on CPU or without real streams."""
     if device.type in ("cpu", "meta"):
         return None
     try:
