@@ -1,7 +1,6 @@
 """Activation checkpointing that composes with sharding (docs/activation-checkpointing.md): a chosen module's forward
 runs under non-reentrant ``torch.utils.checkpoint``, and its unit's pre-backward hook gathers the parameters for the
-recompute.
-"""
+recompute."""
 
 from __future__ import annotations
 

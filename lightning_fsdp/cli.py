@@ -37,8 +37,7 @@ class FSDPLightningCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         """Build the configured objects; a value their constructors refuse is reported like a bad argument (exit
-        status 2, no traceback through jsonargparse unless ``LIGHTNING_FSDP_DEBUG=1`` or ``JSONARGPARSE_DEBUG=1``).
-        """
+        status 2, no traceback through jsonargparse unless ``LIGHTNING_FSDP_DEBUG=1`` or ``JSONARGPARSE_DEBUG=1``)."""
         try:
             super().instantiate_classes()
         except (ValueError, TypeError, MisconfigurationException) as err:

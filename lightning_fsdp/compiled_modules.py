@@ -1,8 +1,6 @@
 """``trainer.fit(torch.compile(module))`` under fsdp_custom.
-
 Lightning's ``_verify_strategy_supports_compile`` accepts only its own strategies (``isinstance``); it is wrapped to
-let fsdp_custom through (docs/decisions.md, "torch.compile"). Done at registration, so the strategy is not imported.
-"""
+let fsdp_custom through (docs/decisions.md, "torch.compile"). Done at registration, so the strategy is not imported."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """The strategy's Lightning precision plugin: Trainer(precision=...) flags mapped onto the engine's mixed precision.
-
 The table of flags is in docs/options.md. "-true" flags convert the module before it is sharded, as Lightning's
-FSDPPrecision and HalfPrecision do, so shards, gradients and optimizer state are half precision.
-"""
+FSDPPrecision and HalfPrecision do, so shards, gradients and optimizer state are half precision."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ only the rows it holds (``safe_open(...).get_slice(name)[start:end]``), so no ra
 After the model is sharded and the optimizers built (``on_fit_start``), so parameters are copied in place and the
 optimizer keeps its references (docs/pretrained.md, "Where the call goes").
 
-The verdict on mismatches is agreed over the group, before any copy, so a rank that cannot read a file raises on all.
-"""
+The verdict on mismatches is agreed over the group, before any copy, so a rank that cannot read a file raises on all."""
 
 from __future__ import annotations
 
@@ -82,8 +81,7 @@ def load_pretrained(
 
     Call on every rank, after the model was sharded (see [Note: where the call goes] in this module). The arguments
     (``target``: a sharded module or submodule, its ``ShardingEngine``, or an unsharded module; ``path``; the key
-    ``prefix + rename(name)``; ``strict``) and how dtypes and tied weights load: docs/pretrained.md.
-    """
+    ``prefix + rename(name)``; ``strict``) and how dtypes and tied weights load: docs/pretrained.md."""
     _check_arguments(target, path, prefix, rename, strict)
     module, engine = _resolve(target)
     coll = Collective() if engine is not None else Collective(alone=True)

@@ -3,8 +3,7 @@ or by default (``node_groups``) the groups of ``init_device_mesh(device_type, (n
 
 [Note: the groups keep the strategy's timeout]
 A new group does not inherit the default group's timeout, and ``init_device_mesh`` takes none (torch #119574,
-#119613), so ``node_groups`` makes the same groups with ``new_group(..., timeout=timeout)``.
-"""
+#119613), so ``node_groups`` makes the same groups with ``new_group(..., timeout=timeout)``."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@
 happens at once if ``lightning.pytorch`` is imported, else right after it is, via a one-shot ``sys.meta_path`` finder
 (importlib has no public post-import hook). The module importing Lightning may be one of ours, half-imported, so the
 entry is ``build_strategy``, importing the strategy only when a Trainer asks. Failures are logged, never raised, so
-``import lightning`` never breaks for code that does not use this package.
-"""
+``import lightning`` never breaks for code that does not use this package."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 A worker thread freeing a finished collective's tensors needs the GIL: asked during ``destroy_process_group`` it
 hangs, after finalization it aborts (134). Releasing the GIL briefly first narrows the race; only torch can close it
-(docs/reliability.md).
-"""
+(docs/reliability.md)."""
 
 from __future__ import annotations
 

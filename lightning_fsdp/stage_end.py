@@ -1,8 +1,6 @@
 """What the module holds when a Trainer stage ends normally: the ``weights_after_stage`` option (docs/options.md).
-
 ``"auto"`` gathers only if the model times the node's local ranks fits in free host memory: a model that only fits
-sharded would otherwise end its training in an out-of-memory kill.
-"""
+sharded would otherwise end its training in an out-of-memory kill."""
 
 from __future__ import annotations
 

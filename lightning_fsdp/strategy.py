@@ -78,8 +78,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
 
     Works on CPU (gloo), CUDA (NCCL) and HPU (HCCL). Every option is a keyword argument, described with its default
     in docs/options.md; validated, they are ``strategy.options`` (a
-    :class:`~lightning_fsdp.engine.options.ShardingOptions`). The sharded model's engine is ``strategy.engine``.
-    """
+    :class:`~lightning_fsdp.engine.options.ShardingOptions`). The sharded model's engine is ``strategy.engine``."""
 
     strategy_name = "fsdp_custom"
 

@@ -1,8 +1,7 @@
 """Weight-averaging callbacks on a sharded model: the average is kept sharded too (docs/patterns.md, docs/decisions.md).
 An elementwise average of shards is the shard of the average, so the callbacks' copies become this rank's rows right
 after sharding and their own code runs unchanged. :func:`full_tensors` and :func:`local_tensors` checkpoint copies a
-callback of your own takes after sharding.
-"""
+callback of your own takes after sharding."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ NCCL and HCCL have the flat collectives and every dtype. gloo on CPU has them, b
 a temporary, its reduce-scatter is emulated): broadcasts and all-to-all take half the time (docs/decisions.md); it
 keeps its own reduce-scatter below float32, where a local float32 sum would be more exact than NCCL's. MPI has
 neither flat collective (pytorch/pytorch#85628) and carries no half dtype: such tensors travel as uint8 bytes where
-the collective only moves data, and an all-reduce of them runs in float32.
-"""
+the collective only moves data, and an all-reduce of them runs in float32."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 [Note: the global gradient norm]
 Each rank sums its shards' per-tensor norms to the p-th power (the maximum for inf) in float32, one all-reduce
 combines the ranks, and the parameters every rank holds whole count once. Not torch's ``get_total_norm``: it rounds
-each rank's term to the gradients' dtype and its inf norm refuses an empty shard (docs/decisions.md).
-"""
+each rank's term to the gradients' dtype and its inf norm refuses an empty shard (docs/decisions.md)."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ that disagree raise, naming what each was about to do, instead of hanging.
 receive buffer of N chunks (docs/options.md).
 
 [Note: collectives on gloo]
-The form each backend gets is ``backends.py``'s [Note: the capability table]; ``Communicator`` reads its row once.
-"""
+The form each backend gets is ``backends.py``'s [Note: the capability table]; ``Communicator`` reads its row once."""
 
 from __future__ import annotations
 

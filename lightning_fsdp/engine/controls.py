@@ -4,8 +4,7 @@
 Per-unit state read by the unit's hook when it acts, so a change between micro-batches applies to the next hook;
 every rank must make the same changes. Held gradients are not ``.grad`` (a step over them raises). A ``kept`` unit
 survives the engine's own reshards (FSDP2's does not after forward) but not an optimizer step, so it never computes
-with stale weights; for the same reason a step drops a secondary shard.
-"""
+with stale weights; for the same reason a step drops a secondary shard."""
 
 from __future__ import annotations
 

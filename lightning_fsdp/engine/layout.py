@@ -2,8 +2,7 @@
 
 [Note: the chunking rule]
 ``torch.chunk`` semantics on dim 0, as torch's FSDP shards (docs/how-it-works.md); a 0-dim parameter counts as one
-row of one element. Checkpoints of the local format store these rows, so the rule must not change.
-"""
+row of one element. Checkpoints of the local format store these rows, so the rule must not change."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ and its registration, one at a time.
 [Note: the record of uninitialised tensors]
 A tensor whose storage ``InitWatch`` saw allocated empty and never written is recorded rather than refused, since
 ``load_pretrained`` may fill it. Every rank builds and clears the same record, so all raise at the same point with no
-collective. A partial write (one row) counts as initialising.
-"""
+collective. A partial write (one row) counts as initialising."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 [Note: validate before the first collective]
 Every option is checked on every rank before any process group exists or before the first collective, so a bad
-value raises the same error everywhere. Parsing a parsed value returns it unchanged.
-"""
+value raises the same error everywhere. Parsing a parsed value returns it unchanged."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """A unit's gradient half, inherited by ``FlatUnit``: reducing its gradients across ranks into the shards' ``.grad``,
-or holding them while gradient sync is off.
-"""
+or holding them while gradient sync is off."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Which engine sharded which module, the live engines (held weakly), and one pair of process-wide optimizer-step
-hooks for all of them: before a step an engine refuses held gradients, after it it reshards what the step made stale.
-"""
+hooks for all of them: before a step an engine refuses held gradients, after it it reshards what the step made stale."""
 
 from __future__ import annotations
 

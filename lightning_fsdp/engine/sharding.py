@@ -44,8 +44,7 @@ def fully_shard(
 
     Each ``nn.Parameter`` keeps its identity and name and holds this rank's rows; meta modules are materialised one
     unit at a time (docs/how-it-works.md). Options: docs/options.md. With an int ``reshard_after_forward``, call on
-    every rank of the world (it creates process groups).
-    """
+    every rank of the world (it creates process groups)."""
     # See [Note: validate before the first collective] in engine/options.py.
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard(module={module!r}) is not valid; expected an nn.Module.")

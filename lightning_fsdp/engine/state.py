@@ -10,8 +10,7 @@ order of collectives. A callback queued on the autograd engine finishes what a s
 ``TrainingState`` (as FSDP2's): IDLE between steps, FORWARD while a unit's forward is open, BACKWARD from the first
 gradient until ``_finish_backward``. The phases nest: under manual optimization backward runs inside the root's
 forward (back to FORWARD after it); activation checkpointing recomputes forwards inside BACKWARD. A backward that
-raised leaves BACKWARD; the next root forward outside a backward abandons that step.
-"""
+raised leaves BACKWARD; the next root forward outside a backward abandons that step."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 [Note: a unit's states]
 ``ShardedState``: where the parameters are; ``UnitStepState``: the calls this step, which decide when to reduce. The
 controls' state outlives a step ([Note: engine controls]): ``kept``, the secondary shard (dropped by any reshard but
-the next unshard's, as the shards may have changed) and held gradients (``ParamSlot.unsynced_grad``).
-"""
+the next unshard's, as the shards may have changed) and held gradients (``ParamSlot.unsynced_grad``)."""
 
 from __future__ import annotations
 

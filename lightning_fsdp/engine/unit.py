@@ -5,8 +5,7 @@ collective over the unit's buffers.
 Each managed parameter's ``.data`` is a view into the unit's flat shard buffer, so the optimizer updates it in place
 and the all-gather needs no copy-in. While unsharded, each parameter is replaced in its module(s) by a full-size
 stand-in viewing the full buffer; resharding shrinks that buffer's storage to zero and unsharding refills it, so
-tensors autograd saved stay valid.
-"""
+tensors autograd saved stay valid."""
 
 from __future__ import annotations
 

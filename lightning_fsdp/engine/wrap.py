@@ -1,6 +1,5 @@
 """Choosing the units (torch FSDP's recursive auto-wrap) and the unit that owns each parameter: the innermost one
-enclosing every module using it, so a tied weight is unsharded once, around all its uses.
-"""
+enclosing every module using it, so a tied weight is unsharded once, around all its uses."""
 
 from __future__ import annotations
 
