@@ -22,8 +22,7 @@ _EXPORT_MODULE = "lightning_fsdp.checkpoint.export"
 
 
 class FSDPLightningCLI(LightningCLI):
-    """``LightningCLI`` whose trainer defaults to ``strategy="fsdp_custom"`` and whose config header names this
-    package's version next to Lightning's, so a saved config says what it ran with."""
+    """``LightningCLI`` defaulting to ``strategy="fsdp_custom"``; a saved config's header names this version too."""
 
     def __init__(self, *args: Any, trainer_defaults: dict[str, Any] | None = None, **kwargs: Any) -> None:
         trainer_defaults = {"strategy": DEFAULT_STRATEGY, **(trainer_defaults or {})}

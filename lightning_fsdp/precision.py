@@ -136,8 +136,7 @@ class FSDPPrecision(Precision):
 
 
 def to_fsdp_precision(plugin: Precision | None, mixed_precision: MixedPrecision | None = None) -> FSDPPrecision:
-    """Map the plugin Lightning picked from ``Trainer(precision=...)`` onto ours, or refuse it clearly (also when the
-    strategy's explicit ``mixed_precision`` would be set twice)."""
+    """Our plugin for Lightning's ``Trainer(precision=...)`` choice, or a clear refusal (also of a double setting)."""
     if plugin is None or isinstance(plugin, FSDPPrecision):
         ours = plugin or FSDPPrecision()
     else:

@@ -35,8 +35,7 @@ class UnshardHandle:
 
 
 class EngineControls:
-    """The controls of ``ShardingEngine``, which inherits them (the attributes are the engine's). Per-unit state read
-    by the hooks; see [Note: engine controls]. Call each on every rank at the same point."""
+    """``ShardingEngine``'s controls (it inherits them; see [Note: engine controls]). Call on every rank alike."""
 
     @contextmanager
     def unsharded(self, units: Iterable[FlatUnit] | None = None) -> Iterator[None]:

@@ -175,8 +175,7 @@ class FlatUnit(GradientReduction):
                 slot.in_graph = True
 
     def begin_step(self) -> None:
-        """Forget the current training step: its calls, its reduction, which parameters took part (unless their
-        gradients are held for a later reduction: they take part in it)."""
+        """Forget this step: its calls, its reduction, and (unless gradients are held) which parameters took part."""
         self.step_state = UnitStepState()
         if not self.grads_unsynced:
             for slot in self.slots:
@@ -469,8 +468,7 @@ class FlatUnit(GradientReduction):
         self.unshard()
 
     def post_backward(self, finish_previous_reduction: Callable[[], None]) -> bool:
-        """The unit's whole backward is done: free the full parameters, then reduce or hold the gradients (see
-        ``reduce_or_hold``). Returns whether a reduction was started."""
+        """The backward is done: free the full parameters, then ``reduce_or_hold``; True if a reduction started."""
         self.free_after_backward()
         return self.reduce_or_hold(finish_previous_reduction)
 
