@@ -29,7 +29,6 @@ def register_with_lightning() -> None:
         sys.meta_path.insert(0, _AfterImport(_LIGHTNING, _register_logging_failure))
 
 
-# The registered names: name, start method, options.
 STRATEGY_NAMES = (
     ("fsdp_custom", "popen", {}),
     ("fsdp_custom_spawn", "spawn", {}),

@@ -2,10 +2,9 @@
 collective over the unit's buffers.
 
 [Note: flat buffers and stand-in parameters]
-Each managed parameter's ``.data`` is a view into the unit's flat shard buffer, so the optimizer updates it in place
-and the all-gather needs no copy-in. While unsharded, each parameter is replaced in its module(s) by a full-size
-stand-in viewing the full buffer; resharding shrinks that buffer's storage to zero and unsharding refills it, so
-tensors autograd saved stay valid."""
+``.data`` views the flat shard buffer, so the optimizer updates in place and the all-gather needs no copy-in. The
+full-size stand-ins view the full buffer, whose storage resharding shrinks rather than frees, so tensors autograd
+saved stay valid (docs/how-it-works.md, "Shards" and "A training step")."""
 
 from __future__ import annotations
 
