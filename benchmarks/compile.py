@@ -73,6 +73,12 @@ def _build(setup: str, compiled: bool, cfg: BenchmarkConfig, backend: str, group
 
 
 def _worker(rank: int, folder: str, cfg_dict: dict[str, Any], backend: str) -> None:
+    import torch._functorch.config
+    import torch._inductor.config
+
+    # Compile time means compiling: no graph or kernel from an earlier run's on-disk caches.
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     cfg = BenchmarkConfig(**cfg_dict)
     join_gloo_group(folder, rank, WORLD, threads=cfg.threads, timeout=cfg.collective_timeout)
     report_rank(folder, rank, lambda: _interleaved(rank, cfg, backend))
@@ -161,9 +167,10 @@ def markdown(results: dict[str, Any]) -> str:
         f"# torch.compile: eager and compiled step time ({results['backend']})",
         "",
         f"Command: `{results['command']}`. GPT {cfg['layers']} x {cfg['width']}, seq {cfg['seq']}, batch "
-        f"{cfg['batch']} per rank, {WORLD} gloo processes, {cfg['threads']} thread each. Each run's first step alone "
-        f"(compiled runs from an empty compile cache), then {cfg['warmup']} warm-up and {cfg['steps']} timed rounds "
-        "of the eight runs interleaved; a step's time is the slowest rank's; medians over the timed rounds. "
+        f"{cfg['batch']} per rank, {WORLD} gloo processes, {cfg['threads']} thread each. Each run's first step "
+        "alone (compiled runs from empty compile caches, on-disk ones off), then "
+        f"{cfg['warmup']} warm-up and {cfg['steps']} timed rounds of the eight runs interleaved; a step's time is the "
+        "slowest rank's; medians over the timed rounds. "
         f"torch {results['environment']['torch']}, {results['environment']['cpus']} CPUs.",
         "",
         "| setup | eager median ms | compiled median ms | speed-up | compiled first step s | compile s |",
