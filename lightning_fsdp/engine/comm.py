@@ -100,7 +100,6 @@ def wait_naming_timeout(work: Any, timeout_ms: int | None) -> None:
 
 
 def _gloo_timeout_ms(group: dist.ProcessGroup | None) -> int | None:
-    """The gloo process group's timeout in milliseconds, where torch exposes it."""
     try:
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
         return int(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() * 1000)

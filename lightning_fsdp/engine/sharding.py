@@ -160,7 +160,6 @@ def has_meta_tensors(module: nn.Module) -> bool:
 
 
 def _params_and_buffers(module: nn.Module) -> list[torch.Tensor]:
-    """``module``'s own parameters and buffers, not its children's."""
     return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
 
 
