@@ -63,7 +63,7 @@ def test_docs_build_strict(tmp_path):
         "estimate_memory ( model : Module , world_size : int",
         "Predict the bytes rank",  # estimate_memory's docstring
         "Logs per-step, per-rank memory of the sharded model state",  # ShardingMonitor's docstring
-        "The launcher for",  # choose_launcher's docstring
+        "none for processes started by someone else",  # choose_launcher's docstring
         "fully_shard",
         "MixedPrecision",
     ):
