@@ -191,8 +191,7 @@ class Communicator:
         return out
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False) -> Any:
-        """``output`` (N * shard.numel(),) receives every rank's ``shard`` in rank order; with ``async_op``, wait on
-        the returned handle before reading it."""
+        """``output`` (N * shard.numel(),) gets every rank's ``shard`` in rank order; wait on an ``async_op`` handle."""
         self.stats.all_gather_bytes += shard.numel() * shard.element_size()
         self.stats.all_gather_calls += 1
         return self.gather_uncounted(output, shard, async_op=async_op)

@@ -76,8 +76,7 @@ class EngineControls:
                 unit.requires_gradient_sync = requires
 
     def set_prefetch_groups(self, groups: Iterable[Iterable[FlatUnit]]) -> None:
-        """Prefetching never crosses from one group of units to another: for parts of a model whose order the first
-        step does not predict (pipeline stages on one rank)."""
+        """No prefetch crosses groups: for parts whose order the first step cannot predict (pipeline stages)."""
         self._prefetch_group = {id(unit): index for index, group in enumerate(groups) for unit in group}
 
     def set_reshard_after_backward(self, flag: bool) -> None:

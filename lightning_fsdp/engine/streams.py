@@ -37,8 +37,7 @@ def stream_module(device: torch.device) -> Any | None:
 
 
 def pins_host_memory(device: torch.device) -> bool:
-    """Whether host buffers that ``device`` copies from and to can be pinned: ``pin_memory=True`` pins for the current
-    accelerator, and raises on a build without one."""
+    """Whether ``device``'s host buffers can be pinned (``pin_memory=True`` raises without an accelerator)."""
     if device.type in ("cpu", "meta") or not torch.accelerator.is_available():
         return False
     current = torch.accelerator.current_accelerator()

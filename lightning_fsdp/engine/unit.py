@@ -472,8 +472,7 @@ class FlatUnit(GradientReduction):
         return self.reduce_or_hold(finish_previous_reduction)
 
     def free_after_backward(self) -> None:
-        """Reshard (or keep, with ``reshard_after_backward`` off) before the reduction allocates its buffers: the
-        gradients do not need the full parameters."""
+        """Reshard (kept with ``reshard_after_backward`` off) before the reduction allocates: it needs no parameters."""
         if self.kept:
             return
         if not self.reshard_after_backward and self.is_unsharded:
