@@ -186,7 +186,8 @@ def test_good_values_are_accepted():
 
 @pytest.mark.parametrize(
     "device,override,expected",
-    [("cpu", None, "gloo"), ("cuda:0", None, "nccl"), ("hpu:0", None, "hccl"), ("cpu", "mpi", "mpi")],
+    # ("mpi" as an override: tests/test_backend_capabilities.py, refused or taken as torch has MPI or not)
+    [("cpu", None, "gloo"), ("cuda:0", None, "nccl"), ("hpu:0", None, "hccl"), ("cuda:0", "gloo", "gloo")],
 )
 def test_backend_follows_the_accelerator_unless_overridden(device, override, expected):
     strategy = FSDPStrategy(parallel_devices=[torch.device(device)], process_group_backend=override)
