@@ -112,7 +112,7 @@ def estimate_memory(
     strategy = parse_sharding_strategy(sharding_strategy)
     policy = parse_auto_wrap_policy(auto_wrap_policy)
     tensors_per_param, scalar_bytes = _parse_optimizer(optimizer)
-    gather_dtype, reduce_dtype = _parse_mixed_precision(mixed_precision)
+    storage_dtype, gather_dtype, reduce_dtype = _parse_mixed_precision(mixed_precision)
 
     sharded = strategy is not ShardingStrategy.NO_SHARD
     n, r = (world_size, rank) if sharded else (1, 0)
@@ -135,9 +135,11 @@ def estimate_memory(
         unit_flags = 0  # each reduction also carries one used-flag per trainable parameter (FlatUnit.reduce_grads)
         for param in owned[id(unit)]:
             layout = ShardLayout(param.shape, n, r)
-            stored = param.dtype.itemsize
-            gathered_size = (gather_dtype or param.dtype).itemsize
-            reduced_size = (reduce_dtype or gather_dtype or param.dtype).itemsize
+            # A "-true" flag converts floating-point parameters before sharding: shards, gradients and state too.
+            dtype = storage_dtype if storage_dtype is not None and param.is_floating_point() else param.dtype
+            stored = dtype.itemsize
+            gathered_size = (gather_dtype or dtype).itemsize
+            reduced_size = (reduce_dtype or gather_dtype or dtype).itemsize
             local = layout.local_numel * stored
             params += local
             unsharded += param.numel() * stored
@@ -151,7 +153,7 @@ def estimate_memory(
                 if not sharded:  # NO_SHARD all-reduces full gradients instead of reduce-scattering them
                     all_reduce += (param.numel() + 1) * reduced_size
         # NO_SHARD computes on its own parameters unless in another dtype, then holds a full copy as sharding does.
-        unit_dtype = owned[id(unit)][0].dtype if owned[id(unit)] else None
+        unit_dtype = (storage_dtype or owned[id(unit)][0].dtype) if owned[id(unit)] else None
         computes_on_own_params = not sharded and (gather_dtype is None or gather_dtype == unit_dtype)
         full_bytes[id(unit)] = 0 if computes_on_own_params else unit_full
         if sharded:
@@ -198,10 +200,11 @@ def _parse_optimizer(optimizer: str | None) -> tuple[int, int]:
     return _OPTIMIZERS[key]
 
 
-def _parse_mixed_precision(value: Any) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """(dtype units are gathered in, dtype gradients are reduced in); None means the parameters' own dtype."""
+def _parse_mixed_precision(value: Any) -> tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None]:
+    """(dtype the parameters are converted to before sharding, dtype units are gathered in, dtype gradients are
+    reduced in); None means the parameters' own dtype."""
     if value is None:
-        return None, None
+        return None, None, None
     if isinstance(value, (str, int)):
         # The mapping the strategy itself applies to Trainer(precision=...).
         from lightning_fsdp.precision import SUPPORTED_PRECISION, FSDPPrecision
@@ -211,14 +214,17 @@ def _parse_mixed_precision(value: Any) -> tuple[torch.dtype | None, torch.dtype 
                 f"mixed_precision={value!r} is not a precision flag this strategy supports; choose one of "
                 f"{', '.join(map(repr, SUPPORTED_PRECISION))}, a lightning_fsdp.MixedPrecision, or None."
             )
-        value = FSDPPrecision(str(value)).mixed_precision_config
+        plugin = FSDPPrecision(str(value))
+        if plugin._true_dtype is not None:
+            return plugin._true_dtype, None, None
+        value = plugin.mixed_precision_config
         if value is None:
-            return None, None
+            return None, None, None
     if isinstance(value, dict):
         value = parse_mixed_precision(value)
     if hasattr(value, "param_dtype"):
         # As in torch FSDP: a reduce_dtype of None reduces in param_dtype.
-        return value.param_dtype, getattr(value, "reduce_dtype", None) or value.param_dtype
+        return None, value.param_dtype, getattr(value, "reduce_dtype", None) or value.param_dtype
     raise ValueError(
         f"mixed_precision={value!r} ({type(value).__name__}) is not valid; expected a Trainer precision flag such "
         "as 'bf16-mixed', a lightning_fsdp.MixedPrecision (or a dict of its fields), or None."

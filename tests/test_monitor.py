@@ -169,7 +169,6 @@ def test_mixed_precision_halves_what_is_gathered_but_not_the_master_weights():
     fp32 = estimate_memory(model, 2, "FULL_SHARD", auto_wrap_policy={Block})
     for mixed in (
         "bf16-mixed",
-        "16-true",
         MixedPrecision(param_dtype=torch.bfloat16),
         {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"},
     ):
@@ -186,6 +185,19 @@ def test_mixed_precision_halves_what_is_gathered_but_not_the_master_weights():
         mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
     )
     assert reduce_fp32.reduce_scatter_bytes == fp32.reduce_scatter_bytes
+    # "-true" flags convert the model before sharding: shards, gradients and optimizer state are halved too.
+    # (SGD with momentum: one buffer per parameter in its dtype; AdamW's float32 step scalar would not halve.)
+    fp32_momentum = estimate_memory(model, 2, "FULL_SHARD", optimizer="sgd_momentum", auto_wrap_policy={Block})
+    assert fp32_momentum.optimizer_state == fp32_momentum.params
+    for flag in ("16-true", "bf16-true"):
+        true = estimate_memory(
+            model, 2, "FULL_SHARD", mixed_precision=flag, optimizer="sgd_momentum", auto_wrap_policy={Block}
+        )
+        assert true.params * 2 == fp32.params and true.grads * 2 == fp32.grads, flag
+        assert true.optimizer_state * 2 == fp32_momentum.optimizer_state, flag
+        assert true.gathered_params * 2 == fp32.gathered_params, flag
+        assert true.all_gather_bytes * 2 == fp32.all_gather_bytes, flag
+        assert true.reduce_scatter_bytes * 2 == fp32.reduce_scatter_bytes, flag
     # NO_SHARD computing in bf16 keeps a bf16 copy of each unit while it runs.
     no_shard = estimate_memory(model, 2, "NO_SHARD", mixed_precision="bf16-mixed", auto_wrap_policy={Block})
     assert no_shard.gathered_params * 2 == no_shard.unsharded_params
