@@ -1,11 +1,6 @@
 """``load_pretrained``: a pretrained safetensors model loaded straight into fsdp_custom's shards, each rank reading
-only the rows it holds (``safe_open(...).get_slice(name)[start:end]``), so no rank holds the whole model.
-
-[Note: where the call goes]
-After the model is sharded and the optimizers built (``on_fit_start``), so parameters are copied in place and the
-optimizer keeps its references (docs/pretrained.md, "Where the call goes").
-
-The verdict on mismatches is agreed over the group, before any copy, so a rank that cannot read a file raises on all."""
+only the rows it holds (``safe_open(...).get_slice(name)[start:end]``), so no rank holds the whole model. The verdict
+on mismatches is agreed over the group, before any copy, so a rank that cannot read a file raises on all."""
 
 from __future__ import annotations
 
@@ -79,9 +74,10 @@ def load_pretrained(
 ) -> LoadResult:
     """Load the tensors of a safetensors file or directory into ``target``'s parameters and buffers.
 
-    Call on every rank, after the model was sharded (see [Note: where the call goes] in this module). The arguments
-    (``target``: a sharded module or submodule, its ``ShardingEngine``, or an unsharded module; ``path``; the key
-    ``prefix + rename(name)``; ``strict``) and how dtypes and tied weights load: docs/pretrained.md."""
+    Call on every rank, after the model was sharded and the optimizers built (``on_fit_start``), so parameters are
+    copied in place and the optimizer keeps its references. The arguments (``target``: a sharded module or submodule,
+    its ``ShardingEngine``, or an unsharded module; ``path``; the key ``prefix + rename(name)``; ``strict``) and how
+    dtypes and tied weights load: docs/pretrained.md."""
     _check_arguments(target, path, prefix, rename, strict)
     module, engine = _resolve(target)
     coll = Collective() if engine is not None else Collective(alone=True)
@@ -218,10 +214,9 @@ def _targets(module: nn.Module, engine: ShardingEngine | None) -> list[_Target]:
             targets[id(tensor)].keys.append(key)
             continue
         layout = engine.layout_of(tensor) if engine is not None and isinstance(tensor, nn.Parameter) else None
-        if layout is not None:
-            targets[id(tensor)] = _Target([key], tensor, layout, tuple(layout.shape))
-        else:
-            targets[id(tensor)] = _Target([key], tensor, None, tuple(tensor.shape))
+        targets[id(tensor)] = _Target(
+            [key], tensor, layout, tuple(layout.shape if layout is not None else tensor.shape)
+        )
     return list(targets.values())
 
 
