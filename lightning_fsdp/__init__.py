@@ -25,7 +25,7 @@ _PUBLIC = {
     "ShardingEngine": "lightning_fsdp.engine.state",
     "ShardingMonitor": "lightning_fsdp.monitor",
     "ShardingStrategy": "lightning_fsdp.engine.config",
-    "StateDictType": "lightning_fsdp.checkpoint.formats",
+    "StateDictType": "lightning_fsdp.checkpoint.routing",
     "UnevenBatchesError": "lightning_fsdp.even_batches",
     "estimate_memory": "lightning_fsdp.estimate",
     "export_safetensors": "lightning_fsdp.checkpoint.export",
@@ -39,7 +39,7 @@ __all__ = sorted(_PUBLIC)
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on first use
     from accelerators import HPUAccelerator  # noqa: F401
     from lightning_fsdp.checkpoint.export import export_safetensors  # noqa: F401
-    from lightning_fsdp.checkpoint.formats import StateDictType  # noqa: F401
+    from lightning_fsdp.checkpoint.routing import StateDictType  # noqa: F401
     from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine  # noqa: F401
     from lightning_fsdp.engine.config import BackwardPrefetch, MixedPrecision, ShardingStrategy  # noqa: F401
     from lightning_fsdp.estimate import MemoryEstimate, estimate_memory  # noqa: F401

@@ -191,6 +191,33 @@ def to_index_keyed(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return {**state_dict, "state": state, "param_groups": new_groups}
 
 
+def check_optimizer_count(source: str, saved: int, here: int) -> None:
+    if saved != here:  # zip() would silently skip the difference
+        raise CheckpointMismatchError(
+            f"{source} holds the state of {saved} optimizer(s), but this run configured {here}; resume with the same "
+            "optimizers."
+        )
+
+
+def check_group_sizes(what: str, sizes: list, here: list, over: str = "") -> None:
+    """Raise naming ``what`` (the checkpoint's optimizer) if its parameter groups' sizes are not this run's."""
+    if sizes != here:
+        raise CheckpointMismatchError(
+            f"{what} has parameter groups of sizes {sizes} in the checkpoint but {here} in this run{over}; resume "
+            "with the same optimizer configuration."
+        )
+
+
+def check_param_names(what: str, names: Sequence[Any], here: Sequence[Any]) -> None:
+    """Raise naming ``what`` (the checkpoint's optimizer) at the first position whose parameter is another one."""
+    for position, (saved, current) in enumerate(zip(names, here)):
+        if saved != current:
+            raise CheckpointMismatchError(
+                f"{what}'s parameter {position} is {saved!r} in the checkpoint but {current!r} in this run; it is a "
+                "checkpoint of another model."
+            )
+
+
 def numbered_groups(groups: Sequence[Mapping[str, Any]], sizes: Sequence[int]) -> list[dict[str, Any]]:
     """``groups`` listing ``sizes`` parameters each, numbered one group after another as ``torch.optim`` does."""
     numbered, start = [], 0

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError
-from lightning_fsdp.checkpoint.formats import FORMATS, format_on_disk
 from lightning_fsdp.checkpoint.paths import FULL, SHARDED
+from lightning_fsdp.checkpoint.routing import FORMATS, format_on_disk
 
 __all__ = ["convert", "load_as_full", "main"]
 

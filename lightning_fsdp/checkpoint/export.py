@@ -26,7 +26,6 @@ import torch
 from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError, load_error
 from lightning_fsdp.checkpoint.common import numel
 from lightning_fsdp.checkpoint.convert import add_output_arguments, run_command
-from lightning_fsdp.checkpoint.formats import format_on_disk
 from lightning_fsdp.checkpoint.full import model_weights
 from lightning_fsdp.checkpoint.local import concat_rows, read_local_meta, shard_holders
 from lightning_fsdp.checkpoint.paths import (
@@ -40,6 +39,7 @@ from lightning_fsdp.checkpoint.paths import (
     remove_path,
     remove_stale_temps,
 )
+from lightning_fsdp.checkpoint.routing import format_on_disk
 from lightning_fsdp.checkpoint.safe_load import check_shard_files, dcp_load, read_dcp_metadata
 from lightning_fsdp.checkpoint.sharded import dcp_entries
 from lightning_fsdp.collective import Collective

@@ -14,8 +14,8 @@ from torch.optim import Optimizer
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError
 from lightning_fsdp.checkpoint.common import (
     CheckpointFormat,
-    CheckpointMismatchError,
     CheckpointRun,
+    check_group_sizes,
     is_local_rows,
     load_full_model_state_dict,  # noqa: F401 - callers import it from here
     managed_keys,
@@ -110,20 +110,10 @@ def full_optimizer_state_dict(
 
 def load_full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer, state_dict: Mapping) -> None:
     """Load a plain ``torch.optim`` state dict (the same on every rank) into an optimizer over shards."""
-    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
-    if not isinstance(groups, list) or not isinstance(state_dict.get("state"), Mapping):
-        found = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else type(state_dict).__name__
-        raise CheckpointMismatchError(
-            f"The checkpoint's optimizer state is not a torch.optim state dict (with 'state' and 'param_groups'); "
-            f"found {found}."
-        )
-    sizes = [len(g.get("params", ())) if isinstance(g, Mapping) else None for g in groups]
+    state_dict = to_index_keyed(state_dict)  # checks it is a torch.optim state dict
+    sizes = [len(g["params"]) for g in state_dict["param_groups"]]
     here = [len(g["params"]) for g in optimizer.param_groups]
-    if sizes != here:
-        raise CheckpointMismatchError(
-            f"The checkpoint's {type(optimizer).__name__} state has parameter groups of sizes {sizes}, but this run's "
-            f"has {here}; resume with the same optimizer configuration."
-        )
+    check_group_sizes(f"The {type(optimizer).__name__} state", sizes, here)
     params = optimizer_params(optimizer)
     local_state = {}
     for index, entry in state_dict["state"].items():

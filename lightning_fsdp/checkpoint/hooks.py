@@ -14,7 +14,6 @@ from typing_extensions import override
 
 from lightning_fsdp.checkpoint import routing
 from lightning_fsdp.checkpoint.common import CheckpointFormat, CheckpointRun
-from lightning_fsdp.checkpoint.formats import format_for_saving
 from lightning_fsdp.weight_averaging import gather_averages_for_save, slice_loaded_averages
 
 
@@ -42,7 +41,7 @@ class CheckpointHooks:
 
     @property
     def _checkpoint_format(self) -> CheckpointFormat:
-        return format_for_saving(self.state_dict_type)
+        return routing.format_for_saving(self.state_dict_type)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -186,23 +186,11 @@ def _shape(shape: tuple[int, ...] | None) -> str:
 
 
 def _check_optimizers(path: str, stored: list, here: list) -> None:
-    if len(stored) != len(here):
-        raise CheckpointMismatchError(
-            f"Local checkpoint {path!r} holds the state of {len(stored)} optimizer(s), but this run configured "
-            f"{len(here)}; resume with the same optimizers."
-        )
+    common.check_optimizer_count(f"Local checkpoint {path!r}", len(stored), len(here))
     for index, (groups, now) in enumerate(zip(stored, here)):
-        if [len(g) for g in groups] != [len(g) for g in now]:
-            raise CheckpointMismatchError(
-                f"Local checkpoint {path!r}: optimizer {index} has parameter groups of sizes "
-                f"{[len(g) for g in groups]} in the checkpoint but {[len(g) for g in now]} in this run."
-            )
-        for position, (a, b) in enumerate(zip([n for g in groups for n in g], [n for g in now for n in g])):
-            if a != b:
-                raise CheckpointMismatchError(
-                    f"Local checkpoint {path!r}: optimizer {index}'s parameter {position} is {a!r} in the checkpoint "
-                    f"but {b!r} in this run."
-                )
+        what = f"Local checkpoint {path!r}: optimizer {index}"
+        common.check_group_sizes(what, [len(g) for g in groups], [len(g) for g in now])
+        common.check_param_names(what, [n for g in groups for n in g], [n for g in now for n in g])
 
 
 def load_local_checkpoint(

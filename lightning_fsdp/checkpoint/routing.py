@@ -1,9 +1,11 @@
-"""The strategy's checkpoint calls, routed to a format: the one ``state_dict_type`` names for saving, the one on
-disk for loading. Under pipeline parallelism the strategy's pipeline role (``pipeline``) supplies what describes the
-unsplit model; without it, the plain format's."""
+"""The strategy's checkpoint calls, routed to one of the three format objects: the one ``state_dict_type`` names for
+saving (:func:`format_for_saving`), the one on disk for loading (:func:`format_on_disk`). Under pipeline parallelism
+the strategy's pipeline role (``pipeline``) supplies what describes the unsplit model; without it, the plain
+format's."""
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -19,26 +21,62 @@ from lightning_fsdp.checkpoint.common import (
     CheckpointRun,
     ShardedOptimizerState,
     ShardedStateDict,
+    check_optimizer_count,
     load_model_state_dict,
     to_index_keyed,
 )
-from lightning_fsdp.checkpoint.formats import FULL_FORMAT, format_on_disk
-from lightning_fsdp.checkpoint.full import load_full_optimizer_state_dict
-from lightning_fsdp.checkpoint.paths import remove_checkpoint_path
+from lightning_fsdp.checkpoint.full import FullFormat, load_full_optimizer_state_dict
+from lightning_fsdp.checkpoint.local import LocalFormat
+from lightning_fsdp.checkpoint.paths import checkpoint_kind, remove_checkpoint_path
+from lightning_fsdp.checkpoint.sharded import ShardedFormat
 from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
+from lightning_fsdp.engine.config import parse_enum
 from lightning_fsdp.engine.meta_init import mark_initialised
 
 __all__ = [
+    "FORMATS",
+    "FULL_FORMAT",
+    "StateDictType",
     "atomic_by_default",
+    "format_for_saving",
+    "format_on_disk",
     "load_checkpoint",
     "load_model_state",
     "load_optimizer_states",
+    "parse_state_dict_type",
     "remove_checkpoint",
     "save_checkpoint",
 ]
 
 _T = TypeVar("_T")
+
+
+class StateDictType(enum.Enum):
+    """The checkpoint format written by the strategy."""
+
+    FULL = "full"
+    SHARDED = "sharded"
+    LOCAL = "local"
+
+
+def parse_state_dict_type(value: Any) -> StateDictType:
+    return parse_enum(value, StateDictType, "state_dict_type")  # type: ignore[return-value]
+
+
+FULL_FORMAT = FullFormat()
+FORMATS: dict[str, CheckpointFormat] = {f.kind: f for f in (FULL_FORMAT, ShardedFormat(), LocalFormat())}
+
+
+def format_for_saving(state_dict_type: StateDictType | str) -> CheckpointFormat:
+    """The format a run with this ``state_dict_type`` writes (the value is parsed and checked by the strategy)."""
+    return FORMATS[StateDictType(state_dict_type).value]
+
+
+def format_on_disk(path: str) -> CheckpointFormat:
+    """The format of the checkpoint at ``path``; raises ``paths.checkpoint_kind``'s error naming the path if it holds
+    none (missing, an unrelated directory, a directory missing its shard files or ``meta.pt``)."""
+    return FORMATS[checkpoint_kind(path)]
 
 
 def atomic_by_default(io: CheckpointIO | None) -> CheckpointIO:
@@ -139,11 +177,7 @@ def load_optimizer_states(
 ) -> None:
     """Load the checkpoint's ``optimizer_states`` into ``optimizers`` (in order); call on every rank."""
     states = checkpoint["optimizer_states"]
-    if len(states) != len(optimizers):  # zip() would silently skip the difference
-        raise CheckpointMismatchError(
-            f"The checkpoint holds the state of {len(states)} optimizer(s), but this run configured "
-            f"{len(optimizers)}; resume with the same optimizers."
-        )
+    check_optimizer_count("The checkpoint", len(states), len(optimizers))
     optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
     info = pipeline.checkpoint_info(engine, optimizers)
     for index, (optimizer, state) in enumerate(zip(optimizers, states)):

@@ -262,11 +262,8 @@ class _ShardedLoad:
             key=lambda s: int(s.split("_")[1]),
         )
         self.optimizers = list(optimizers) if optimizers is not None and self.optimizer_prefixes else None
-        if self.optimizers is not None and len(self.optimizers) != len(self.optimizer_prefixes):
-            raise CheckpointMismatchError(
-                f"Sharded checkpoint {path!r} holds the state of {len(self.optimizer_prefixes)} optimizer(s), but "
-                f"this run configured {len(self.optimizers)}; resume with the same optimizers."
-            )
+        if self.optimizers is not None:
+            common.check_optimizer_count(f"Sharded checkpoint {path!r}", len(self.optimizer_prefixes), len(optimizers))
         self._plan_model()
 
     # ---------------------------------------------------------------------------------------------- model
@@ -342,24 +339,14 @@ class _ShardedLoad:
             mapping = self.pipeline.optimizers[index] if self.pipeline is not None else None
             expected_sizes = mapping.sizes if mapping is not None else here_sizes
             expected_names = mapping.names if mapping is not None else [names.get(id(p)) for p in params]
-            if sizes != expected_sizes:
-                over = " over all pipeline stages" if mapping is not None else ""
-                raise CheckpointMismatchError(
-                    f"Sharded checkpoint {self.path!r}: optimizer {index} has parameter groups of sizes {sizes} in "
-                    f"the checkpoint but {expected_sizes} in this run{over}; resume with the same optimizer "
-                    "configuration."
-                )
+            what, over = f"Sharded checkpoint {self.path!r}: optimizer {index}", " over all pipeline stages"
+            common.check_group_sizes(what, sizes, expected_sizes, over if mapping is not None else "")
             saved_ids = [str(p) for g in groups for p in g["params"]]
             keyed = self.info.get("optimizer_keys")
             if keyed is None:  # not written by this project: names if they are this model's names
                 keyed = "fqn" if all(pid in expected_names for pid in saved_ids) else "index"
             if keyed == "fqn":
-                for position, (saved, current) in enumerate(zip(saved_ids, expected_names)):
-                    if saved != current:
-                        raise CheckpointMismatchError(
-                            f"Sharded checkpoint {self.path!r}: optimizer {index}'s parameter {position} is {saved!r} "
-                            f"in the checkpoint but {current!r} in this run; it is a checkpoint of another model."
-                        )
+                common.check_param_names(what, saved_ids, expected_names)
             if mapping is None:
                 position_of = {saved: i for i, saved in enumerate(saved_ids)}
             else:  # saved position (the unsplit index) -> this rank's position; other stages' entries are skipped

@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint.common import CheckpointMismatchError, numbered_groups
+from lightning_fsdp.checkpoint.common import check_group_sizes, numbered_groups
 from lightning_fsdp.checkpoint.full import full_model_state_dict, full_optimizer_state_dict
 from lightning_fsdp.checkpoint.paths import FULL, LOCAL, SHARDED
 from lightning_fsdp.checkpoint.sharded import sharded_model_state_dict, sharded_optimizer_state_dict
@@ -193,11 +193,9 @@ class PipelineCheckpoint:
         mapping = self.optimizers[index]
         groups = state["param_groups"]
         sizes = [len(g.get("params", ())) if isinstance(g, Mapping) else None for g in groups]
-        if sizes != mapping.sizes:
-            raise CheckpointMismatchError(
-                f"{source}: the {type(here).__name__} state has parameter groups of sizes {sizes}, but this run's "
-                f"has {mapping.sizes} over all pipeline stages; resume with the same optimizer configuration."
-            )
+        check_group_sizes(
+            f"{source}: the {type(here).__name__} state", sizes, mapping.sizes, " over all pipeline stages"
+        )
         saved = state["state"]
         local_state = {}
         for position, unsplit in enumerate(mapping.local):

@@ -141,7 +141,7 @@ def save_good(work: str) -> int:
     trainer.fit(Module(), loader())
     trainer.save_checkpoint(os.path.join(work, "good.ckpt"))
     for kind in ("sharded", "local"):
-        trainer.strategy.state_dict_type = lightning_fsdp.checkpoint.formats.parse_state_dict_type(kind)
+        trainer.strategy.state_dict_type = lightning_fsdp.checkpoint.routing.parse_state_dict_type(kind)
         trainer.save_checkpoint(os.path.join(work, f"good_{kind}"))
     return trainer.global_rank
 

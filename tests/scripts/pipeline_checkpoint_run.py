@@ -31,8 +31,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp import FSDPStrategy  # noqa: E402
-from lightning_fsdp.checkpoint.formats import parse_state_dict_type  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_model_state_dict, full_optimizer_state_dict  # noqa: E402
+from lightning_fsdp.checkpoint.routing import parse_state_dict_type  # noqa: E402
 from tests.models import samples  # noqa: E402
 from tests.scripts.pipeline_run import GLOBAL_BATCH, SAMPLES, Module  # noqa: E402
 

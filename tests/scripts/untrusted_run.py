@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
-from lightning_fsdp.checkpoint.formats import parse_state_dict_type  # noqa: E402
+from lightning_fsdp.checkpoint.routing import parse_state_dict_type  # noqa: E402
 from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
 from tests.models import Block, ToyLM, batch, loss_fn  # noqa: E402
 
