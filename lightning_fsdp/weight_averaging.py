@@ -48,14 +48,10 @@ def _engine_of(strategy_or_engine: Any, helper: str) -> ShardingEngine | None:
     return engine
 
 
-def _live_engine(strategy: Any) -> ShardingEngine | None:
+def _live_engine_and_trainer(strategy: Any) -> tuple[ShardingEngine | None, Any]:
     engine = getattr(strategy, "engine", None)
-    return None if engine is None or getattr(engine, "closed", False) else engine
-
-
-def _comm_device(engine: ShardingEngine) -> torch.device:
-    # Where the engine's collectives run (the compute device; shards may live in host memory with CPU offload).
-    return engine.units[0].device if engine.units else torch.device("cpu")
+    trainer = getattr(getattr(strategy, "lightning_module", None), "_trainer", None)
+    return (None if engine is None or getattr(engine, "closed", False) else engine), trainer
 
 
 def _gather(local: Tensor, slot: ParamSlot, engine: ShardingEngine) -> Tensor:
@@ -64,7 +60,9 @@ def _gather(local: Tensor, slot: ParamSlot, engine: ShardingEngine) -> Tensor:
     local = local.detach()
     if layout.world_size == 1:
         return local.reshape(layout.shape)
-    return gather_rows(local.to(_comm_device(engine)), layout, engine.shard_comm)
+    # On the device the engine's collectives run on (the compute device; with CPU offload shards live on the host).
+    device = engine.units[0].device if engine.units else torch.device("cpu")
+    return gather_rows(local.to(device), layout, engine.shard_comm)
 
 
 def _averages(trainer: Any) -> list[tuple[Any, str, nn.Module]]:
@@ -221,17 +219,9 @@ def full_tensors(
     ``parameters()``), e.g. an EMA kept as shard copies. Call on every rank: sharded entries are all-gathered.
     Without a sharding engine the tensors are returned as they are (copied to CPU). ``rank0_only``: other ranks get
     an empty list."""
-    engine = _engine_of(strategy, "full_tensors")
-    tensors = list(tensors)
+    engine, tensors, params = _aligned(strategy, tensors, params, "full_tensors")
     if engine is None:
         return [t.detach().cpu().clone() for t in tensors]
-    params = _aligned(
-        engine,
-        params,
-        tensors,
-        "; pass one per parameter, in the order of params (default: pl_module.parameters())",
-        "full_tensors",
-    )
     keep = not rank0_only or global_rank() == 0
     out = []
     for param, tensor in zip(params, tensors):
@@ -248,11 +238,9 @@ def local_tensors(
 ) -> list[Tensor]:
     """This rank's rows of full ``tensors`` aligned with ``params`` (default: the LightningModule's parameters()),
     the inverse of :func:`full_tensors`; entries that are not full-shaped pass through. No collectives."""
-    engine = _engine_of(strategy, "local_tensors")
-    tensors = list(tensors)
+    engine, tensors, params = _aligned(strategy, tensors, params, "local_tensors")
     if engine is None:
         return tensors
-    params = _aligned(engine, params, tensors, "", "local_tensors")
     out = []
     for param, tensor in zip(params, tensors):
         slot = engine.slot_of(param)
@@ -260,11 +248,19 @@ def local_tensors(
     return out
 
 
-def _aligned(engine: ShardingEngine, params: Any, tensors: list[Tensor], hint: str, helper: str) -> list[Any]:
+def _aligned(strategy: Any, tensors: Sequence[Tensor], params: Any, helper: str) -> tuple[Any, list[Tensor], list]:
+    """(engine or None, ``tensors``, the parameters they align with), their numbers checked."""
+    engine = _engine_of(strategy, helper)
+    tensors = list(tensors)
+    if engine is None:
+        return None, tensors, []
     params = list(engine.root.parameters()) if params is None else list(params)
     if len(params) != len(tensors):
-        raise ValueError(f"{helper} got {len(tensors)} tensors for {len(params)} parameters{hint}.")
-    return params
+        raise ValueError(
+            f"{helper} got {len(tensors)} tensors for {len(params)} parameters; pass one per parameter, in the order "
+            "of params (default: pl_module.parameters())."
+        )
+    return engine, tensors, params
 
 
 def _local_rows(value: Any, slot: ParamSlot) -> Any:
@@ -293,8 +289,7 @@ def gather_averages_for_save(strategy: Any, checkpoint: dict[str, Any]) -> None:
     """Make the averages in ``checkpoint`` complete before it is written, in place, on every rank: SWA's
     ``average_model_state`` full on rank 0; WeightAveraging's average (in ``state_dict``) full for the full format,
     else in the format's sharded form with the full current model in ``meta.pt``."""
-    engine = _live_engine(strategy)
-    trainer = getattr(getattr(strategy, "lightning_module", None), "_trainer", None)
+    engine, trainer = _live_engine_and_trainer(strategy)
     if engine is None or trainer is None:
         return
     keep = global_rank() == 0
@@ -338,8 +333,7 @@ def slice_loaded_averages(strategy: Any, checkpoint: Any) -> Any:
     """Give each rank its rows of a loaded checkpoint's full averages, in place (returned); no collectives."""
     from lightning_fsdp.checkpoint.common import ShardedStateDict
 
-    engine = _live_engine(strategy)
-    trainer = getattr(getattr(strategy, "lightning_module", None), "_trainer", None)
+    engine, trainer = _live_engine_and_trainer(strategy)
     if engine is None or trainer is None or not isinstance(checkpoint, dict):
         return checkpoint
     slots = managed_keys(engine)
