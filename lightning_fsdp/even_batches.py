@@ -20,28 +20,18 @@ from lightning.pytorch.trainer.states import RunningStage
 
 from lightning_fsdp.engine.comm import all_gather_flat
 
-_STAGES = (
-    RunningStage.TRAINING,
-    RunningStage.SANITY_CHECKING,
-    RunningStage.VALIDATING,
-    RunningStage.TESTING,
-    RunningStage.PREDICTING,
-)
+# The loops checked: each one's name in the messages and the Trainer argument that caps it.
+_LOOPS = {
+    RunningStage.TRAINING: ("training", "limit_train_batches"),
+    RunningStage.SANITY_CHECKING: ("sanity-check validation", "num_sanity_val_steps"),
+    RunningStage.VALIDATING: ("validation", "limit_val_batches"),
+    RunningStage.TESTING: ("test", "limit_test_batches"),
+    RunningStage.PREDICTING: ("predict", "limit_predict_batches"),
+}
+_STAGES = tuple(_LOOPS)
 _CODES = {stage: code for code, stage in enumerate(_STAGES, start=1)}
-_WORDS = {
-    RunningStage.TRAINING: "training",
-    RunningStage.SANITY_CHECKING: "sanity-check validation",
-    RunningStage.VALIDATING: "validation",
-    RunningStage.TESTING: "test",
-    RunningStage.PREDICTING: "predict",
-}
-_LIMITS = {
-    RunningStage.TRAINING: "limit_train_batches",
-    RunningStage.SANITY_CHECKING: "num_sanity_val_steps",
-    RunningStage.VALIDATING: "limit_val_batches",
-    RunningStage.TESTING: "limit_test_batches",
-    RunningStage.PREDICTING: "limit_predict_batches",
-}
+_WORDS = {stage: words for stage, (words, _limit) in _LOOPS.items()}
+_LIMITS = {stage: limit for stage, (_words, limit) in _LOOPS.items()}
 _UNKNOWN = -1  # a count or an index that this rank does not know
 
 
