@@ -14,15 +14,13 @@ from torch import nn
 
 from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError, CheckpointNotFoundError
 from lightning_fsdp.checkpoint.common import CheckpointMismatchError, shape_str
+from lightning_fsdp.checkpoint.export import INDEX_FILE, SINGLE_FILE
 from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.meta_init import mark_initialised
 from lightning_fsdp.engine.registry import find_engine
 from lightning_fsdp.engine.states import TrainingState
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 if TYPE_CHECKING:
     from typing import TypeAlias

@@ -228,14 +228,7 @@ class _LocalSource(_Source):
         return concat_rows(pieces, tuple(int(s) for s in entry["shape"]))
 
 
-def _open(path: str, weights_only: bool) -> _Source:
-    kind = format_on_disk(path).kind
-    if kind == FULL:
-        return _FullSource(path, weights_only)
-    if kind == SHARDED:
-        return _ShardedSource(path, weights_only)
-    assert kind == LOCAL, kind
-    return _LocalSource(path, weights_only)
+_SOURCES: dict[str, type[_Source]] = {FULL: _FullSource, SHARDED: _ShardedSource, LOCAL: _LocalSource}
 
 
 # ===================================================================================================== planning
@@ -296,12 +289,10 @@ def _file_names(count: int) -> list[str]:
 
 # ===================================================================================================== writing
 def _return_freed_memory() -> None:
-    """Hand memory freed by the last read back to the operating system (glibc's ``malloc_trim``; elsewhere nothing).
-
-    Why: glibc raises its mmap threshold after a large block is freed, so the next tensor-sized blocks (the tensor
-    being read, and DCP's temporary copy of each chunk) come from the heap, and freed heap memory stays resident.
-    Without this the resident set of a streaming export grows to several tensors' worth of freed memory; with it,
-    it stays at about the tensors actually held (measured in tests/test_export.py)."""
+    """Hand memory freed by the last read back to the operating system (glibc's ``malloc_trim``; elsewhere nothing):
+    glibc raises its mmap threshold after a large block is freed, so the next tensor-sized blocks (the tensor being
+    read, DCP's temporary copy of each chunk) come from the heap, where freed memory stays resident; without this an
+    export's resident set grows by several tensors (tests/test_export.py measures it)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
@@ -359,10 +350,8 @@ def _header(items: list[_Planned]) -> bytes:
 
 
 def _write_files(source: _Source, files: list[list[_Planned]], names: list[str], folder: str) -> None:
-    """Write each file tensor by tensor: the header is known from the plan, so each tensor's bytes go to disk as soon
-    as it is read and it is dropped before the next one is read. Peak memory is the tensor being read (and DCP's
-    temporary copy of its chunks), whatever ``max_shard_size`` is. ``safetensors.torch.save_file`` would need a
-    whole file's tensors in memory at once. safetensors' own reader checks what is written here (tests)."""
+    """Write each file tensor by tensor ([Note: streaming export]); ``safetensors.torch.save_file`` would need a whole
+    file's tensors in memory at once. safetensors' own reader checks what is written here (tests)."""
     if sys.byteorder != "little":
         raise RuntimeError("safetensors files are little-endian; exporting on a big-endian machine is not supported.")
     for items, file_name in zip(files, names):
@@ -429,7 +418,8 @@ def export_safetensors(
     config_content = _read_config(config) if config is not None else None
     if os.path.abspath(checkpoint) == os.path.abspath(out_dir):
         raise ValueError(f"The checkpoint and the output directory are the same path: {checkpoint!r}.")
-    source = _open(checkpoint, weights_only=not trust_pickled_code)  # raises naming the path if it is no checkpoint
+    # format_on_disk raises naming the path if it holds no checkpoint.
+    source = _SOURCES[format_on_disk(checkpoint).kind](checkpoint, weights_only=not trust_pickled_code)
     if os.path.lexists(out_dir) and not overwrite:
         raise FileExistsError(f"Output directory {out_dir!r} exists; pass overwrite=True (--overwrite) to replace it.")
     if source.skipped:
