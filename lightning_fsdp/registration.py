@@ -1,4 +1,5 @@
-"""Registering ``"fsdp_custom"`` (and its variants) and ``"hpu"`` with Lightning.
+"""Registering ``"fsdp_custom"`` (and its variants) and ``"hpu"`` with Lightning, and letting
+``trainer.fit(torch.compile(module))`` through under fsdp_custom.
 
 [Note: registration without importing Lightning]
 ``import lightning_fsdp.engine`` runs the package's ``__init__`` and must not import Lightning, so registration
@@ -57,11 +58,33 @@ def _register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     from accelerators import register_hpu_accelerator
-    from lightning_fsdp.compiled_modules import accept_compiled_lightning_modules
 
     register_strategies(StrategyRegistry)
     register_hpu_accelerator()
     accept_compiled_lightning_modules()
+
+
+_MARK = "_lightning_fsdp_accepts_compiled"
+
+
+def accept_compiled_lightning_modules() -> None:
+    """Let the Trainer accept a compiled LightningModule under fsdp_custom (idempotent): Lightning's
+    ``_verify_strategy_supports_compile`` accepts only its own strategies (``isinstance``), so it is wrapped to let
+    fsdp_custom through (docs/decisions.md, "torch.compile")."""
+    from lightning.pytorch.trainer import trainer as trainer_module
+
+    lightning_check = getattr(trainer_module, "_verify_strategy_supports_compile", None)
+    if lightning_check is None or getattr(lightning_check, _MARK, False):
+        return  # a Lightning without this check (nothing to extend), or extended already
+
+    def verify_strategy_supports_compile(model: Any, strategy: Any) -> None:
+        from lightning_fsdp.strategy import FSDPStrategy
+
+        if not isinstance(strategy, FSDPStrategy):
+            lightning_check(model, strategy)
+
+    setattr(verify_strategy_supports_compile, _MARK, True)
+    trainer_module._verify_strategy_supports_compile = verify_strategy_supports_compile
 
 
 def _register_logging_failure() -> None:
