@@ -245,12 +245,10 @@ def _optimizer_map(
                     "order; build each group from self.parameters() / self.named_parameters() in their order."
                 )
         unsplit.append(sorted(set(names), key=place.__getitem__))
-    index_of: dict[tuple[int, str], int] = {}
-    start = 0
+    index_of: dict[tuple[int, str], int] = {}  # numbered one group after another, as torch.optim does
     for group, names in enumerate(unsplit):
-        for offset, name in enumerate(names):
-            index_of[(group, name)] = start + offset
-        start += len(names)
+        for name in names:
+            index_of[(group, name)] = len(index_of)
     by_rank = tuple(
         tuple(index_of[(g, name)] for g, names in enumerate(groups) for name in names) for groups in rank_groups
     )

@@ -133,10 +133,8 @@ class PipelineRuntime:
         engine.keep_last_unit_for_backward = False
 
     def _backward_units(self, stage: int, last_backward: bool) -> tuple[list[Any], list[Any]]:
-        """``(scope, reduced)`` of a backward of ``stage``: the units it concerns, and those of them it reduces.
-        It concerns the stage's own units, and in the last backward of the step on this rank also the shared ones
-        (their gradients accumulate in place until then, and they stay unsharded, gathered once). It reduces
-        nothing before the stage's last microbatch, then everything it concerns."""
+        """``(scope, reduced)`` of a backward of ``stage``: the units it concerns, and those of them it reduces
+        ([Note: gradient reduction per stage])."""
         own = self._stage_units.get(stage, [])
         if not last_backward:
             return own, []
@@ -188,9 +186,8 @@ class PipelineRuntime:
             )
             stage.runtime = self
             stages.append(stage)
-        cls = getattr(torch_schedules, SCHEDULES[self.options.schedule][0])
-        several = SCHEDULES[self.options.schedule][1]
-        schedule = cls(
+        name, several = SCHEDULES[self.options.schedule]
+        schedule = getattr(torch_schedules, name)(
             stages if several else stages[0],
             n_microbatches=self.options.num_microbatches,
             loss_fn=self._scaled_loss,
