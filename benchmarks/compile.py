@@ -11,6 +11,7 @@ ratios the targets name, as ratios of medians.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._inductor.utils import fresh_cache
 
 from benchmarks import BenchmarkConfig, _batch, _global_losses, _new_group, _step, _token_stream
 from benchmarks.common import machine
@@ -96,12 +98,14 @@ def _interleaved(rank: int, cfg: BenchmarkConfig, backend: str) -> dict[str, Any
     # Dynamo reuses one Block's graph across modules, so in the interleaved rounds only the first compiled run would
     # pay for compiling. Each run's first step is therefore taken alone, the compiled ones from an empty cache: that
     # step's time less the run's median is its compile time. The rounds then start from batch 1 for every run.
+    # ``fresh_cache``: an empty on-disk cache and inductor's in-memory ones cleared, so that every compiled run builds
+    # its C++ kernels too (without it, the runs after the first reuse the first one's).
     x, y = _batch(tokens, cfg, 0, rank, WORLD)
     for key in keys:
         model, optimizer, _, times, losses = runs[key]
-        if key.endswith("+compiled"):
+        with fresh_cache() if key.endswith("+compiled") else contextlib.nullcontext():
             torch._dynamo.reset()
-        seconds, loss = _step(model, optimizer, x, y)
+            seconds, loss = _step(model, optimizer, x, y)
         times.append(seconds)
         losses.append(loss)
     for step in range(1, 1 + cfg.warmup + cfg.steps):
