@@ -25,10 +25,10 @@ def load_as_full(src: str, *, trust_pickled_code: bool = False) -> dict[str, Any
     Every file is unpickled by a restricted unpickler, which refuses (``UntrustedCheckpointError`` naming the file and
     the object) what would run code; ``trust_pickled_code=True`` unpickles them as they are, running whatever code
     they hold: only for files you trust."""
-    return format_on_disk(src).read_as_full(src, weights_only=not _trusted(trust_pickled_code))
+    return format_on_disk(src).read_as_full(src, weights_only=not check_trust(trust_pickled_code))
 
 
-def _trusted(trust_pickled_code: Any) -> bool:
+def check_trust(trust_pickled_code: Any) -> bool:
     if not isinstance(trust_pickled_code, bool):
         raise TypeError(f"trust_pickled_code must be True or False, not {trust_pickled_code!r}.")
     return trust_pickled_code
@@ -40,7 +40,7 @@ def convert(
     """Convert ``src`` into ``dst``; ``to`` defaults to ``"full"`` for a directory and ``"sharded"`` for a file.
     Returns the format written. The output is written atomically (temporary name, then rename). ``src`` is read as
     :func:`load_as_full` reads it (restricted unless ``trust_pickled_code=True``)."""
-    trusted = _trusted(trust_pickled_code)
+    trusted = check_trust(trust_pickled_code)
     src, dst = os.fspath(src), os.fspath(dst)
     source = format_on_disk(src)
     to = to or (SHARDED if source.kind == FULL else FULL)

@@ -25,9 +25,9 @@ import torch
 
 from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError, load_error
 from lightning_fsdp.checkpoint.common import numel
-from lightning_fsdp.checkpoint.convert import add_output_arguments, run_command
+from lightning_fsdp.checkpoint.convert import add_output_arguments, check_trust, run_command
 from lightning_fsdp.checkpoint.full import model_weights
-from lightning_fsdp.checkpoint.local import concat_rows, read_local_meta, shard_holders
+from lightning_fsdp.checkpoint.local import check_rank_file, concat_rows, read_local_meta, shard_holders
 from lightning_fsdp.checkpoint.paths import (
     FULL,
     LOCAL,
@@ -200,14 +200,9 @@ class _LocalSource(_Source):
         world = info["world_size"]
         files = []
         for rank in range(world):
-            data = _mmap_load(os.path.join(path, local_rank_file(rank)), weights_only)
-            if not isinstance(data, Mapping) or data.get("rank") != rank or data.get("world_size") != world:
-                got = (data.get("rank"), data.get("world_size")) if isinstance(data, Mapping) else None
-                raise CheckpointLoadError(
-                    f"{local_rank_file(rank)!r} in {path!r} holds the shards of rank {got}, not of rank {rank} of "
-                    f"{world}; the checkpoint directory was assembled from different saves.",
-                    path,
-                )
+            file = os.path.join(path, local_rank_file(rank))
+            data = _mmap_load(file, weights_only)
+            check_rank_file(data, file, rank, world)
             files.append(data)
         self.files = [data["state_dict"] for data in files]
         self.holders = shard_holders(files)
@@ -413,13 +408,12 @@ def export_safetensors(
         raise TypeError(f"prefix must be a string, not {type(prefix).__name__} ({prefix!r}).")
     if rename is not None and not callable(rename):
         raise TypeError(f"rename must be a function from name to name, not {type(rename).__name__} ({rename!r}).")
-    if not isinstance(trust_pickled_code, bool):
-        raise TypeError(f"trust_pickled_code must be True or False, not {trust_pickled_code!r}.")
+    weights_only = not check_trust(trust_pickled_code)
     config_content = _read_config(config) if config is not None else None
     if os.path.abspath(checkpoint) == os.path.abspath(out_dir):
         raise ValueError(f"The checkpoint and the output directory are the same path: {checkpoint!r}.")
     # format_on_disk raises naming the path if it holds no checkpoint.
-    source = _SOURCES[format_on_disk(checkpoint).kind](checkpoint, weights_only=not trust_pickled_code)
+    source = _SOURCES[format_on_disk(checkpoint).kind](checkpoint, weights_only)
     if os.path.lexists(out_dir) and not overwrite:
         raise FileExistsError(f"Output directory {out_dir!r} exists; pass overwrite=True (--overwrite) to replace it.")
     if source.skipped:

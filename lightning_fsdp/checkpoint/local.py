@@ -135,13 +135,19 @@ def _read_rank_file(path: str, rank: int, world_size: int, weights_only: bool | 
     if problem is not None:
         raise CheckpointLoadError(f"Local checkpoint {path!r} is damaged: {problem}; rank {rank} needs it.", file)
     data = AtomicCheckpointIO().load_checkpoint(file, weights_only=weights_only)
-    if data.get("rank") != rank or data.get("world_size") != world_size:
+    check_rank_file(data, file, rank, world_size)
+    return data
+
+
+def check_rank_file(data: Any, file: str, rank: int, world_size: int) -> None:
+    """Raise unless ``data``, read from ``file``, holds the shards of ``rank`` of ``world_size``."""
+    got = (data.get("rank"), data.get("world_size")) if isinstance(data, Mapping) else (None, None)
+    if got != (rank, world_size):
         raise CheckpointLoadError(
-            f"{file!r} holds the shards of rank {data.get('rank')} of {data.get('world_size')}, not of rank {rank} of "
-            f"{world_size}; the checkpoint directory was assembled from different saves.",
+            f"{file!r} holds the shards of rank {got[0]} of {got[1]}, not of rank {rank} of {world_size}; the "
+            "checkpoint directory was assembled from different saves.",
             file,
         )
-    return data
 
 
 def _check_layout(
