@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -146,7 +145,7 @@ def check_lightning_arguments(
             "'nccl' or 'hccl', or None (chosen from the accelerator)."
         )
     # The package index's torch has no MPI backend; without this, torch refuses it inside Lightning's setup.
-    from lightning_fsdp.rendezvous import backend_names
+    from lightning_fsdp.rendezvous import backend_names, check_timeout
 
     if (
         process_group_backend is not None
@@ -161,9 +160,4 @@ def check_lightning_arguments(
             "process_group_backend='gloo' (CPU), 'nccl' (CUDA) or 'hccl' (Gaudi), or leave it None to have it "
             "chosen from the accelerator."
         )
-    if timeout is not None and not isinstance(timeout, timedelta):
-        raise TypeError(
-            f"timeout={timeout!r} is not valid; expected a datetime.timedelta (e.g. timedelta(minutes=30)) or None."
-        )
-    if timeout is not None and timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout={timeout!r} is not valid; a process-group timeout must be positive.")
+    check_timeout(timeout, "timeout")

@@ -48,17 +48,18 @@ def check_launch_size(environment: Any, num_nodes: int, devices: int) -> None:
         )
 
 
-def check_startup_timeout(value: Any) -> None:
-    """``FSDPStrategy(startup_timeout=...)``: a positive ``timedelta``, or ``None`` for torch's default."""
+def check_timeout(value: Any, option: str) -> None:
+    """``FSDPStrategy(timeout=...)`` or ``(startup_timeout=...)``: a positive ``timedelta``, or ``None`` for torch's
+    default."""
     if value is not None and not isinstance(value, timedelta):
         raise TypeError(
-            f"startup_timeout={value!r} is not valid; expected a positive datetime.timedelta (e.g. "
-            "timedelta(minutes=30), '0:30:00' in YAML) or None (torch's default process-group timeout)."
+            f"{option}={value!r} is not valid; expected a positive datetime.timedelta (e.g. timedelta(minutes=30), "
+            "'0:30:00' in YAML) or None (torch's default process-group timeout)."
         )
     if value is not None and value.total_seconds() <= 0:
         raise ValueError(
-            f"startup_timeout={value!r} is not valid; the start-up bound must be positive (e.g. "
-            "timedelta(minutes=30)), or None (torch's default process-group timeout)."
+            f"{option}={value!r} is not valid; it must be positive (e.g. timedelta(minutes=30)), or None (torch's "
+            "default process-group timeout)."
         )
 
 

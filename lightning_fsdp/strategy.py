@@ -63,7 +63,7 @@ from lightning_fsdp.pipeline.runtime import PipelineRuntime
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
 from lightning_fsdp.process_groups import GroupChoice
 from lightning_fsdp.registration import register_strategies
-from lightning_fsdp.rendezvous import check_launch_size, check_startup_timeout, init_default_group
+from lightning_fsdp.rendezvous import check_launch_size, check_timeout, init_default_group
 from lightning_fsdp.shutdown import settle_at_exit
 from lightning_fsdp.stage_end import StageEnd, check_reusable
 from lightning_fsdp.weight_averaging import shard_averaged_models
@@ -165,7 +165,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         self.num_nodes = 1  # set by Lightning's accelerator connector
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        check_startup_timeout(startup_timeout)
+        check_timeout(startup_timeout, "startup_timeout")
         self._startup_timeout = startup_timeout
         self._stop_at_exit = False  # stop_launched_processes registered to run when this process exits
         self._start_method = start_method
