@@ -203,8 +203,8 @@ def check_group_sizes(what: str, sizes: list, here: list, over: str = "") -> Non
     """Raise naming ``what`` (the checkpoint's optimizer) if its parameter groups' sizes are not this run's."""
     if sizes != here:
         raise CheckpointMismatchError(
-            f"{what} has parameter groups of sizes {sizes} in the checkpoint but {here} in this run{over}; resume "
-            "with the same optimizer configuration."
+            f"{what} has parameter groups of sizes {sizes}, but this run's has {here}{over}; resume with the same "
+            "optimizer configuration."
         )
 
 

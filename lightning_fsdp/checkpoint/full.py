@@ -113,7 +113,7 @@ def load_full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer,
     state_dict = to_index_keyed(state_dict)  # checks it is a torch.optim state dict
     sizes = [len(g["params"]) for g in state_dict["param_groups"]]
     here = [len(g["params"]) for g in optimizer.param_groups]
-    check_group_sizes(f"The {type(optimizer).__name__} state", sizes, here)
+    check_group_sizes(f"The checkpoint's {type(optimizer).__name__} state", sizes, here)
     params = optimizer_params(optimizer)
     local_state = {}
     for index, entry in state_dict["state"].items():
