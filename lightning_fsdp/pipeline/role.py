@@ -21,7 +21,7 @@ from lightning_fsdp.pipeline.checkpoint import (
     pipeline_optimizer_state,
 )
 from lightning_fsdp.pipeline.options import PipelineOptions, check_pipeline_composition, check_pipeline_precision
-from lightning_fsdp.pipeline.runtime import PipelineGradients, PipelineRuntime, pipeline_layout
+from lightning_fsdp.pipeline.runtime import PipelineRuntime, pipeline_layout
 from lightning_fsdp.pipeline.split import plan_stages
 
 __all__ = ["PipelineRole", "StageRole", "pipeline_role"]
@@ -101,7 +101,7 @@ class StageRole(PipelineRole):
 
     def __init__(self, options: PipelineOptions) -> None:
         super().__init__(options)
-        self._gradients = PipelineGradients()
+        self._held: list[tuple[nn.Parameter, Tensor]] = []  # this step's gradients, set aside (training_step)
 
     def sampler_kwargs(self, world_size: int, rank: int) -> dict[str, int]:
         # The ranks of one pipeline take the same samples: the data-parallel index picks them.
@@ -150,13 +150,20 @@ class StageRole(PipelineRole):
 
     @contextmanager
     def training_step(self, trainer: Any, module: Any) -> Generator[None, None, None]:
-        # The step runs its backward inside pipelined_loss: see PipelineGradients for why gradients are set aside.
+        # Lightning's automatic optimization zeroes gradients *after* training_step, which under pipelining has run its
+        # backward already: the previous step's gradients are dropped before the first training_step of an
+        # accumulation cycle, and the new ones set aside after it, for the strategy's backward to put back.
         automatic = self.runtime is not None and module.automatic_optimization
-        if automatic:
-            self._gradients.before_step(trainer, module)
+        if automatic and (
+            trainer is None or trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
+        ):
+            for param in module.parameters():
+                param.grad = None
         yield
         if automatic:
-            self._gradients.after_step(module)
+            self._held = [(p, p.grad) for p in module.parameters() if p.grad is not None]
+            for param, _ in self._held:
+                param.grad = None
 
     def backward_ran(self, loss: Any) -> bool:
         if self.runtime is None:
@@ -170,7 +177,9 @@ class StageRole(PipelineRole):
         )
 
     def restore_gradients(self) -> None:
-        self._gradients.restore()
+        for param, grad in self._held:
+            param.grad = grad
+        self._held = []
 
     # Every format describes the unsplit model: [Note: checkpoints across pipeline layouts] in checkpoint.py.
     def check_format(self, kind: str) -> None:

@@ -275,30 +275,6 @@ class _ShardedStage(PipelineStage):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
 
-class PipelineGradients:
-    """Lightning's automatic optimization zeroes gradients *after* ``training_step``, which under pipelining has run
-    its backward already: the previous step's gradients are dropped before the first ``training_step`` of an
-    accumulation cycle, and the new ones set aside after it, for the strategy's ``backward`` to put back."""
-
-    def __init__(self) -> None:
-        self._held: list[tuple[nn.Parameter, torch.Tensor]] = []
-
-    def before_step(self, trainer: Any, module: nn.Module) -> None:
-        if trainer is None or trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
-            for param in module.parameters():
-                param.grad = None
-
-    def after_step(self, module: nn.Module) -> None:
-        self._held = [(p, p.grad) for p in module.parameters() if p.grad is not None]
-        for param, _ in self._held:
-            param.grad = None
-
-    def restore(self) -> None:
-        for param, grad in self._held:
-            param.grad = grad
-        self._held = []
-
-
 def _cast(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     if dtype is not None:
         for tensor in [*model.parameters(), *model.buffers()]:
