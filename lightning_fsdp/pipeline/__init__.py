@@ -1,9 +1,5 @@
-"""Pipeline parallelism composed with sharding: stages over pipeline ranks, each stage sharded over its data ranks.
-
-See docs/pipeline.md. ``options.py`` validates the strategy's ``pipeline_*`` options, ``split.py`` cuts a model into
-stages, ``runtime.py`` runs torch.distributed.pipelining's schedules over them and holds ``pipelined_loss``, and
-``role.py`` is what ``FSDPStrategy`` calls wherever a pipelined run differs.
-"""
+"""Pipeline parallelism composed with sharding: stages over pipeline ranks, each stage sharded over its data ranks
+(docs/pipeline.md; its "How a step runs" maps the modules)."""
 
 from lightning_fsdp.pipeline.options import SCHEDULES, PipelineOptions
 from lightning_fsdp.pipeline.runtime import PipelineLayout, PipelineRuntime, pipelined_loss, runtime_of

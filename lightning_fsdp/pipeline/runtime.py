@@ -1,13 +1,6 @@
-"""Running a LightningModule's model as pipeline stages: the (pipeline, data) layout, the schedules, the loss.
-
-[Note: one step of a pipelined model]
-``pipelined_loss`` runs the whole step inside the call: M microbatches through torch.distributed.pipelining's
-schedule over this rank's stages, each microbatch's backward included, so the strategy's ``backward`` runs only
-Lightning's hooks. The returned loss is the global batch's mean, with no graph. Each microbatch's loss is divided by
-M (and ``accumulate_grad_batches``) before its backward: torch's ``scale_grads`` divides after the step, wrong once
-gradients accumulate. Stages use static shapes worked out on the meta copy: torch's shape inference would run a real
-forward and backward through the engine's hooks and leave gradients behind (docs/pipeline.md, "How a step runs").
-"""
+"""Running a LightningModule's model as pipeline stages: the (pipeline, data) layout, the schedules, the loss. How
+one step runs, and why (static shapes from the meta copy, each microbatch's loss divided before its backward):
+docs/pipeline.md, "How a step runs"."""
 
 from __future__ import annotations
 
@@ -71,7 +64,7 @@ class _Schedule(NamedTuple):
 
 
 class PipelineRuntime:
-    """This rank's stages of one model and the schedules that run them (see [Note: one step of a pipelined model])."""
+    """This rank's stages of one model and the schedules that run them."""
 
     def __init__(
         self,
@@ -142,7 +135,6 @@ class PipelineRuntime:
         scope = own + (self._shared_units if self._stages_done == len(self.local_stages) else [])
         return scope, scope
 
-    # ------------------------------------------------------------------------------------------ schedules
     def _shapes(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[tuple, Any]]:
         """Each stage's (input, output) on the meta device for one microbatch of ``inputs``."""
         m = self.options.num_microbatches
@@ -207,7 +199,6 @@ class PipelineRuntime:
         assert self._loss_fn is not None
         return self._loss_fn(output, target) * self._loss_scale
 
-    # ----------------------------------------------------------------------------------------------- steps
     def run(
         self,
         inputs: torch.Tensor | tuple[torch.Tensor, ...],
