@@ -86,7 +86,6 @@ class EvenBatches:
         self._notes: dict[RunningStage, str] = {}  # what the messages say about each rank's counts
         self._train_epoch: int | None = None  # the training epoch whose counts were compared last
 
-    # ------------------------------------------------------------------------------------------ the hooks
     def loop_started(self, trainer: Any | None) -> None:
         """Compare the ranks' batch counts for the loop that is starting; decide whether to check per batch."""
         stage = self._checked_stage(trainer)
@@ -117,7 +116,6 @@ class EvenBatches:
         if stage is RunningStage.TRAINING and not trainer.lightning_module.automatic_optimization:
             self._check_batch(trainer, stage)
 
-    # -------------------------------------------------------------------------------------------- helpers
     @staticmethod
     def _checked_stage(trainer: Any | None) -> RunningStage | None:
         """The loop running now, if it is one these checks cover in a distributed run."""

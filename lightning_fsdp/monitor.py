@@ -63,7 +63,6 @@ class ShardingMonitor(pl.Callback):
         self._batches = 0
         self._rss_reset = False
 
-    # --------------------------------------------------------------------------------------------- lifecycle
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._engine = get_engine(pl_module)
         if self._engine is None:
@@ -101,7 +100,6 @@ class ShardingMonitor(pl.Callback):
             undo()
         self._restore.clear()
 
-    # ------------------------------------------------------------------------------------------------ steps
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:

@@ -61,7 +61,6 @@ class _Plan(NamedTuple):
     result: LoadResult
 
 
-# ------------------------------------------------------------------------------------------------ public
 def load_pretrained(
     target: nn.Module | ShardingEngine,
     path: str | os.PathLike,
@@ -87,7 +86,6 @@ def load_pretrained(
     return plan.result
 
 
-# ------------------------------------------------------------------------------------------------ arguments
 def _check_arguments(target: Any, path: Any, prefix: Any, rename: Any, strict: Any) -> None:
     # The same values on every rank, so these raise everywhere before any collective.
     if not isinstance(target, (nn.Module, ShardingEngine)):
@@ -119,7 +117,6 @@ def _resolve(target: nn.Module | ShardingEngine) -> tuple[nn.Module, ShardingEng
     return target, find_engine(target)
 
 
-# ------------------------------------------------------------------------------------------------ files
 def safetensors_files(path: str) -> dict[str, str]:
     """File tensor name -> the file holding it, for a ``.safetensors`` file or a directory (see ``load_pretrained``)."""
     from safetensors import safe_open
@@ -192,7 +189,6 @@ def _file_tensors(files: dict[str, str]) -> list[_FileTensor]:
     return tensors
 
 
-# ------------------------------------------------------------------------------------------------ planning
 def _targets(module: nn.Module, engine: ShardingEngine | None) -> list[_Target]:
     """The tensors of ``module.state_dict()``, one per object: a tied parameter is one target with several keys."""
     if engine is not None:
@@ -278,7 +274,6 @@ def _plan(
     return _Plan(reads, result)
 
 
-# ------------------------------------------------------------------------------------------------ copying
 @torch.no_grad()
 def _copy(reads: list[tuple[_Target, _FileTensor]]) -> None:
     from safetensors import safe_open

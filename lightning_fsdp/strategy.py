@@ -171,7 +171,6 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         self._start_method = start_method
         self.engine: ShardingEngine | None = None
 
-    # --------------------------------------------------------------------------------------------- properties
     @property
     def sharding_strategy(self) -> ShardingStrategy:
         return self.options.sharding_strategy
@@ -245,7 +244,6 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         """The engine's mixed precision: the explicit option, else what the Trainer's precision flag implies."""
         return self.mixed_precision or self.precision_plugin.mixed_precision_config
 
-    # ------------------------------------------------------------------------------------ processes, groups
     @override
     def _configure_launcher(self) -> None:
         # A script re-run per rank by default; forks in a notebook (refused where fork is unsafe).
@@ -287,7 +285,6 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
-    # ------------------------------------------------------------------------------------------ model setup
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
@@ -363,7 +360,6 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
-    # ------------------------------------------------------------------------------------------- the steps
     # Uneven batches end with an error on every rank, not a hang in a collective: lightning_fsdp/even_batches.py
     @cached_property
     def _even_batches(self) -> EvenBatches:
@@ -412,7 +408,6 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         with context:
             return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
 
-    # ------------------------------------------------------------------------------------------ collectives
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if _distributed_is_initialized():
@@ -450,7 +445,6 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         return all_reduce_tensor(tensor, group, reduce_op)
 
-    # ------------------------------------------------------------------------------------------ registry
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

@@ -92,7 +92,6 @@ def _sharded_averages(trainer: Any, engine: ShardingEngine) -> list[tuple[Any, s
     return [entry for entry in _averages(trainer) if _is_sharded_average(entry[2], engine)]
 
 
-# =============================================================================================== setup
 @torch.no_grad()
 def shard_averaged_models(trainer: Any, engine: ShardingEngine) -> None:
     """Give the averaged copy of every known averaging callback this rank's rows of the model's parameters, on every
@@ -210,7 +209,6 @@ def _check_no_full_copies(callback: Any, engine: ShardingEngine) -> None:
             )
 
 
-# ======================================================================================== user helpers
 @torch.no_grad()
 def full_tensors(
     strategy: Any, tensors: Sequence[Tensor], params: Sequence[nn.Parameter] | None = None, *, rank0_only: bool = False
@@ -269,7 +267,6 @@ def _local_rows(value: Any, slot: ParamSlot) -> Any:
     return value
 
 
-# ========================================================================================== checkpoints
 def _full_state(module: nn.Module, engine: ShardingEngine, keep: bool) -> dict[str, Any]:
     """An averaged copy's state dict with shards gathered full on CPU (kept where ``keep``), alike on every rank."""
     slots = managed_keys(engine)

@@ -47,7 +47,6 @@ class ShardedOptimizerState(dict):
     """``optimizer.state_dict()`` for this rank, state tensors holding its rows: ``load_state_dict`` takes it as is."""
 
 
-# ------------------------------------------------------------------------------------------------ names
 def param_names(module: nn.Module) -> dict[int, str]:
     """The canonical (first) name of every parameter of ``module``, by ``id``."""
     return {id(p): n for n, p in module.named_parameters()}
@@ -93,7 +92,6 @@ def shape_str(shape: Any) -> str:
     return str(tuple(int(s) for s in shape))
 
 
-# ------------------------------------------------------------------------------------------------ loading
 def check_keys(
     model_keys: list[str],
     state: Mapping[str, Any],
@@ -231,7 +229,6 @@ def numel(shape: Any) -> int:
     return math.prod(int(s) for s in shape)
 
 
-# ------------------------------------------------------------------------------------------------ formats
 class CheckpointRun(NamedTuple):
     """What a format takes from the run that saves or loads a checkpoint."""
 

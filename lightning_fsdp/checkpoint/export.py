@@ -72,7 +72,6 @@ _SIZE_HELP = (
 )
 
 
-# ===================================================================================================== arguments
 def parse_size(value: int | str) -> int:
     """``max_shard_size`` in bytes: an int, or a string such as ``"5GB"`` (5 * 10**9) or ``"500MiB"``."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -126,7 +125,6 @@ def _read_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any
     return content
 
 
-# ===================================================================================================== sources
 class TensorInfo(NamedTuple):
     """One tensor of the checkpoint's ``state_dict``, as known before it is read."""
 
@@ -226,7 +224,6 @@ class _LocalSource(_Source):
 _SOURCES: dict[str, type[_Source]] = {FULL: _FullSource, SHARDED: _ShardedSource, LOCAL: _LocalSource}
 
 
-# ===================================================================================================== planning
 class _Planned(NamedTuple):
     """A tensor of the export: where it comes from, its name in the output, what it is written as."""
 
@@ -282,7 +279,6 @@ def _file_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-# ===================================================================================================== writing
 def _return_freed_memory() -> None:
     """Hand memory freed by the last read back to the operating system (glibc's ``malloc_trim``; elsewhere nothing):
     glibc raises its mmap threshold after a large block is freed, so the next tensor-sized blocks (the tensor being
@@ -446,7 +442,6 @@ def export_safetensors(
     return [os.path.join(out_dir, name) for name in written]
 
 
-# ===================================================================================================== command
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-fsdp export",

@@ -19,7 +19,6 @@ from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 
 
-# ===================================================================================================== saving
 def local_model_state_dict(engine: ShardingEngine) -> dict[str, Any]:
     """The module's state dict as it is: this rank's rows (views, no copies)."""
     managed = common.managed_keys(engine)  # first: it puts the user's parameters back where a forward left stand-ins
@@ -109,7 +108,6 @@ def save_local_checkpoint(
     common.write_directory(path, write_part, meta, coll)
 
 
-# ===================================================================================================== loading
 def read_local_meta(path: str, weights_only: bool | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(Lightning part, ``"lightning_fsdp"`` entry) of a local checkpoint's ``meta.pt``."""
     meta_file = os.path.join(path, META_FILE)
@@ -225,7 +223,6 @@ def load_local_checkpoint(
     return coll.run_agreed(read)
 
 
-# ===================================================================================================== offline
 def concat_rows(pieces: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
     row_numel = common.numel(shape[1:]) if len(shape) > 1 else 1
     return torch.cat([p.reshape(-1, row_numel) for p in pieces], dim=0).reshape(shape)

@@ -68,7 +68,6 @@ def checkpoint_kind(path: str) -> str:
     )
 
 
-# ------------------------------------------------------------------------------------------------ writing
 def prepare_temp_dir(path: str) -> str:
     """Create an empty temporary directory next to ``path`` for a new checkpoint (called on rank 0)."""
     path = os.path.abspath(path)

@@ -143,7 +143,6 @@ def remove_checkpoint(path: Any, checkpoint_io: CheckpointIO) -> None:
         checkpoint_io.remove_checkpoint(path)
 
 
-# ------------------------------------------------------------------------------------ into the sharded model
 def _agreed(info: Any, work: Callable[[], _T]) -> _T:
     # Under pipelining each stage checks its own part: a problem one stage finds raises on every rank.
     return work() if info is None else Collective().run_agreed(work)

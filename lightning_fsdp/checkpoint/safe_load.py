@@ -69,7 +69,6 @@ def alone_on_purpose(coll: Collective) -> Iterator[None]:
         yield
 
 
-# ===================================================================================================== .metadata
 @lru_cache(maxsize=1)
 def metadata_globals() -> dict[str, Any]:
     """Everything a DCP ``.metadata`` pickle names, by the name it is pickled under: the metadata dataclasses, the
@@ -223,7 +222,6 @@ def check_shard_files(path: str, metadata: Metadata) -> None:
             )
 
 
-# ===================================================================================================== .distcp
 class _RecordingFileSystem(FileSystem):
     """DCP's local file system, remembering the last file it opened (the one a failing read was reading)."""
 

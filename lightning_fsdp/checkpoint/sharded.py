@@ -38,7 +38,6 @@ _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)")
 _SCALAR_ROWS = "lightning_fsdp_scalar_rows"
 
 
-# ===================================================================================================== saving
 def _mesh(engine: ShardingEngine, device_type: str) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -195,7 +194,6 @@ def save_sharded_from_full(checkpoint: Mapping[str, Any], path: str) -> None:
     _write(checkpoint, path, Collective(alone=True), "index")
 
 
-# ===================================================================================================== reading
 def read_meta(path: str, weights_only: bool | None = None) -> dict[str, Any]:
     return AtomicCheckpointIO().load_checkpoint(os.path.join(path, META_FILE), weights_only=weights_only)
 
@@ -266,7 +264,6 @@ class _ShardedLoad:
             common.check_optimizer_count(f"Sharded checkpoint {path!r}", len(self.optimizer_prefixes), len(optimizers))
         self._plan_model()
 
-    # ---------------------------------------------------------------------------------------------- model
     def _target(self, full_shape: tuple[int, ...], dtype: torch.dtype, layout: ShardLayout | None) -> Any:
         if layout is not None and is_sharded(layout) and len(full_shape) > 0:
             return _dtensor(torch.zeros(tuple(layout.local_shape), dtype=dtype), layout, _mesh(self.engine, "cpu"))
@@ -314,7 +311,6 @@ class _ShardedLoad:
         others = self.pipeline.model_key_set if self.pipeline is not None else ()
         self.unexpected = tuple(k for k in stored if k not in own and k not in others)
 
-    # --------------------------------------------------------------------------------------------- optimizers
     def _groups(self, prefix: str) -> list[dict[str, Any]]:
         groups: dict[str, Any] = {}
         for flat, (p, _) in self.entries.items():
@@ -379,7 +375,6 @@ class _ShardedLoad:
                 state_targets[flat] = (position, tuple(p[3:]), "tensor")
             self.optimizer_plans.append((groups, state_targets, here_sizes))
 
-    # --------------------------------------------------------------------------------------------- loading
     def _local(self, flat: str, value: Any) -> Any:
         """This rank's rows of a loaded target (DTensor -> its local tensor; a 0-dim parameter -> its row)."""
         if hasattr(value, "to_local"):
@@ -442,7 +437,6 @@ def load_sharded_checkpoint(
     return loader.run()
 
 
-# ===================================================================================================== offline
 def read_sharded_checkpoint_full(path: str, weights_only: bool | None = None) -> dict[str, Any]:
     """A sharded directory as one full checkpoint (plain ``torch.optim`` optimizer state), in this process alone."""
     # What torch's format_utils.dcp_to_torch_save reads (every entry whole), through the public dcp.load.

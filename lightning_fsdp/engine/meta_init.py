@@ -36,7 +36,6 @@ class UninitialisedTensorError(RuntimeError):
     """A model built on the meta device was about to compute from tensors that were never given values."""
 
 
-# ------------------------------------------------------------------------------------------------ building
 @contextmanager
 def parameters_on_meta(enabled: bool = True) -> Iterator[None]:
     """Modules built inside get their parameters on the meta device and everything else (buffers, plain tensors)
@@ -67,7 +66,6 @@ def _to_meta(param: nn.Parameter) -> nn.Parameter:
     return type(param)(param.detach().to("meta"), **{**param.__dict__, "requires_grad": param.requires_grad})
 
 
-# ------------------------------------------------------------------------------------------------ watching writes
 def _storage_ptr(tensor: torch.Tensor) -> int:
     """The address of ``tensor``'s storage (shared by its views), 0 where it has none to speak of."""
     if tensor.is_meta or tensor.numel() == 0:
@@ -131,7 +129,6 @@ def own_tensors(module: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
             yield BUFFER, name, buf
 
 
-# ------------------------------------------------------------------------------------------------ the record
 class _Entry:
     __slots__ = ("kind", "name", "owner", "ref")
 

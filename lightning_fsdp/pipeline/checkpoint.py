@@ -105,7 +105,6 @@ class PipelineCheckpoint:
         self.local_keys = local_keys
         self.optimizers = optimizers
 
-    # ------------------------------------------------------------------------------------------------ gather
     @classmethod
     def gather(cls, runtime: Any, engine: ShardingEngine, optimizers: Sequence[Optimizer] = ()) -> PipelineCheckpoint:
         """Every rank's state-dict keys and optimizer parameter names, all-gathered; call on every rank."""
@@ -142,7 +141,6 @@ class PipelineCheckpoint:
             "model_keys": list(self.model_keys),
         }
 
-    # ------------------------------------------------------------------------------------------ full format
     def _to_global_rank0(self, obj: Any) -> list[Any] | None:
         """Every pipeline rank's ``obj`` (sent by its data-parallel rank 0) on global rank 0, in pipeline-rank
         order; ``None`` elsewhere. Call on every rank."""
@@ -255,7 +253,6 @@ def _optimizer_map(
     return OptimizerMap(tuple(tuple(g) for g in unsplit), by_rank[layout.pp_rank], by_rank)
 
 
-# --------------------------------------------------------------------------------------- the strategy's hooks
 def pipeline_model_state_dict(kind: str, runtime: Any, engine: ShardingEngine) -> dict[str, Any]:
     """``lightning_module_state_dict`` under pipeline parallelism: the unsplit model's full state on global rank 0
     (full), or this rank's stages' rows as DTensors (sharded). Call on every rank."""

@@ -49,7 +49,6 @@ class PipelineRole:
     def sampler_kwargs(self, world_size: int, rank: int) -> dict[str, int]:
         return {"num_replicas": world_size, "rank": rank}
 
-    # ----------------------------------------------------------------------------------------------- setup
     def split(self, module: nn.Module, **run: Any) -> None:
         """Cut the model into stages and keep this rank's, before the model is sharded (``run``: as
         :meth:`StageRole.split` takes it)."""
@@ -66,7 +65,6 @@ class PipelineRole:
         """The group over which gradient clipping combines the norms of the other stages' parameters."""
         return None
 
-    # ------------------------------------------------------------------------------------------- the steps
     @contextmanager
     def training_step(self, trainer: Any, module: Any) -> Generator[None, None, None]:
         """Around the user's ``training_step``."""
@@ -79,7 +77,6 @@ class PipelineRole:
     def restore_gradients(self) -> None:
         """Put back the gradients the step set aside across Lightning's zeroing."""
 
-    # ----------------------------------------------------------------------------------------- checkpoints
     def check_format(self, kind: str) -> None:
         """Refuse a checkpoint format this layout cannot load."""
 
