@@ -1,16 +1,7 @@
 """Meta-device initialisation: parameters without memory, buffers computed for real, and a record of the tensors
-that were given memory but no values, so that nothing ever computes from them (docs/how-it-works.md,
-"Meta-device initialisation").
-
-[Note: parameters on the meta device, buffers for real]
-Only parameters go to meta (``nn.Module.register_parameter`` is patched while the context is open), so constructors
-compute buffers no state dict holds (a rotary ``inv_freq``). A parameter exists for real only between its creation
-and its registration, one at a time.
-
-[Note: the record of uninitialised tensors]
-A tensor whose storage ``InitWatch`` saw allocated empty and never written is recorded rather than refused, since
-``load_pretrained`` may fill it. Every rank builds and clears the same record, so all raise at the same point with no
-collective. A partial write (one row) counts as initialising."""
+that were given memory but no values, so that nothing ever computes from them. Why each part is as it is:
+docs/how-it-works.md, "Meta-device initialisation". Beyond it: a parameter exists for real only between its creation
+and its registration, one at a time, and a partial write (one row) counts as initialising a tensor."""
 
 from __future__ import annotations
 
@@ -39,8 +30,8 @@ class UninitialisedTensorError(RuntimeError):
 @contextmanager
 def parameters_on_meta(enabled: bool = True) -> Iterator[None]:
     """Modules built inside get their parameters on the meta device and everything else (buffers, plain tensors)
-    where tensors are created now; see [Note: parameters on the meta device, buffers for real]. Not thread-safe: the
-    patch is process-wide while the context is open."""
+    where tensors are created now (``nn.Module.register_parameter`` is patched). Not thread-safe: the patch is
+    process-wide while the context is open."""
     if not enabled:
         yield
         return
@@ -145,8 +136,8 @@ _optimizer_hook: list[Any] = []
 
 
 class Uninitialised:
-    """The tensors of one model that have memory but no values yet (see [Note: the record of uninitialised
-    tensors]). Guards the model while it is not empty; ``len`` is the number of tensors still recorded."""
+    """The tensors of one model that have memory but no values yet. Guards the model while it is not empty; ``len``
+    is the number of tensors still recorded."""
 
     def __init__(self, root: nn.Module, entries: list[tuple[str, str, nn.Module, torch.Tensor]]) -> None:
         self.root_name = type(root).__name__

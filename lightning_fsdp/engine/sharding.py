@@ -173,8 +173,7 @@ def _materialize(
     modules: list[nn.Module], device: torch.device, param_init_fn: Callable | None
 ) -> list[tuple[nn.Module, str, str]]:
     """Allocate and initialise this unit's meta-device tensors on ``device``, keeping Parameter identity (ties);
-    returns (module, kind, attribute name) of those no initialiser wrote (see [Note: the record of uninitialised
-    tensors])."""
+    returns (module, kind, attribute name) of those no initialiser wrote (``meta_init.Uninitialised`` records them)."""
     meta_modules = [m for m in modules if any(t.is_meta for t in _params_and_buffers(m))]
     if not meta_modules:
         return []

@@ -2,10 +2,9 @@
 
 [Note: what the check catches]
 On a later stage the absent pieces pass the stage input through, which is right only if each piece gets the latest
-chain value and the forward's own code does nothing else with chain values. Broken, each would train the wrong model
-silently: an absent piece given something else (``wte(idx) + wpe(pos)``), a skip connection across a cut, code after
-the stage's last piece computing with the chain. The check runs on the meta copy: the pieces' hooks track the latest
-chain value and a ``TorchFunctionMode`` sees every operation of the forward's own code, i.e. where values go.
+chain value and the forward's own code does nothing else with chain values (the three ways to break that:
+docs/pipeline.md, "The contract"). The check runs on the meta copy: the pieces' hooks track the latest chain value
+and a ``TorchFunctionMode`` sees every operation of the forward's own code, i.e. where values go.
 """
 
 from __future__ import annotations
