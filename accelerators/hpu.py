@@ -9,13 +9,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from .hpu_runtime import (
-    _require_hpu_module,
-    check_eager_mode,
-    hpu_device_count,
-    hpu_memory_stats,
-    is_hpu_available,
-)
+from .hpu_runtime import _require_hpu_module, check_eager_mode, hpu_device_count, hpu_memory_stats, is_hpu_available
 
 __all__ = ["HPUAccelerator"]
 

@@ -11,13 +11,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-__all__ = [
-    "check_eager_mode",
-    "hpu_device_count",
-    "hpu_memory_stats",
-    "is_hpu_available",
-    "is_test_double",
-]
+__all__ = ["check_eager_mode", "hpu_device_count", "hpu_memory_stats", "is_hpu_available", "is_test_double"]
 
 _HPU_MODULE = "habana_frameworks.torch.hpu"
 _LAZY_MODE_VARIABLE = "PT_HPU_LAZY_MODE"

@@ -29,13 +29,7 @@ class CharDataset(Dataset):
     """
 
     def __init__(
-        self,
-        data: torch.Tensor,
-        block_size: int,
-        num_samples: int,
-        *,
-        seed: int = 0,
-        inputs_only: bool = False,
+        self, data: torch.Tensor, block_size: int, num_samples: int, *, seed: int = 0, inputs_only: bool = False
     ) -> None:
         if data.ndim != 1:
             raise ValueError(f"data must be a 1-D tensor of token ids, got shape {tuple(data.shape)}")

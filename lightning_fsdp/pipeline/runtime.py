@@ -49,10 +49,7 @@ def pipeline_layout(
     pp_groups = [dist.new_group([p * data + d for p in range(size)], **kwargs) for d in range(data)]
     dp_group, pp_group = dp_groups[pp_rank], pp_groups[dp_rank]
     mesh = DeviceMesh.from_group(
-        [pp_group, dp_group],
-        device_type,
-        mesh=torch.arange(world_size).view(size, data),
-        mesh_dim_names=("pp", "dp"),
+        [pp_group, dp_group], device_type, mesh=torch.arange(world_size).view(size, data), mesh_dim_names=("pp", "dp")
     )
     return PipelineLayout(size, data, pp_rank, dp_rank, pp_group, dp_group, mesh)
 
