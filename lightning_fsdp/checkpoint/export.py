@@ -27,7 +27,7 @@ from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError, load_error
 from lightning_fsdp.checkpoint.common import numel
 from lightning_fsdp.checkpoint.convert import add_output_arguments, check_trust, run_command
 from lightning_fsdp.checkpoint.full import model_weights
-from lightning_fsdp.checkpoint.local import check_rank_file, concat_rows, read_local_meta, shard_holders
+from lightning_fsdp.checkpoint.local import check_rank_file, full_entry, read_local_meta, shard_holders
 from lightning_fsdp.checkpoint.paths import (
     FULL,
     LOCAL,
@@ -214,11 +214,7 @@ class _LocalSource(_Source):
                 self.tensors.append(TensorInfo(key, tuple(int(s) for s in entry["shape"]), dtype))
 
     def read(self, key: str) -> torch.Tensor:
-        entry = self.entries[key]
-        if entry["rows"] is None:
-            return self.files[0][key]
-        pieces = [self.files[self.holders[r]][key] for r in range(len(entry["rows"]))]
-        return concat_rows(pieces, tuple(int(s) for s in entry["shape"]))
+        return full_entry(self.files, self.holders, key, self.entries[key])
 
 
 _SOURCES: dict[str, type[_Source]] = {FULL: _FullSource, SHARDED: _ShardedSource, LOCAL: _LocalSource}

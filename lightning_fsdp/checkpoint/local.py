@@ -228,6 +228,15 @@ def concat_rows(pieces: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Ten
     return torch.cat([p.reshape(-1, row_numel) for p in pieces], dim=0).reshape(shape)
 
 
+def full_entry(states: Sequence[Mapping[str, Any]], holders: Mapping[int, int], key: str, entry: Mapping) -> Any:
+    """``key``'s full value from every rank's state dict (``states``, by global rank), laid out as its ``meta.pt``
+    ``entry`` records."""
+    if entry["rows"] is None:
+        return states[0][key]
+    pieces = [states[holders[r]][key] for r in range(len(entry["rows"]))]
+    return concat_rows(pieces, tuple(int(s) for s in entry["shape"]))
+
+
 def shard_holders(files: Sequence[Mapping[str, Any]]) -> dict[int, int]:
     """shard rank -> the first global rank holding its rows (with a subgroup as shard group, groups repeat)."""
     holders: dict[int, int] = {}
@@ -243,16 +252,9 @@ def read_local_checkpoint_full(path: str, weights_only: bool | None = None) -> d
     files = [_read_rank_file(path, r, world, weights_only) for r in range(world)]
     entries: Mapping[str, Any] = info["entries"]
     holders = shard_holders(files)
-    state: dict[str, Any] = {}
-    for key, entry in entries.items():
-        if entry["rows"] is None:
-            state[key] = files[0]["state_dict"][key]
-        else:
-            state[key] = concat_rows(
-                [files[holders[r]]["state_dict"][key] for r in range(len(entry["rows"]))], tuple(entry["shape"])
-            )
+    states = [data["state_dict"] for data in files]
     checkpoint = dict(meta)
-    checkpoint["state_dict"] = state
+    checkpoint["state_dict"] = {key: full_entry(states, holders, key, entry) for key, entry in entries.items()}
     optimizer_names = info.get("optimizers")
     if optimizer_names is not None:
         optimizer_states = []
