@@ -1,5 +1,7 @@
-"""Lightning accelerator for Intel Gaudi (HPU) devices, importable on machines without Gaudi software."""
+"""Lightning accelerator for Intel Gaudi (HPU) devices, importable on machines without Gaudi software, and its
+registration under the name ``"hpu"`` in Lightning's registry."""
 
+import logging
 from typing import Any
 
 import torch
@@ -11,7 +13,9 @@ from typing_extensions import override
 
 from .hpu_runtime import _require_hpu_module, check_eager_mode, hpu_device_count, hpu_memory_stats, is_hpu_available
 
-__all__ = ["HPUAccelerator"]
+__all__ = ["HPUAccelerator", "register_hpu_accelerator"]
+
+_log = logging.getLogger(__name__)
 
 _DevicesSpec = int | str | list[int] | tuple[int, ...]
 
@@ -141,3 +145,23 @@ def _parse_hpu_indices(devices: Any) -> list[int]:
             f"HPU `devices={devices!r}` names HPU(s) {missing} that are not visible. Valid indices are 0..{count - 1}."
         )
     return spec
+
+
+def register_hpu_accelerator(registry: _AcceleratorRegistry | None = None) -> bool:
+    """Register :class:`HPUAccelerator` as ``"hpu"`` in ``registry`` (default: Lightning's) unless another package
+    (``lightning-habana``) holds the name, which overriding would silently change for its users. Returns whether
+    ``"hpu"`` now resolves to :class:`HPUAccelerator`."""
+    if registry is None:
+        from lightning.pytorch.accelerators import AcceleratorRegistry
+
+        registry = AcceleratorRegistry
+    name = HPUAccelerator.name()
+    if name in registry:
+        # Index the dict directly: the registry's `get` instantiates the accelerator instead of returning the entry.
+        registered = registry[name]["accelerator"]
+        if registered is HPUAccelerator:
+            return True
+        _log.debug("Leaving %r registered as %r in place; pass HPUAccelerator() explicitly.", registered, name)
+        return False
+    HPUAccelerator.register_accelerators(registry)
+    return True
