@@ -14,6 +14,7 @@ from lightning_fsdp.engine import ShardingEngine, get_engine
 
 __all__ = ["ShardingMonitor"]
 
+_COMM_FIELDS = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")
 # The order of the per-rank vector that is all-gathered; -1 marks "not measured on this device".
 QUANTITIES = (
     "param_bytes",
@@ -24,12 +25,9 @@ QUANTITIES = (
     "model_state_peak_bytes",
     "device_peak_bytes",
     "rss_peak_bytes",
-    "all_gather_bytes",
-    "reduce_scatter_bytes",
-    "all_reduce_bytes",
+    *_COMM_FIELDS,
 )
 _NOT_MEASURED = -1
-_COMM_FIELDS = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")
 
 
 class ShardingMonitor(pl.Callback):
@@ -193,14 +191,10 @@ def _optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
     return total
 
 
-_STATUS = "/proc/self/status"
-_CLEAR_REFS = "/proc/self/clear_refs"
-
-
 def _reset_rss_peak() -> bool:
     """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0); False where that is impossible."""
     try:
-        with open(_CLEAR_REFS, "w") as f:
+        with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         return True
     except OSError:
@@ -209,7 +203,7 @@ def _reset_rss_peak() -> bool:
 
 def _rss_peak() -> int:
     try:
-        with open(_STATUS) as f:
+        with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024  # reported in kB
