@@ -87,28 +87,20 @@ def _convert_entry() -> Callable[[list[str]], int | None] | None:
     return _entry(_CONVERT_MODULE)
 
 
-def _export_entry() -> Callable[[list[str]], int | None] | None:
-    return _entry(_EXPORT_MODULE)
-
-
 def main(args: Sequence[str] | None = None) -> int | None:
     """Run the command with ``args`` (default: ``sys.argv[1:]``); returns the exit status for ``sys.exit(main())``:
     ``convert``'s or ``export``'s, or ``None`` after a Lightning subcommand."""
     argv = list(sys.argv[1:] if args is None else args)
-    if argv[:1] == ["convert"]:
-        convert = _convert_entry()
-        if convert is not None:
-            # The converter's contract: main(argv: list[str]) -> int | None, parsing argv itself.
-            return convert(argv[1:])
-        # Not installed: fall through, and LightningCLI reports 'convert' as an invalid choice with the valid ones.
-    if argv[:1] == ["export"]:
-        export = _export_entry()
-        if export is not None:
-            return export(argv[1:])  # the same contract as convert's main
+    subcommand = {"convert": _CONVERT_MODULE, "export": _EXPORT_MODULE}.get(argv[0]) if argv else None
+    entry = _entry(subcommand) if subcommand is not None else None
+    if entry is not None:
+        # A subcommand's contract: main(argv: list[str]) -> int | None, parsing argv itself. One not installed falls
+        # through, and LightningCLI reports it as an invalid choice with the valid ones.
+        return entry(argv[1:])
     description = "Lightning's CLI with the fsdp_custom strategy (lightning-fsdp)."
     if _convert_entry() is not None:
         description += " Also: 'lightning-fsdp convert --help' converts checkpoints between formats."
-    if _export_entry() is not None:
+    if _entry(_EXPORT_MODULE) is not None:
         description += " 'lightning-fsdp export --help' exports a checkpoint as a Hugging Face safetensors directory."
     FSDPLightningCLI(
         model_class=None,  # any LightningModule, by class_path
