@@ -147,10 +147,7 @@ def stage_view(model: nn.Module, stage: Sequence[str]) -> nn.Module:
             inner = copy.copy(child)
             inner._modules = dict(child._modules)
             view._modules[name] = inner
-    kept = set(stage)
-    for name in pipeline_pieces(model):
-        if name not in kept:
-            _set_piece(view, name, AbsentPiece())
+    keep_only(view, stage)  # replaces the view's entries only: the model and its containers were copied above
     return view
 
 
