@@ -219,7 +219,8 @@ class EvenBatches:
                 "batches are fetched, one batch ahead."
             )
         if lookahead_any and first_batch:
-            self._check_rows([[_CODES[stage], -1, *row[4:7]] for row in headers], stage, trainer)
+            epoch = f" in epoch {trainer.current_epoch}" if stage is RunningStage.TRAINING else ""
+            self._check_rows([[_CODES[stage], -1, *row[4:7]] for row in headers], stage, epoch)
 
     def _check_batch(self, trainer: Any, stage: RunningStage) -> None:
         if not self._per_batch.get(stage):
@@ -231,9 +232,10 @@ class EvenBatches:
             more, next_dl, next_idx = int(not fetcher.done), _UNKNOWN, _UNKNOWN
         if more and stage is RunningStage.TRAINING and _training_ends_after_this_batch(trainer):
             more, next_dl, next_idx = 0, _UNKNOWN, _UNKNOWN  # every rank stops here anyway
-        self._check_rows(self._gather([_CODES[stage], position, more, next_dl, next_idx]), stage, trainer)
+        epoch = f" in epoch {trainer.current_epoch}" if stage is RunningStage.TRAINING else ""
+        self._check_rows(self._gather([_CODES[stage], position, more, next_dl, next_idx]), stage, epoch)
 
-    def _check_rows(self, rows: list[list[int]], stage: RunningStage, trainer: Any) -> None:
+    def _check_rows(self, rows: list[list[int]], stage: RunningStage, epoch: str = "") -> None:
         """rows: per rank [loop, position (-1: before the first batch), more follow, next dataloader, next index]."""
         if all(row == rows[0] for row in rows):
             return
@@ -248,7 +250,6 @@ class EvenBatches:
                 f"numbers of batches earlier on.{note} {_advice(stage)}"
             )
         position = rows[0][1]
-        epoch = f" in epoch {trainer.current_epoch}" if stage is RunningStage.TRAINING else ""
         done = [r for r, row in enumerate(rows) if not row[2]]
         going = [r for r, row in enumerate(rows) if row[2]]
         if done and going:
