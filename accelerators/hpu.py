@@ -165,3 +165,8 @@ def register_hpu_accelerator(registry: _AcceleratorRegistry | None = None) -> bo
         return False
     HPUAccelerator.register_accelerators(registry)
     return True
+
+
+# Importing the accelerator registers it: lightning_fsdp's registration relies on this, as it may run while this
+# module is still being imported (lightning_fsdp/registration.py, `_register`).
+register_hpu_accelerator()

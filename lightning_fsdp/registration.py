@@ -57,11 +57,11 @@ def register_strategies(registry: Any) -> None:
 def _register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from accelerators import register_hpu_accelerator
-
     register_strategies(StrategyRegistry)
-    register_hpu_accelerator()
     accept_compiled_lightning_modules()
+    # Registers "hpu" when its own import finishes. That import may be the one in progress: `import accelerators`
+    # before Lightning imports Lightning from accelerators/hpu.py, which runs this half-way through that file.
+    importlib.import_module("accelerators.hpu")
 
 
 _MARK = "_lightning_fsdp_accepts_compiled"

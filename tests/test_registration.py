@@ -33,6 +33,9 @@ IMPORT_ORDERS = {
     "the strategy module directly": "from lightning_fsdp.strategy import FSDPStrategy\n",
     "a checkpoint module first": "import lightning_fsdp.checkpoint.sharded\n",
     "the pipeline package first": "import lightning_fsdp.pipeline\n",
+    # accelerators/hpu.py imports Lightning, so registration runs half-way through that file
+    "package, then accelerators": "import lightning_fsdp\nimport accelerators\n",
+    "accelerators, then package": "import accelerators\nimport lightning_fsdp\n",
 }
 
 
