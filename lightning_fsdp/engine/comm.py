@@ -6,9 +6,7 @@ silently returned SUM for them. Under anomaly checking ``Communicator.agree`` pr
 that disagree raise, naming what each was about to do, instead of hanging.
 
 [Note: narrow on the wire, wide in the sum]
-``reduce_wire_dtype``: an ``all_to_all_single`` of gradients cast to the wire dtype, summed in the wide dtype
-(``WireReduction.wait``): a narrow reduce-scatter's bytes, but one rounding per rank and none in the sum, for a
-receive buffer of N chunks (docs/options.md).
+``reduce_wire_dtype`` (``WireReduction``): docs/options.md, and why an all-to-all: docs/decisions.md.
 
 [Note: collectives on gloo]
 The form each backend gets is ``backends.py``'s [Note: the capability table]; ``Communicator`` reads its row once."""

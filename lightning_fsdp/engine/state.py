@@ -1,10 +1,5 @@
-"""The engine: the hooks on a sharded model, its training state, and the scheduling of its units (order, prefetch,
-one reduction in flight, the end of backward). Each unit does its own part of a phase (``FlatUnit.pre_forward`` ...).
-
-[Note: a unit's training step]
-The phases are in docs/how-it-works.md ("A training step"). A unit reduces when the gradient of its inputs has been
-computed, which does not depend on which parameters got gradients, so a parameter one rank skips does not change the
-order of collectives. A callback queued on the autograd engine finishes what a step left open, in a fixed unit order.
+"""The engine: the hooks on a sharded model, its training state, and the scheduling of its units; each unit does its
+own part of a phase (``FlatUnit.pre_forward`` ...). The phases: docs/how-it-works.md ("A training step").
 
 [Note: the engine's training state]
 ``TrainingState`` (as FSDP2's): IDLE between steps, FORWARD while a unit's forward is open, BACKWARD from the first
@@ -106,11 +101,7 @@ class ShardingEngine(EngineControls):
         self._register_root_hooks()
         self.closed = False
 
-    # ------------------------------------------------------------------------------------------------ hooks
-    # [Note: what the hooks guarantee] (docs/how-it-works.md, "Models that change between steps")
-    # The post-forward hook is ``always_call``, so a forward that raised leaves no unit unsharded or half-counted; a
-    # backward that raised is abandoned by the next root forward; every root forward and optimizer step reshards what
-    # could be stale (see [Note: engine controls]).
+    # What the hooks guarantee: docs/how-it-works.md ("Models that change between steps").
     #
     # [Note: calls from outside a step]
     # Calls outside a step (callbacks sampling, ``generate()``) unshard and reshard as in a step and must be made on
@@ -530,7 +521,6 @@ class ShardingEngine(EngineControls):
             return slot.param.data
         return slot.layout.local_slice(slot.param.data).to(self.root_unit.shard_device)
 
-    # ------------------------------------------------------------------------------------------ accounting
     def local_param_bytes(self) -> int:
         """Bytes of parameter data this rank holds between steps (its shards, padding excluded)."""
         return sum(u.local_param_bytes() for u in self.units)

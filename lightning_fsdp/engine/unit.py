@@ -1,10 +1,6 @@
 """One sharded unit (torch FSDP2's ``FSDPParamGroup``): unshard, reshard and gradient reduction, each a flat
-collective over the unit's buffers.
-
-[Note: flat buffers and stand-in parameters]
-``.data`` views the flat shard buffer, so the optimizer updates in place and the all-gather needs no copy-in. The
-full-size stand-ins view the full buffer, whose storage resharding shrinks rather than frees, so tensors autograd
-saved stay valid (docs/how-it-works.md, "Shards" and "A training step")."""
+collective over the unit's buffers. ``.data`` views the flat shard buffer, so the optimizer updates in place and the
+all-gather needs no copy-in; the stand-ins and freeing: docs/how-it-works.md ("Shards", "A training step")."""
 
 from __future__ import annotations
 
@@ -98,7 +94,6 @@ class FlatUnit(GradientReduction):
         self._pending_reduce: PendingReduce | None = None
         self._build_buffers()
 
-    # ----------------------------------------------------------------------------------------------- layout
     def _check_uniform_dtype(self) -> None:
         kinds = {(s.param.dtype, s.param.device) for s in self.slots}
         if len(kinds) > 1:
@@ -158,7 +153,6 @@ class FlatUnit(GradientReduction):
             self._staged_regions = [self._full_regions[i] for i in self._staged]
             self._free_full()
 
-    # --------------------------------------------------------------------------------------- trainability
     def sync_requires_grad(self, slots: list[ParamSlot] | None = None) -> None:
         """Give the full parameters (of ``slots``, default all) the user's current ``requires_grad``: called as the
         unit's forward starts, and for the root as each module using its parameters starts."""
@@ -211,7 +205,6 @@ class FlatUnit(GradientReduction):
         staged = [j for j in range(len(slots)) if j not in direct]
         return ReducePlan(slots, offsets, numel, direct, staged)
 
-    # ------------------------------------------------------------------------------------- unshard / reshard
     def _free_full(self) -> None:
         self.full_flat.untyped_storage().resize_(0)
 
@@ -408,8 +401,7 @@ class FlatUnit(GradientReduction):
             for module, attr in slot.uses:
                 module._parameters[attr] = tensor
 
-    # ------------------------------------------------------------------------------ the phases of a step
-    # Called by the engine's hooks in this order (see [Note: a unit's training step] in state.py).
+    # Called by the engine's hooks in this order (docs/how-it-works.md, "A parameter's journey").
     def pre_forward(
         self,
         args: tuple,
@@ -493,12 +485,10 @@ class FlatUnit(GradientReduction):
         self.step_state.reduced = True
         return True
 
-    # ------------------------------------------------------------------------------------------ collectives
     def tag(self, kind: int) -> int:
         """This unit's collective of ``kind`` as one integer for ``Communicator.agree`` (``describe_tag`` reads it)."""
         return self.index * len(CollectiveKind) + kind
 
-    # ------------------------------------------------------------------------------------------- accounting
     def local_param_bytes(self) -> int:
         """Bytes of parameter data this rank holds between steps (its shards, padding excluded)."""
         return sum(s.layout.local_numel for s in self.slots) * self.flat_shard.element_size()
