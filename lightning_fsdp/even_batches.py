@@ -1,11 +1,6 @@
-"""Every rank must run the same batches: uneven inputs end with the same error on every rank, not a hang.
-
-A rank that runs out of batches leaves its loop while the others wait for it in the next collective until the
-process-group timeout. Two checks turn that into an :class:`UnevenBatchesError` on every rank before any rank enters
-a collective the others do not: at the start of each loop the ranks all-gather their batch counts; a loop whose
-counts cannot settle it (a loader without a length, uneven counts ``max_steps`` may cut short) is then checked at
-each batch, before the model's forward, one batch ahead (Lightning's prefetching fetcher already holds the next
-batch). What is not covered: docs/reliability.md.
+"""Every rank must run the same batches: uneven inputs end with the same :class:`UnevenBatchesError` on every rank, not
+a hang. The two checks (batch counts when a loop starts, then per batch where counts cannot settle it):
+docs/patterns.md ("Uneven inputs"); what is not covered: docs/reliability.md.
 """
 
 from __future__ import annotations

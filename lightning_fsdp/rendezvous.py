@@ -1,14 +1,11 @@
 """Start-up of the default process group under a bound of its own: ``FSDPStrategy(startup_timeout=...)``.
 
 [Note: two timeouts]
-``timeout`` bounds a collective (fault detection, seconds); ``startup_timeout`` bounds the rendezvous (nodes start
-minutes apart). torch's ``init_process_group(timeout=...)`` would bound both by one value, so (docs/options.md,
-"Timeouts"): with gloo and NCCL the group is created and a first barrier runs under ``startup_timeout``, then the
-group's and the store's timeout is set to ``timeout``. On torch 2.13 gloo's ``Backend.set_timeout`` reaches every
-later collective but not point-to-point on the default group (its transport copied the timeout; the strategy's own
-point-to-point runs on groups created with ``timeout``); NCCL's ``_set_default_timeout`` reaches every later work.
-Other backends (HCCL) cannot change it: the ranks first meet in a store of their own under ``startup_timeout``, then
-create the group with ``timeout``.
+torch's ``init_process_group(timeout=...)`` would bound the rendezvous and every collective by one value; what each
+timeout bounds, and how each backend gets both: docs/options.md ("Timeouts"). The caveats: on torch 2.13 gloo's
+``Backend.set_timeout`` reaches every later collective but not point-to-point on the default group (its transport
+copied the timeout; the strategy's own point-to-point runs on groups created with ``timeout``); NCCL's
+``_set_default_timeout`` reaches every later work.
 """
 
 from __future__ import annotations

@@ -2,12 +2,9 @@
 (docs/pipeline.md, "Checkpoints across layouts").
 
 [Note: checkpoints across pipeline layouts]
-A pipeline rank holds only its stages' pieces, under the unsplit model's names. ``"sharded"``: every rank writes its
-stages' rows and the *unsplit* optimizer param groups (the one thing a rank cannot write alone). ``"full"``: each
-stage's state is gathered on its data-parallel rank 0, then merged on global rank 0 in the unsplit order. ``"local"``
-is refused: its metadata describes one shard group. A key's place in the unsplit model is (its top-level child, its
-piece, its place on its rank); the unsplit optimizer has the same groups, each listing its parameters in the unsplit
-``named_parameters`` order, which every rank checks against every rank's lists.
+What each format does, and the rule for optimizer indices that every rank checks: the page above. A pipeline rank
+holds only its stages' pieces, under the unsplit names; a key's place in the unsplit model is (its top-level child,
+its piece, its place on its rank). The one thing a rank cannot write alone is the unsplit optimizer's param groups.
 """
 
 from __future__ import annotations

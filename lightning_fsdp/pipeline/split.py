@@ -1,11 +1,9 @@
 """Cutting a model into pipeline stages without changing its code or its parameter names.
 
 [Note: pieces, stages and views]
-*Pieces* are the model's direct children, containers expanded; a stage is a run of consecutive pieces. Each rank
-keeps its stages' pieces in place and replaces every other piece with an ``AbsentPiece`` (an ``nn.Identity``), so
-its parameters, optimizer and checkpoints are its stages' under the unsplit names. A stage's *view* shares the
-stage's pieces in a shallow copy of the module tree, so torch's ``PipelineStage`` runs the model's own forward. The
-*meta copy* works out every stage's shapes on every rank without communication (docs/pipeline.md, "The contract").
+Pieces, ``AbsentPiece`` and the meta copy: docs/pipeline.md ("The contract", "How a step runs"). A stage is a run of
+consecutive pieces; its *view* shares the stage's pieces in a shallow copy of the module tree, so torch's
+``PipelineStage`` runs the model's own forward.
 """
 
 from __future__ import annotations
