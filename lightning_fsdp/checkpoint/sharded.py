@@ -52,15 +52,8 @@ def _dtensor(local: torch.Tensor, layout: ShardLayout, mesh: Any) -> torch.Tenso
     from torch.distributed.tensor import DTensor, Shard
 
     shape = torch.Size(layout.shape)
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=_contiguous_stride(shape))
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
+    stride = torch.empty(shape, device="meta").stride()  # contiguous
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
 
 def to_global_tensor(local: torch.Tensor, layout: ShardLayout, engine: ShardingEngine) -> torch.Tensor:
@@ -215,21 +208,15 @@ def dcp_entries(metadata: Metadata, saved_order: bool = False) -> dict[str, tupl
 
 def _set(container: Any, path: Sequence[Any], value: Any) -> None:
     """Set ``value`` at ``path`` in nested dicts/lists, creating them (lists for int keys) on the way."""
-    for i, key in enumerate(path[:-1]):
-        nxt = [] if isinstance(path[i + 1], int) else {}
+    for i, key in enumerate(path):
         if isinstance(container, list):
-            while len(container) <= key:
-                container.append(None)
-            if container[key] is None:
-                container[key] = nxt
-            container = container[key]
-        else:
-            container = container.setdefault(key, nxt)
-    last = path[-1]
-    if isinstance(container, list):
-        while len(container) <= last:
-            container.append(None)
-    container[last] = value
+            container.extend([None] * (key + 1 - len(container)))
+        if i == len(path) - 1:
+            container[key] = value
+            return
+        if container[key] is None if isinstance(container, list) else key not in container:
+            container[key] = [] if isinstance(path[i + 1], int) else {}
+        container = container[key]
 
 
 class _ShardedLoad:
