@@ -32,8 +32,7 @@ from typing_extensions import override
 
 from accelerators.hpu_runtime import check_eager_mode, compute_device, register_hccl_backend
 from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
-from lightning_fsdp.checkpoint.hooks import CheckpointHooks
-from lightning_fsdp.checkpoint.routing import parse_state_dict_type
+from lightning_fsdp.checkpoint.routing import CheckpointHooks, parse_state_dict_type
 from lightning_fsdp.collective import Collective, all_reduce_tensor
 from lightning_fsdp.engine import (
     MixedPrecision,

@@ -1,18 +1,22 @@
-"""The strategy's checkpoint calls, routed to one of the three format objects: the one ``state_dict_type`` names for
-saving (:func:`format_for_saving`), the one on disk for loading (:func:`format_on_disk`). Under pipeline parallelism
-the strategy's pipeline role (``pipeline``) supplies what describes the unsplit model; without it, the plain
-format's."""
+"""The strategy's checkpoint methods (:class:`CheckpointHooks`, inherited by ``FSDPStrategy``), routed to one of the
+three format objects: the one ``state_dict_type`` names for saving (:func:`format_for_saving`), the one on disk for
+loading (:func:`format_on_disk`). Under pipeline parallelism the strategy's pipeline role (``pipeline``) supplies what
+describes the unsplit model; without it, the plain format's."""
 
 from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, is_local_path
 from lightning_fsdp.checkpoint.common import (
@@ -33,20 +37,17 @@ from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.config import parse_enum
 from lightning_fsdp.engine.meta_init import mark_initialised
+from lightning_fsdp.weight_averaging import gather_averages_for_save, slice_loaded_averages
 
 __all__ = [
     "FORMATS",
     "FULL_FORMAT",
+    "CheckpointHooks",
     "StateDictType",
-    "atomic_by_default",
     "format_for_saving",
     "format_on_disk",
-    "load_checkpoint",
     "load_model_state",
-    "load_optimizer_states",
     "parse_state_dict_type",
-    "remove_checkpoint",
-    "save_checkpoint",
 ]
 
 _T = TypeVar("_T")
@@ -79,52 +80,6 @@ def format_on_disk(path: str) -> CheckpointFormat:
     return FORMATS[checkpoint_kind(path)]
 
 
-def atomic_by_default(io: CheckpointIO | None) -> CheckpointIO:
-    """The strategy's ``CheckpointIO``: atomic writes unless the user chose one (an empty wrapper is filled)."""
-    if io is None:
-        return AtomicCheckpointIO()
-    if isinstance(io, _WrappingCheckpointIO):
-        io.checkpoint_io = AtomicCheckpointIO()  # the wrapper's setter fills it only if it is empty
-    return io
-
-
-def save_checkpoint(
-    fmt: CheckpointFormat,
-    checkpoint: dict[str, Any],
-    path: Any,
-    run: CheckpointRun,
-    pipeline: Any,
-    storage_options: Any | None = None,
-) -> None:
-    """Write ``checkpoint`` (built by the strategy's state-dict calls) in format ``fmt``; call on every rank."""
-    info = pipeline.checkpoint_info(run.engine) if fmt.kind != FULL_FORMAT.kind else None
-    fmt.save(checkpoint, path, run._replace(pipeline=info), storage_options)
-
-
-def load_checkpoint(
-    path: Any,
-    engine: ShardingEngine | None,
-    optimizers: list[Optimizer] | None,
-    checkpoint_io: CheckpointIO,
-    pipeline: Any,
-    weights_only: bool | None = None,
-) -> dict[str, Any]:
-    """Read the checkpoint at rank 0's ``path`` on every rank, in the format on disk (optimizer state only where
-    ``optimizers`` are given)."""
-    coll = Collective()
-    path = coll.broadcast(path)
-    if not is_local_path(path) or not os.path.exists(path) or os.path.isfile(path):
-        fmt = FULL_FORMAT  # a file, or a path only the CheckpointIO can tell about (remote, missing)
-    else:
-        # A directory (sharded or local checkpoint), or a special file that must not be opened (a FIFO would
-        # block): every rank checks it, and all raise, before any other collective, if one finds a problem.
-        path = os.fspath(path)
-        fmt = coll.run_agreed(lambda: _directory_format(path, engine, pipeline))
-    info = pipeline.checkpoint_info(engine, optimizers) if fmt is not FULL_FORMAT else None
-    run = CheckpointRun(engine, optimizers, checkpoint_io, info)
-    return fmt.load(path, run, weights_only=weights_only, coll=coll)
-
-
 def _directory_format(path: str, engine: ShardingEngine | None, pipeline: Any) -> CheckpointFormat:
     fmt = format_on_disk(path)
     if engine is None:
@@ -134,13 +89,6 @@ def _directory_format(path: str, engine: ShardingEngine | None, pipeline: Any) -
         )
     pipeline.check_format(fmt.kind)
     return fmt
-
-
-def remove_checkpoint(path: Any, checkpoint_io: CheckpointIO) -> None:
-    if is_local_path(path) and os.path.isdir(path):  # a sharded/local checkpoint directory
-        remove_checkpoint_path(os.fspath(path))
-    else:
-        checkpoint_io.remove_checkpoint(path)
 
 
 def _agreed(info: Any, work: Callable[[], _T]) -> _T:
@@ -171,18 +119,6 @@ def _load_model_state(engine: ShardingEngine, state: Mapping[str, Any], strict: 
     mark_initialised(tensor for name, tensor in named.items() if name in state)
 
 
-def load_optimizer_states(
-    engine: ShardingEngine, optimizers: Sequence[Any], checkpoint: Mapping[str, Any], pipeline: Any
-) -> None:
-    """Load the checkpoint's ``optimizer_states`` into ``optimizers`` (in order); call on every rank."""
-    states = checkpoint["optimizer_states"]
-    check_optimizer_count("The checkpoint", len(states), len(optimizers))
-    optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
-    info = pipeline.checkpoint_info(engine, optimizers)
-    for index, (optimizer, state) in enumerate(zip(optimizers, states)):
-        _agreed(info, lambda o=optimizer, s=state, i=index: _load_optimizer_state(engine, o, s, info, i))
-
-
 def _load_optimizer_state(engine: ShardingEngine, optimizer: Optimizer, state: Any, info: Any, index: int) -> None:
     if isinstance(state, ShardedOptimizerState):  # from a sharded/local directory: already this rank's rows
         optimizer.load_state_dict(state)
@@ -191,3 +127,98 @@ def _load_optimizer_state(engine: ShardingEngine, optimizer: Optimizer, state: A
     if info is not None:  # the unsplit optimizer's state: this rank's positions of it
         state = info.local_optimizer_state(index, state, optimizer, "The checkpoint")
     load_full_optimizer_state_dict(engine, optimizer, state)
+
+
+class CheckpointHooks:
+    """The strategy's checkpoint methods, mixed into ``FSDPStrategy`` ahead of Lightning's ``ParallelStrategy``, whose
+    methods these replace. Reads the strategy's ``engine``, ``state_dict_type``, ``optimizers`` and pipeline role."""
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        # Set lazily, not in __init__, so a user's plugins=[SomeCheckpointIO()] takes precedence without a conflict.
+        # Atomic writes unless the user chose a CheckpointIO; an empty wrapper is filled (its setter fills only that).
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Checkpoints hold full tensors; they can only be split into shards once the model is sharded.
+        return True
+
+    @property
+    def _checkpoint_format(self) -> CheckpointFormat:
+        return format_for_saving(self.state_dict_type)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.engine is not None
+        return self._pipeline_role.model_state_dict(self._checkpoint_format, self.engine)
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        assert self.engine is not None
+        load_model_state(self.engine, checkpoint, strict, self._pipeline_role)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        assert self.engine is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return self._pipeline_role.optimizer_state(self._checkpoint_format, self.engine, optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        assert self.engine is not None
+        states = checkpoint["optimizer_states"]
+        check_optimizer_count("The checkpoint", len(states), len(self.optimizers))
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        info = self._pipeline_role.checkpoint_info(self.engine, optimizers)
+        for index, (optimizer, state) in enumerate(zip(optimizers, states)):
+            _agreed(info, lambda o=optimizer, s=state, i=index: _load_optimizer_state(self.engine, o, s, info, i))
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        gather_averages_for_save(self, checkpoint)  # SWA / EMA averages: full tensors, not rank 0's rows only
+        fmt = self._checkpoint_format
+        info = self._pipeline_role.checkpoint_info(self.engine) if fmt.kind != FULL_FORMAT.kind else None
+        run = CheckpointRun(self.engine, self.optimizers, self.checkpoint_io, info)
+        fmt.save(checkpoint, filepath, run, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read rank 0's ``checkpoint_path`` on every rank, in the format on disk (optimizer state when fitting)."""
+        coll = Collective()
+        path = coll.broadcast(checkpoint_path)
+        trainer = self._trainer()
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else None
+        if not is_local_path(path) or not os.path.exists(path) or os.path.isfile(path):
+            fmt = FULL_FORMAT  # a file, or a path only the CheckpointIO can tell about (remote, missing)
+        else:
+            # A directory (sharded or local checkpoint), or a special file that must not be opened (a FIFO would
+            # block): every rank checks it, and all raise, before any other collective, if one finds a problem.
+            path = os.fspath(path)
+            fmt = coll.run_agreed(lambda: _directory_format(path, self.engine, self._pipeline_role))
+        info = self._pipeline_role.checkpoint_info(self.engine, optimizers) if fmt is not FULL_FORMAT else None
+        run = CheckpointRun(self.engine, optimizers, self.checkpoint_io, info)
+        checkpoint = fmt.load(path, run, weights_only=weights_only, coll=coll)
+        return slice_loaded_averages(self, checkpoint)  # each rank's rows of the SWA / EMA averages
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if not self.is_global_zero:
+            return
+        if is_local_path(filepath) and os.path.isdir(filepath):  # a sharded/local checkpoint directory
+            remove_checkpoint_path(os.fspath(filepath))
+        else:
+            self.checkpoint_io.remove_checkpoint(filepath)
