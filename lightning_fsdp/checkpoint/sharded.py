@@ -214,7 +214,8 @@ def _set(container: Any, path: Sequence[Any], value: Any) -> None:
         if i == len(path) - 1:
             container[key] = value
             return
-        if container[key] is None if isinstance(container, list) else key not in container:
+        missing = container[key] is None if isinstance(container, list) else key not in container
+        if missing:
             container[key] = [] if isinstance(path[i + 1], int) else {}
         container = container[key]
 
