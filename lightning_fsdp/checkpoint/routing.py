@@ -190,7 +190,7 @@ class CheckpointHooks:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         gather_averages_for_save(self, checkpoint)  # SWA / EMA averages: full tensors, not rank 0's rows only
         fmt = self._checkpoint_format
-        info = self._pipeline_role.checkpoint_info(self.engine) if fmt.kind != FULL_FORMAT.kind else None
+        info = self._pipeline_role.checkpoint_info(self.engine) if fmt is not FULL_FORMAT else None
         run = CheckpointRun(self.engine, self.optimizers, self.checkpoint_io, info)
         fmt.save(checkpoint, filepath, run, storage_options)
 
