@@ -24,7 +24,6 @@ from lightning_fsdp.engine.controls import EngineControls
 from lightning_fsdp.engine.diagnostics import TAG_IGNORED_GRAD, describe_collective, report_nonfinite
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.registry import detach_engine, unwatch_optimizer_steps, watch_optimizer_steps
-from lightning_fsdp.engine.restore import restore_full_parameters
 from lightning_fsdp.engine.states import ParamSlot, TrainingState
 from lightning_fsdp.engine.streams import CollectiveStreams, streams_for
 from lightning_fsdp.engine.unit import FlatUnit
@@ -508,7 +507,8 @@ class ShardingEngine(EngineControls):
         if self.closed:
             return
         self.finish_reductions()
-        restore_full_parameters(self.units, device)
+        for unit in self.units:
+            unit.restore_full_parameters(torch.device(device))
         self.remove_hooks()
         self.closed = True
         unwatch_optimizer_steps(self)

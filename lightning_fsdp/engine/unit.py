@@ -384,8 +384,22 @@ class FlatUnit(GradientReduction):
         """Elements of the secondary shard held now (0 when none)."""
         return self._secondary.buffer.numel() if self._secondary is not None else 0
 
-    def release_buffers(self) -> None:
-        """Free the flat buffers once the parameters own their full values again (``restore_unsharded``)."""
+    @torch.no_grad()
+    def restore_full_parameters(self, device: torch.device) -> None:
+        """Every parameter gets its full value on ``device`` and the flat buffers go (``restore_unsharded``); gradients
+        are dropped. ``device="meta"`` keeps no values but still joins the gather (another rank may keep them); ties
+        stay shared."""
+        self.reshard()
+        for slot, full in zip(self.slots, self.full_tensors()):
+            param = slot.param
+            param.grad = None
+            if device.type == "meta":  # a parameter's data cannot be swapped for a meta tensor (set_data refuses it)
+                param = nn.Parameter(full.to(device), requires_grad=param.requires_grad)
+                slot.param.data = slot.param.data.new_empty(0)  # the old object (the optimizer's) lets its shard go
+            else:
+                param.data = full.to(device)
+            for module, attr in slot.uses:
+                module._parameters[attr] = param
         self.flat_shard = torch.empty(0, dtype=self.dtype, device=self.shard_device)
         self.full_flat = torch.empty(0, dtype=self.compute_dtype, device=self.device)
         self._full_regions, self._staged_regions = [], []
