@@ -25,7 +25,7 @@ class BrokenChainError(ValueError):
     """The model's forward is not a chain over its pieces at a cut (see [Note: what the check catches])."""
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def tensors_in(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -39,8 +39,8 @@ class _ChainTracker(TorchFunctionMode):
         self.latest: Any = stage_input[0] if stage_input else None
         # Stand-ins: the values that on this stage take the place of what earlier stages computed (the stage input,
         # and the pass-through of it by absent pieces). Stage 0's input is the real input, not a stand-in.
-        self.standins: set[int] = {id(t) for t in _tensors(stage_input)} if stage else set()
-        self.chain: set[int] = {id(t) for t in _tensors(stage_input)}
+        self.standins: set[int] = {id(t) for t in tensors_in(stage_input)} if stage else set()
+        self.chain: set[int] = {id(t) for t in tensors_in(stage_input)}
         self.depth = 0  # pieces running: their own computation is not checked
         self.ran = False  # one of this stage's pieces has run
         self.passing = 0  # absent pieces run since then: the stage's output is being passed through
@@ -59,10 +59,10 @@ class _ChainTracker(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         result = func(*args, **(kwargs or {}))
-        if self.depth or not _tensors(result):
+        if self.depth or not tensors_in(result):
             return result  # inside a piece, or a query of sizes / dtypes / devices
-        used = [t for t in _tensors((args, kwargs)) if id(t) in self.chain]
-        what = _name(func)
+        used = [t for t in tensors_in((args, kwargs)) if id(t) in self.chain]
+        what = getattr(func, "__name__", repr(func))
         if any(id(t) in self.standins for t in used) and (not self.ran or not all(self._is_latest(t) for t in used)):
             self._fail(f"the forward's own code computes {what} with the values the earlier stages sent")
         if used and self.passing:
@@ -87,17 +87,13 @@ class _ChainTracker(TorchFunctionMode):
             if self.ran:
                 self.passing += 1
             else:
-                self.standins.update(id(t) for t in _tensors(output))
+                self.standins.update(id(t) for t in tensors_in(output))
         else:
             if self.passing:
                 self._fail(f"{type(module).__name__} runs after pieces of a later stage")
             self.ran = True
         self.latest = output
-        self.chain.update(id(t) for t in _tensors(output))
-
-
-def _name(func: Any) -> str:
-    return getattr(func, "__name__", repr(func))
+        self.chain.update(id(t) for t in tensors_in(output))
 
 
 @contextmanager

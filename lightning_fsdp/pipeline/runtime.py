@@ -15,9 +15,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
-from lightning_fsdp.pipeline.contract import BrokenChainError, chain_checked
+from lightning_fsdp.pipeline.contract import BrokenChainError, chain_checked, tensors_in
 from lightning_fsdp.pipeline.options import SCHEDULES, PipelineOptions
 from lightning_fsdp.pipeline.split import keep_only, meta_copy, plan_stages, stage_view
 
@@ -208,7 +208,7 @@ class PipelineRuntime:
         """One global batch through the pipeline (backward too when ``train``); returns the batch's loss."""
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         m = self.options.num_microbatches
-        for tensor in [*inputs, *[t for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor)]]:
+        for tensor in [*inputs, *tensors_in(target)]:
             if tensor.shape[0] % m:
                 raise ValueError(
                     f"This rank's batch has {tensor.shape[0]} samples, which pipeline_microbatches={m} does not "

@@ -119,17 +119,12 @@ def _refuse_shared_parameters(model: nn.Module, stages: list[list[str]]) -> None
                     )
 
 
-def _set_piece(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    (root.get_submodule(parent) if parent else root)._modules[leaf] = module
-
-
 def keep_only(model: nn.Module, keep: Sequence[str]) -> None:
     """In place: every piece not in ``keep`` becomes an ``AbsentPiece`` (its memory is released)."""
     kept = set(keep)
     for name in pipeline_pieces(model):
         if name not in kept:
-            _set_piece(model, name, AbsentPiece())
+            model.set_submodule(name, AbsentPiece())
 
 
 def stage_view(model: nn.Module, stage: Sequence[str]) -> nn.Module:
