@@ -119,8 +119,6 @@ def _resolve(target: nn.Module | ShardingEngine) -> tuple[nn.Module, ShardingEng
 
 def safetensors_files(path: str) -> dict[str, str]:
     """File tensor name -> the file holding it, for a ``.safetensors`` file or a directory (see ``load_pretrained``)."""
-    from safetensors import safe_open
-
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"Pretrained model {path!r} does not exist.", path)
     if os.path.isdir(path):
@@ -137,12 +135,7 @@ def safetensors_files(path: str) -> dict[str, str]:
                 ".safetensors file itself or a directory written by save_pretrained.",
                 path,
             )
-    try:
-        with safe_open(path, "pt") as f:
-            names = list(f.keys())
-    except Exception as exc:  # safetensors raises its own SafetensorError (and OSError) for unreadable files
-        raise CheckpointLoadError(f"{path!r} is not a readable safetensors file: {exc}", path) from exc
-    return dict.fromkeys(names, path)
+    return dict.fromkeys(_shapes(path), path)
 
 
 def _read_index(index: str) -> dict[str, str]:
@@ -164,28 +157,31 @@ def _read_index(index: str) -> dict[str, str]:
     return files
 
 
-def _file_tensors(files: dict[str, str]) -> list[_FileTensor]:
-    """Every tensor's name, file and shape, from the files' headers (no tensor data is read)."""
+def _shapes(file: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape in one safetensors file, from its header (no tensor data is read)."""
     from safetensors import safe_open
 
+    try:
+        with safe_open(file, "pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as exc:  # safetensors raises its own SafetensorError (and OSError) for unreadable files
+        raise CheckpointLoadError(f"{file!r} is not a readable safetensors file: {exc}", file) from exc
+
+
+def _file_tensors(files: dict[str, str]) -> list[_FileTensor]:
+    """Every tensor's name, file and shape, from the files' headers."""
     by_file: dict[str, list[str]] = {}
     for name, file in files.items():
         by_file.setdefault(file, []).append(name)
     tensors = []
     for file, names in by_file.items():
-        try:
-            with safe_open(file, "pt") as f:
-                present = set(f.keys())
-                absent = [n for n in names if n not in present]
-                if absent:
-                    raise CheckpointLoadError(
-                        f"The index says {file!r} holds {absent}, but it does not (it holds {sorted(present)}).", file
-                    )
-                tensors += [_FileTensor(n, file, tuple(f.get_slice(n).get_shape())) for n in names]
-        except CheckpointLoadError:
-            raise
-        except Exception as exc:
-            raise CheckpointLoadError(f"{file!r} is not a readable safetensors file: {exc}", file) from exc
+        shapes = _shapes(file)
+        absent = [n for n in names if n not in shapes]
+        if absent:
+            raise CheckpointLoadError(
+                f"The index says {file!r} holds {absent}, but it does not (it holds {sorted(shapes)}).", file
+            )
+        tensors += [_FileTensor(n, file, shapes[n]) for n in names]
     return tensors
 
 
