@@ -157,7 +157,8 @@ class ShardingMonitor(pl.Callback):
         values["device_peak_bytes"] = _NOT_MEASURED
         values["rss_peak_bytes"] = _NOT_MEASURED
         if device.type == "cpu" and self._rss_reset:
-            values["rss_peak_bytes"] = _rss_peak()
+            peak = proc_bytes("/proc/self/status", "VmHWM:")
+            values["rss_peak_bytes"] = _NOT_MEASURED if peak is None else peak
         else:
             backend = getattr(torch, device.type, None)
             if hasattr(backend, "max_memory_allocated"):
@@ -201,12 +202,13 @@ def _reset_rss_peak() -> bool:
         return False
 
 
-def _rss_peak() -> int:
+def proc_bytes(path: str, field: str) -> int | None:
+    """A figure that a ``/proc`` file reports in kB (the line starting with ``field``), in bytes; None if unknown."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # reported in kB
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return _NOT_MEASURED
+    return None

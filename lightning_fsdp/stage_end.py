@@ -15,6 +15,7 @@ from torch import nn
 from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine, get_engine
 from lightning_fsdp.engine.sharding import has_meta_tensors
+from lightning_fsdp.monitor import proc_bytes
 from lightning_fsdp.weight_averaging import restore_averaged_models
 
 CHOICES = ("auto", "full", "rank0", "sharded")
@@ -61,21 +62,7 @@ def free_host_memory() -> int | None:
 
         return int(psutil.virtual_memory().available)
     except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _fits(engine: ShardingEngine, local_ranks: int) -> tuple[bool, int, int | None]:
-    needed = engine.full_param_bytes() * local_ranks
-    free = free_host_memory()
-    return free is not None and needed <= SAFETY_FACTOR * free, needed, free
+        return proc_bytes("/proc/meminfo", "MemAvailable:")
 
 
 class StageEnd:
@@ -95,7 +82,9 @@ class StageEnd:
         """``"auto"`` as ``"full"`` or ``"sharded"``, agreed by every rank (each node reads its own free memory)."""
         if self.choice != "auto":
             return self.choice
-        verdicts = Collective().all_gather(_fits(engine, local_ranks))
+        needed = engine.full_param_bytes() * local_ranks
+        free = free_host_memory()
+        verdicts = Collective().all_gather((free is not None and needed <= SAFETY_FACTOR * free, needed, free))
         if all(fits for fits, _, _ in verdicts):
             return "full"
         _, needed, free = next(v for v in verdicts if not v[0])
