@@ -166,7 +166,9 @@ def estimate_memory(
                 all_reduce += unit_grad_padded + unit_flags
 
     if strategy.reshard_after_forward:
-        gathered = max(sum(full_bytes[id(u)] for u in chain) for chain in _unit_chains(model, unit_modules))
+        # Alive while a unit computes: itself and every unit enclosing it (the root included).
+        chains = enclosing_units(model, unit_modules)
+        gathered = max(sum(full_bytes[id(u)] for u in chains[id(m)]) for m in unit_modules)
     else:
         gathered = sum(full_bytes.values())
 
@@ -184,13 +186,6 @@ def estimate_memory(
         sharding_strategy=strategy.value,
         num_units=len(unit_modules),
     )
-
-
-def _unit_chains(root: nn.Module, unit_modules: list[nn.Module]) -> list[list[nn.Module]]:
-    """For every unit, the units alive while it computes: itself and every unit enclosing it (the root included)."""
-    chains = enclosing_units(root, unit_modules)
-    unit_ids = {id(m) for m in unit_modules}
-    return [chains[id(m)] for m in root.modules() if id(m) in unit_ids]
 
 
 def _parse_optimizer(optimizer: str | None) -> tuple[int, int]:
