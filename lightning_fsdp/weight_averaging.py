@@ -103,10 +103,9 @@ def shard_averaged_models(trainer: Any, engine: ShardingEngine) -> None:
             _shard_copy(module, engine, type(callback).__name__, own_values=module in _RESTORED)
             _SHARDED[module] = weakref.ref(engine)
             _RESTORED.discard(module)
-    known_ids = {id(c) for c, _, _ in known}
     swa_cls, wa_cls = _callback_classes()
     for callback in getattr(trainer, "callbacks", None) or []:
-        if id(callback) in known_ids or any(c is not None and isinstance(callback, c) for c in (swa_cls, wa_cls)):
+        if any(c is not None and isinstance(callback, c) for c in (swa_cls, wa_cls)):  # the known ones among them
             continue
         _check_no_full_copies(callback, engine)
 
@@ -217,13 +216,12 @@ def full_tensors(
     ``parameters()``), e.g. an EMA kept as shard copies. Call on every rank: sharded entries are all-gathered.
     Without a sharding engine the tensors are returned as they are (copied to CPU). ``rank0_only``: other ranks get
     an empty list."""
-    engine, tensors, params = _aligned(strategy, tensors, params, "full_tensors")
+    engine, tensors, slots = _aligned(strategy, tensors, params, "full_tensors")
     if engine is None:
         return [t.detach().cpu().clone() for t in tensors]
     keep = not rank0_only or global_rank() == 0
     out = []
-    for param, tensor in zip(params, tensors):
-        slot = engine.slot_of(param)
+    for slot, tensor in zip(slots, tensors):
         full = _gather(tensor, slot, engine) if slot is not None else tensor.detach()
         if keep:
             out.append(full.cpu().clone())
@@ -236,33 +234,28 @@ def local_tensors(
 ) -> list[Tensor]:
     """This rank's rows of full ``tensors`` aligned with ``params`` (default: the LightningModule's parameters()),
     the inverse of :func:`full_tensors`; entries that are not full-shaped pass through. No collectives."""
-    engine, tensors, params = _aligned(strategy, tensors, params, "local_tensors")
-    if engine is None:
-        return tensors
-    out = []
-    for param, tensor in zip(params, tensors):
-        slot = engine.slot_of(param)
-        out.append(_local_rows(tensor, slot) if slot is not None else tensor)
-    return out
+    _engine, tensors, slots = _aligned(strategy, tensors, params, "local_tensors")
+    return [_local_rows(tensor, slot) for slot, tensor in zip(slots, tensors)]
 
 
 def _aligned(strategy: Any, tensors: Sequence[Tensor], params: Any, helper: str) -> tuple[Any, list[Tensor], list]:
-    """(engine or None, ``tensors``, the parameters they align with), their numbers checked."""
+    """(engine or None, ``tensors``, the slots of the parameters they align with: None where not sharded), their
+    numbers checked."""
     engine = _engine_of(strategy, helper)
     tensors = list(tensors)
     if engine is None:
-        return None, tensors, []
+        return None, tensors, [None] * len(tensors)
     params = list(engine.root.parameters()) if params is None else list(params)
     if len(params) != len(tensors):
         raise ValueError(
             f"{helper} got {len(tensors)} tensors for {len(params)} parameters; pass one per parameter, in the order "
             "of params (default: pl_module.parameters())."
         )
-    return engine, tensors, params
+    return engine, tensors, [engine.slot_of(p) for p in params]
 
 
-def _local_rows(value: Any, slot: ParamSlot) -> Any:
-    if isinstance(value, Tensor) and tuple(value.shape) == tuple(slot.layout.shape):
+def _local_rows(value: Any, slot: ParamSlot | None) -> Any:
+    if slot is not None and isinstance(value, Tensor) and tuple(value.shape) == tuple(slot.layout.shape):
         return slot.layout.local_slice(value).clone()
     return value
 
@@ -336,7 +329,7 @@ def slice_loaded_averages(strategy: Any, checkpoint: Any) -> Any:
     slots = managed_keys(engine)
 
     def local(state: Mapping[str, Any]) -> dict[str, Any]:
-        return {k: (_local_rows(v, slots[k]) if k in slots else v) for k, v in state.items()}
+        return {k: _local_rows(v, slots.get(k)) for k, v in state.items()}
 
     callbacks_state = checkpoint.get("callbacks")
     has_wa = False
