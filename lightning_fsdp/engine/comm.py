@@ -24,13 +24,17 @@ from lightning_fsdp.engine.backends import FLAT, CollectiveForms, Gather, Reduce
 from lightning_fsdp.engine.layout import ShardLayout
 
 
-def _torch_all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, **kwargs: Any) -> Any:
+def _torch_flat(name: str, old_name: str) -> Callable[..., Any]:
     # torch 2.13 renamed the flat collectives; older releases only have the *_tensor names. Looked up per call.
-    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, tensor, **kwargs)
+    return getattr(dist, name, None) or getattr(dist, old_name)
 
 
-def _torch_reduce_scatter_flat(output: torch.Tensor, tensor: torch.Tensor, **kwargs: Any) -> Any:
-    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, tensor, **kwargs)
+def _settle(pending: Any, async_op: bool) -> Any:
+    """``pending`` for an ``async_op`` caller to wait on; otherwise waited for here (None)."""
+    if async_op:
+        return pending
+    pending.wait()
+    return None
 
 
 def all_gather_flat(
@@ -202,7 +206,8 @@ class Communicator:
         form = self.forms.gather_form(self.world_size)
         output, shard = as_carried(output, self.forms), as_carried(shard, self.forms)
         if form is Gather.FLAT:
-            return _torch_all_gather_flat(output, shard, group=self.group, async_op=async_op)
+            gather = _torch_flat("all_gather_single", "all_gather_into_tensor")
+            return gather(output, shard, group=self.group, async_op=async_op)
         chunks = output.view(self.world_size, -1)
         if form is Gather.LIST:
             works = Works([dist.all_gather(list(chunks), shard.reshape(-1), group=self.group, async_op=True)])
@@ -215,10 +220,7 @@ class Communicator:
                 ],
                 self._timeout_ms,
             )
-        if async_op:
-            return works
-        works.wait()
-        return None
+        return _settle(works, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, async_op: bool = False) -> Any:
         """SUM-reduce ``full`` (N * output.numel(),) across ranks into this rank's slice, ``output``; with
@@ -230,7 +232,8 @@ class Communicator:
         if self.world_size == 1:
             output.copy_(full)
             return None
-        return _torch_reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        scatter = _torch_flat("reduce_scatter_single", "reduce_scatter_tensor")
+        return scatter(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def reduce_scatter_wide(
         self, output: torch.Tensor, full: torch.Tensor, wire_dtype: torch.dtype, *, async_op: bool = False
@@ -247,27 +250,17 @@ class Communicator:
         work = dist.all_to_all_single(
             as_carried(received, self.forms), as_carried(wire, self.forms), group=self.group, async_op=True
         )
-        pending = WireReduction(work, wire, received, output, self.world_size, self._timeout_ms)
-        if async_op:
-            return pending
-        pending.wait()
-        return None
+        return _settle(WireReduction(work, wire, received, output, self.world_size, self._timeout_ms), async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, *, async_op: bool = False) -> Any:
-        if self.world_size > 1 and not self.forms.carries(tensor.dtype):
-            wide = tensor.float()
-            self.stats.all_reduce_bytes += wide.numel() * wide.element_size()
-            self.stats.all_reduce_calls += 1
-            pending = Widened(dist.all_reduce(wide, op=op, group=self.group, async_op=True), wide, tensor)
-            if async_op:
-                return pending
-            pending.wait()
-            return None
-        self.stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
+        widen = self.world_size > 1 and not self.forms.carries(tensor.dtype)
+        sent = tensor.float() if widen else tensor
+        self.stats.all_reduce_bytes += sent.numel() * sent.element_size()
         self.stats.all_reduce_calls += 1
-        if self.world_size > 1:
-            return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
-        return None
+        if self.world_size == 1:
+            return None
+        work = dist.all_reduce(sent, op=op, group=self.group, async_op=async_op or widen)
+        return _settle(Widened(work, sent, tensor), async_op) if widen else work
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         """``tensor`` of this group's rank ``src_rank`` on every rank of the group (``sync_module_states``)."""
