@@ -122,13 +122,7 @@ class FlatUnit(GradientReduction):
         full_numel = 0 if self._aliases_shard else n * self.shard_numel
         self.full_flat = torch.empty(full_numel, dtype=self.compute_dtype, device=self.device)
         self._split_sizes = [s.layout.padded_numel for s in self.slots]
-        direct = self.sharded and len(self.slots) > 1
-        self._direct = [
-            i
-            for i, slot in enumerate(self.slots)
-            if direct and n * slot.layout.padded_numel >= self.direct_gather_min_numel
-        ]
-        self._staged = [i for i in range(len(self.slots)) if i not in self._direct]
+        self._direct, self._staged = self._split_direct(self.slots, even_rows=False)
         self._full_regions = []
         with torch.no_grad():
             for slot in self.slots:
@@ -187,23 +181,27 @@ class FlatUnit(GradientReduction):
         return plan
 
     def _make_plan(self, slots: list[ParamSlot]) -> ReducePlan:
-        n = self.world_size
         offsets, numel = [], 0
         for slot in slots:
             offsets.append(numel)
             numel += slot.layout.padded_numel
         # Large gradients whose rows split evenly over the ranks are reduced on their own, with no padded copy.
+        direct, staged = self._split_direct(slots, even_rows=True)
+        return ReducePlan(slots, offsets, numel, direct, staged)
+
+    def _split_direct(self, slots: list[ParamSlot], *, even_rows: bool) -> tuple[list[int], list[int]]:
+        """Indices of the ``slots`` large enough for a collective of their own (with ``even_rows``: whose rows also
+        split evenly over the ranks), and of the others, which share one staged collective."""
+        n = self.world_size
         many = self.sharded and len(self.slots) > 1
         direct = [
             j
             for j, slot in enumerate(slots)
             if many
-            and slot.layout.shape
-            and slot.layout.rows % n == 0
             and n * slot.layout.padded_numel >= self.direct_gather_min_numel
+            and (not even_rows or (bool(slot.layout.shape) and slot.layout.rows % n == 0))
         ]
-        staged = [j for j in range(len(slots)) if j not in direct]
-        return ReducePlan(slots, offsets, numel, direct, staged)
+        return direct, [j for j in range(len(slots)) if j not in direct]
 
     def _free_full(self) -> None:
         self.full_flat.untyped_storage().resize_(0)
@@ -274,24 +272,19 @@ class FlatUnit(GradientReduction):
             work = comm.all_gather(self.full_flat, source, async_op=async_op)
             self._pending_unshard = PendingGather([work], [source], None, ranks)
             return
+
+        def piece(i: int) -> torch.Tensor:  # parameter i's k chunks in ``source``
+            return source[k * self.slots[i].offset : k * (self.slots[i].offset + self._split_sizes[i])]
+
         works = []
         if self._direct:
             self._allocate_full()
             for i in self._direct:
-                piece = source[k * self.slots[i].offset : k * (self.slots[i].offset + self._split_sizes[i])]
-                works.append(comm.all_gather(self._full_regions[i].view(-1), piece, async_op=async_op))
+                works.append(comm.all_gather(self._full_regions[i].view(-1), piece(i), async_op=async_op))
         inputs, gathered = [source], None
         if self._staged:
             # The full buffer waits for the copy-out: a prefetch in flight holds one unit-sized buffer, not two.
-            if self._direct:
-                staged_in = torch.cat(
-                    [
-                        source[k * self.slots[i].offset : k * (self.slots[i].offset + self._split_sizes[i])]
-                        for i in self._staged
-                    ]
-                )
-            else:
-                staged_in = source
+            staged_in = torch.cat([piece(i) for i in self._staged]) if self._direct else source
             gathered = torch.empty(ranks * staged_in.numel(), dtype=self.compute_dtype, device=self.device)
             works.append(comm.all_gather(gathered, staged_in, async_op=async_op))
             inputs.append(staged_in)
