@@ -88,7 +88,8 @@ def fully_shard(
     params_by_id = {id(p): p for p in module.parameters()}
     for pid, (owner, _uses, _name) in owners.items():
         owned[id(owner)].append(pid)
-    unit_of_module = _innermost_units(module, unit_modules, ignored_ids)
+    # For every module not ignored: the innermost unit enclosing it, whose buffer its tensors go to.
+    unit_of_module = {mid: chain[-1] for mid, chain in enclosing_units(module, unit_modules, ignored_ids).items()}
 
     units = []
     uninitialised: list[tuple[nn.Module, str, str]] = []
@@ -149,18 +150,14 @@ def _module_name(root: nn.Module, target: nn.Module) -> str:
     return next(name for name, m in root.named_modules() if m is target)
 
 
-def _innermost_units(root: nn.Module, unit_modules: list[nn.Module], ignored_ids: set[int]) -> dict[int, nn.Module]:
-    """For every module not ignored (by id): the innermost unit enclosing it, whose buffer its tensors go to."""
-    return {mid: chain[-1] for mid, chain in enclosing_units(root, unit_modules, ignored_ids).items()}
-
-
 def has_meta_tensors(module: nn.Module) -> bool:
     """Whether anything in ``module``'s tree is still on the meta device (it is then materialised when sharded)."""
-    return any(t.is_meta for m in module.modules() for t in (*_params_and_buffers(m), *_attribute_tensors(m)))
+    return any(_has_meta(m) or any(t.is_meta for t in _attribute_tensors(m)) for m in module.modules())
 
 
-def _params_and_buffers(module: nn.Module) -> list[torch.Tensor]:
-    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+def _has_meta(module: nn.Module) -> bool:
+    """Whether one of ``module``'s own parameters or buffers is on the meta device."""
+    return any(t.is_meta for _kind, _name, t in own_tensors(module))
 
 
 def _attribute_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -174,7 +171,7 @@ def _materialize(
 ) -> list[tuple[nn.Module, str, str]]:
     """Allocate and initialise this unit's meta-device tensors on ``device``, keeping Parameter identity (ties);
     returns (module, kind, attribute name) of those no initialiser wrote (``meta_init.Uninitialised`` records them)."""
-    meta_modules = [m for m in modules if any(t.is_meta for t in _params_and_buffers(m))]
+    meta_modules = [m for m in modules if _has_meta(m)]
     if not meta_modules:
         return []
     with InitWatch() as watch:
