@@ -37,8 +37,8 @@ class BackwardPrefetch(enum.Enum):
     BACKWARD_POST = "BACKWARD_POST"
 
 
-def parse_enum(value: Any, enum_cls: type[enum.Enum], option: str, *, none_ok: bool = False) -> enum.Enum:
-    if isinstance(value, enum_cls):
+def parse_enum(value: Any, enum_cls: type[enum.Enum], option: str, *, none_ok: bool = False) -> enum.Enum | None:
+    if isinstance(value, enum_cls) or (none_ok and value is None):
         return value
     if isinstance(value, str):
         for member in enum_cls:
@@ -50,12 +50,6 @@ def parse_enum(value: Any, enum_cls: type[enum.Enum], option: str, *, none_ok: b
 
 def parse_sharding_strategy(value: Any) -> ShardingStrategy:
     return parse_enum(value, ShardingStrategy, "sharding_strategy")  # type: ignore[return-value]
-
-
-def parse_backward_prefetch(value: Any) -> BackwardPrefetch | None:
-    if value is None:
-        return None
-    return parse_enum(value, BackwardPrefetch, "backward_prefetch", none_ok=True)  # type: ignore[return-value]
 
 
 WrapPolicyCallable = Callable[[nn.Module, bool, int], bool]

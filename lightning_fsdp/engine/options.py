@@ -21,7 +21,7 @@ from lightning_fsdp.engine.config import (
     WrapPolicy,
     check_call_signature,
     parse_auto_wrap_policy,
-    parse_backward_prefetch,
+    parse_enum,
     parse_mixed_precision,
     parse_sharding_strategy,
 )
@@ -83,7 +83,7 @@ class ShardingOptions:
             sharding_strategy=parse_sharding_strategy(sharding_strategy),
             auto_wrap_policy=parse_auto_wrap_policy(auto_wrap_policy),
             mixed_precision=parse_mixed_precision(mixed_precision),
-            backward_prefetch=parse_backward_prefetch(backward_prefetch),
+            backward_prefetch=parse_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch", none_ok=True),
             forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
             sync_module_states=sync_module_states,
