@@ -62,9 +62,6 @@ class FSDPPrecision(Precision):
         """The sharded model's engine, the pipeline group (or None) and the root device's type, set at setup."""
         self.engine = engine
         self.stage_group = stage_group
-        self.set_device_type(device_type)
-
-    def set_device_type(self, device_type: str) -> None:
         self.device_type = device_type
         if self.scaler is not None:
             self.scaler = _grad_scaler(device_type)
