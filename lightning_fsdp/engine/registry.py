@@ -57,9 +57,10 @@ def unwatch_optimizer_steps(engine: ShardingEngine) -> None:
 
 def _before_any_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     # A closure (Lightning's) runs forward and backward after this hook: its gradients are checked after the step.
-    closure = bool(args) or kwargs.get("closure") is not None
+    if args or kwargs.get("closure") is not None:
+        return
     for engine in list(_LIVE_ENGINES):
-        engine._before_optimizer_step(optimizer, after_closure=closure)
+        engine._check_held_gradients(optimizer, late=False)
 
 
 def _after_any_optimizer_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:

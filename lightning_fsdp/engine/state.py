@@ -263,10 +263,6 @@ class ShardingEngine(EngineControls):
             self._training_state = TrainingState.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _before_optimizer_step(self, optimizer: Any, *, after_closure: bool = False) -> None:
-        if not after_closure:
-            self._check_held_gradients(optimizer, late=False)
-
     def _check_held_gradients(self, optimizer: Any, *, late: bool) -> None:
         if self.closed or self._training_state is TrainingState.BACKWARD:
             return
