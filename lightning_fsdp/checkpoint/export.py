@@ -27,14 +27,13 @@ from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError, load_error
 from lightning_fsdp.checkpoint.common import numel
 from lightning_fsdp.checkpoint.convert import add_output_arguments, check_trust, run_command
 from lightning_fsdp.checkpoint.full import model_weights
-from lightning_fsdp.checkpoint.local import check_rank_file, full_entry, read_local_meta, shard_holders
+from lightning_fsdp.checkpoint.local import RankFiles
 from lightning_fsdp.checkpoint.paths import (
     FULL,
     LOCAL,
     SHARDED,
     commit_directory,
     file_problem,
-    local_rank_file,
     prepare_temp_dir,
     remove_path,
     remove_stale_temps,
@@ -133,14 +132,18 @@ class TensorInfo(NamedTuple):
     dtype: torch.dtype
 
 
-class _Source:
+class _Source(NamedTuple):
     """The model weights of one checkpoint: what tensors it has (from metadata alone), and each one on request."""
 
     tensors: list[TensorInfo]  # in the checkpoint's order
     skipped: list[str]  # non-tensor entries (safetensors holds tensors only)
+    read: Callable[[str], torch.Tensor]
 
-    def read(self, key: str) -> torch.Tensor:
-        raise NotImplementedError
+
+def _source(infos: Mapping[str, TensorInfo | None], read: Callable[[str], torch.Tensor]) -> _Source:
+    """The source of the entries ``infos`` describes (None: not a tensor), in their order."""
+    tensors = [info for info in infos.values() if info is not None]
+    return _Source(tensors, [key for key, info in infos.items() if info is None], read)
 
 
 def _mmap_load(file: str, weights_only: bool) -> Any:
@@ -154,70 +157,58 @@ def _mmap_load(file: str, weights_only: bool) -> Any:
         raise load_error(file, exc) from exc
 
 
-class _FullSource(_Source):
-    def __init__(self, path: str, weights_only: bool) -> None:
-        self.state = state = model_weights(_mmap_load(path, weights_only), path)
-        self.tensors = [TensorInfo(k, tuple(v.shape), v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor)]
-        self.skipped = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
-
-    def read(self, key: str) -> torch.Tensor:
-        return self.state[key]
+def _full_source(path: str, weights_only: bool) -> _Source:
+    state = model_weights(_mmap_load(path, weights_only), path)
+    infos = {
+        k: TensorInfo(k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for k, v in state.items()
+    }
+    return _source(infos, state.__getitem__)
 
 
-class _ShardedSource(_Source):
-    def __init__(self, path: str, weights_only: bool) -> None:
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def _sharded_source(path: str, weights_only: bool) -> _Source:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        self.path = path
-        self.weights_only = weights_only
-        metadata = read_dcp_metadata(path, weights_only)
-        check_shard_files(path, metadata)
-        self.tensors, self.skipped, self._flat = [], [], {}
-        for flat, (where, storage) in dcp_entries(metadata, saved_order=True).items():
-            if where[0] != "model" or len(where) != 2:
-                continue  # optimizer state
-            key = str(where[1])
-            if isinstance(storage, TensorStorageMetadata):
-                info = TensorInfo(key, tuple(int(s) for s in storage.size), storage.properties.dtype)
-                self.tensors.append(info)
-                self._flat[key] = (flat, info)
-            else:
-                self.skipped.append(key)
+    metadata = read_dcp_metadata(path, weights_only)
+    check_shard_files(path, metadata)
+    infos: dict[str, TensorInfo | None] = {}
+    flat_keys: dict[str, str] = {}
+    for flat, (where, storage) in dcp_entries(metadata, saved_order=True).items():
+        if where[0] != "model" or len(where) != 2:
+            continue  # optimizer state
+        key = str(where[1])
+        flat_keys[key] = flat
+        if isinstance(storage, TensorStorageMetadata):
+            infos[key] = TensorInfo(key, tuple(int(s) for s in storage.size), storage.properties.dtype)
+        else:
+            infos[key] = None
 
-    def read(self, key: str) -> torch.Tensor:
-        flat, info = self._flat[key]
+    def read(key: str) -> torch.Tensor:
+        info = infos[key]
         target = torch.empty(info.shape, dtype=info.dtype)
         # One entry: DCP plans reads of this tensor's chunks only (every rank file that holds rows of it).
-        dcp_load({flat: target}, self.path, Collective(alone=True), self.weights_only)
+        dcp_load({flat_keys[key]: target}, path, Collective(alone=True), weights_only)
         return target
 
-
-class _LocalSource(_Source):
-    def __init__(self, path: str, weights_only: bool) -> None:
-        _, info = read_local_meta(path, weights_only)
-        world = info["world_size"]
-        files = []
-        for rank in range(world):
-            file = os.path.join(path, local_rank_file(rank))
-            data = _mmap_load(file, weights_only)
-            check_rank_file(data, file, rank, world)
-            files.append(data)
-        self.files = [data["state_dict"] for data in files]
-        self.holders = shard_holders(files)
-        self.entries: Mapping[str, Any] = info["entries"]
-        self.tensors, self.skipped = [], []
-        for key, entry in self.entries.items():
-            if entry["shape"] is None:
-                self.skipped.append(key)
-            else:
-                dtype = getattr(torch, str(entry["dtype"]).removeprefix("torch."))
-                self.tensors.append(TensorInfo(key, tuple(int(s) for s in entry["shape"]), dtype))
-
-    def read(self, key: str) -> torch.Tensor:
-        return full_entry(self.files, self.holders, key, self.entries[key])
+    return _source(infos, read)
 
 
-_SOURCES: dict[str, type[_Source]] = {FULL: _FullSource, SHARDED: _ShardedSource, LOCAL: _LocalSource}
+def _local_source(path: str, weights_only: bool) -> _Source:
+    files = RankFiles(path, weights_only, _mmap_load)
+    infos: dict[str, TensorInfo | None] = {}
+    for key, entry in files.entries.items():
+        if entry["shape"] is None:
+            infos[key] = None
+        else:
+            dtype = getattr(torch, str(entry["dtype"]).removeprefix("torch."))
+            infos[key] = TensorInfo(key, tuple(int(s) for s in entry["shape"]), dtype)
+    return _source(infos, files.full)
+
+
+_SOURCES: dict[str, Callable[[str, bool], _Source]] = {
+    FULL: _full_source,
+    SHARDED: _sharded_source,
+    LOCAL: _local_source,
+}
 
 
 class _Planned(NamedTuple):
@@ -275,16 +266,6 @@ def _file_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def _return_freed_memory() -> None:
-    """Hand memory freed by the last read back to the operating system (glibc's ``malloc_trim``; elsewhere nothing):
-    glibc raises its mmap threshold after a large block is freed, so the next tensor-sized blocks (the tensor being
-    read, DCP's temporary copy of each chunk) come from the heap, where freed memory stays resident; without this an
-    export's resident set grows by several tensors (tests/test_export.py measures it)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
 # Smaller blocks come from the heap anyway and do not move glibc's mmap threshold; trimming after each would only
 # cost time on models with many small tensors.
 _TRIM_AFTER_BYTES = 2**20
@@ -292,6 +273,10 @@ _TRIM_AFTER_BYTES = 2**20
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (None elsewhere), which hands memory freed by the last read back to the operating
+    system: glibc raises its mmap threshold after a large block is freed, so the next tensor-sized blocks (the tensor
+    being read, DCP's temporary copy of each chunk) come from the heap, where freed memory stays resident; without
+    this an export's resident set grows by several tensors (tests/test_export.py measures it)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -341,6 +326,7 @@ def _write_files(source: _Source, files: list[list[_Planned]], names: list[str],
     file's tensors in memory at once. safetensors' own reader checks what is written here (tests)."""
     if sys.byteorder != "little":
         raise RuntimeError("safetensors files are little-endian; exporting on a big-endian machine is not supported.")
+    trim = _malloc_trim()
     for items, file_name in zip(files, names):
         with open(os.path.join(folder, file_name), "wb") as f:
             f.write(_header(items))
@@ -355,8 +341,8 @@ def _write_files(source: _Source, files: list[list[_Planned]], names: list[str],
                 if tensor.numel():
                     f.write(tensor.reshape(-1).view(torch.uint8).numpy())  # the tensor's own memory, no copy
                 del tensor
-                if item.nbytes >= _TRIM_AFTER_BYTES:
-                    _return_freed_memory()  # the read's temporaries
+                if trim is not None and item.nbytes >= _TRIM_AFTER_BYTES:
+                    trim(0)  # the read's temporaries
             f.flush()
             os.fsync(f.fileno())
 

@@ -5,7 +5,7 @@ difference). Layout: docs/checkpoints.md."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -127,18 +127,19 @@ def read_local_meta(path: str, weights_only: bool | None = None) -> tuple[dict[s
     return meta, dict(info)
 
 
-def _read_rank_file(path: str, rank: int, world_size: int, weights_only: bool | None) -> dict[str, Any]:
+def _read_rank_file(
+    path: str, rank: int, world_size: int, weights_only: bool | None, load: Callable[[str, bool | None], Any] | None
+) -> dict[str, Any]:
+    """``rank``'s file, read by ``load(file, weights_only)`` (by default whole, through ``AtomicCheckpointIO``);
+    raises unless it holds the shards of ``rank`` of ``world_size``."""
     file = os.path.join(path, local_rank_file(rank))
     problem = file_problem(file)
     if problem is not None:
         raise CheckpointLoadError(f"Local checkpoint {path!r} is damaged: {problem}; rank {rank} needs it.", file)
-    data = AtomicCheckpointIO().load_checkpoint(file, weights_only=weights_only)
-    check_rank_file(data, file, rank, world_size)
-    return data
-
-
-def check_rank_file(data: Any, file: str, rank: int, world_size: int) -> None:
-    """Raise unless ``data``, read from ``file``, holds the shards of ``rank`` of ``world_size``."""
+    if load is None:
+        data = AtomicCheckpointIO().load_checkpoint(file, weights_only=weights_only)
+    else:
+        data = load(file, weights_only)
     got = (data.get("rank"), data.get("world_size")) if isinstance(data, Mapping) else (None, None)
     if got != (rank, world_size):
         raise CheckpointLoadError(
@@ -146,6 +147,7 @@ def check_rank_file(data: Any, file: str, rank: int, world_size: int) -> None:
             "checkpoint directory was assembled from different saves.",
             file,
         )
+    return data
 
 
 def _check_layout(
@@ -210,7 +212,7 @@ def load_local_checkpoint(
         meta, info = read_local_meta(path, weights_only)
         load_optimizers = optimizers is not None and info.get("optimizers") is not None
         unexpected = _check_layout(path, info, engine, coll, optimizers if load_optimizers else None)
-        data = _read_rank_file(path, coll.rank, coll.world_size, weights_only)
+        data = _read_rank_file(path, coll.rank, coll.world_size, weights_only, None)
         own = engine.root.state_dict()
         checkpoint = dict(meta)
         checkpoint["state_dict"] = common.ShardedStateDict(
@@ -228,52 +230,56 @@ def concat_rows(pieces: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Ten
     return torch.cat([p.reshape(-1, row_numel) for p in pieces], dim=0).reshape(shape)
 
 
-def full_entry(states: Sequence[Mapping[str, Any]], holders: Mapping[int, int], key: str, entry: Mapping) -> Any:
-    """``key``'s full value from every rank's state dict (``states``, by global rank), laid out as its ``meta.pt``
-    ``entry`` records."""
-    if entry["rows"] is None:
-        return states[0][key]
-    pieces = [states[holders[r]][key] for r in range(len(entry["rows"]))]
-    return concat_rows(pieces, tuple(int(s) for s in entry["shape"]))
+class RankFiles:
+    """Every rank's file of a local checkpoint, read in this process alone (each by ``load``, as for
+    :func:`_read_rank_file`), and the full value of each entry assembled from them."""
 
+    def __init__(
+        self, path: str, weights_only: bool | None, load: Callable[[str, bool | None], Any] | None = None
+    ) -> None:
+        self.meta, info = read_local_meta(path, weights_only)
+        self.entries: Mapping[str, Any] = info["entries"]
+        self.optimizers = info.get("optimizers")
+        world = info["world_size"]
+        self.files = [_read_rank_file(path, r, world, weights_only, load) for r in range(world)]
+        # shard rank -> the first global rank holding its rows (with a subgroup as shard group, groups repeat)
+        self.holders: dict[int, int] = {}
+        for rank, data in enumerate(self.files):
+            self.holders.setdefault(int(data.get("shard_rank", rank)), rank)
 
-def shard_holders(files: Sequence[Mapping[str, Any]]) -> dict[int, int]:
-    """shard rank -> the first global rank holding its rows (with a subgroup as shard group, groups repeat)."""
-    holders: dict[int, int] = {}
-    for rank, data in enumerate(files):
-        holders.setdefault(int(data.get("shard_rank", rank)), rank)
-    return holders
+    def holding(self, entry: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The file holding each shard rank's rows of an entry split as its ``meta.pt`` ``entry`` records."""
+        return [self.files[self.holders[r]] for r in range(len(entry["rows"]))]
+
+    def full(self, key: str) -> Any:
+        """``key``'s full value in the model's state dict."""
+        entry = self.entries[key]
+        if entry["rows"] is None:
+            return self.files[0]["state_dict"][key]
+        pieces = [data["state_dict"][key] for data in self.holding(entry)]
+        return concat_rows(pieces, tuple(int(s) for s in entry["shape"]))
 
 
 def read_local_checkpoint_full(path: str, weights_only: bool | None = None) -> dict[str, Any]:
     """A local checkpoint directory as one full checkpoint, assembled from every rank's file in this process alone."""
-    meta, info = read_local_meta(path, weights_only)
-    world = info["world_size"]
-    files = [_read_rank_file(path, r, world, weights_only) for r in range(world)]
-    entries: Mapping[str, Any] = info["entries"]
-    holders = shard_holders(files)
-    states = [data["state_dict"] for data in files]
-    checkpoint = dict(meta)
-    checkpoint["state_dict"] = {key: full_entry(states, holders, key, entry) for key, entry in entries.items()}
-    optimizer_names = info.get("optimizers")
-    if optimizer_names is not None:
+    files = RankFiles(path, weights_only)
+    checkpoint = dict(files.meta)
+    checkpoint["state_dict"] = {key: files.full(key) for key in files.entries}
+    if files.optimizers is not None:
         optimizer_states = []
-        for index, groups in enumerate(optimizer_names):
+        for index, groups in enumerate(files.optimizers):
             names = [n for g in groups for n in g]
-            first = files[0]["optimizer_states"][index]
+            first = files.files[0]["optimizer_states"][index]
             full_state: dict[int, dict[str, Any]] = {}
             for position, name in enumerate(names):
-                entry = entries.get(name)
+                entry = files.entries.get(name)
                 if position not in first["state"]:
                     continue
                 new_entry = {}
                 for key, value in first["state"][position].items():
                     rows = entry["rows"] if entry is not None else None
                     if rows is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
-                        pieces = [
-                            files[holders[r]]["optimizer_states"][index]["state"][position][key]
-                            for r in range(len(rows))
-                        ]
+                        pieces = [d["optimizer_states"][index]["state"][position][key] for d in files.holding(entry)]
                         local_rows = [end - start for start, end in rows]
                         if [p.shape[0] for p in pieces] == local_rows:
                             value = concat_rows(pieces, tuple(entry["shape"]))
