@@ -87,10 +87,6 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def fsync_dir(folder: str) -> None:
-    fsync_path(folder or ".")
-
-
 def is_local_path(path: _PATH) -> bool:
     return type(get_filesystem(path)).__name__ == "LocalFileSystem"
 
@@ -98,40 +94,33 @@ def is_local_path(path: _PATH) -> bool:
 PICKLE_HEADS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # protocols 2 to 5
 
 
-def _describe_damage(path: str) -> str:
-    """Why a file that exists could not be read by ``torch.load``, as far as the file itself tells."""
+def file_head(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(2)  # "PK" for a zip archive, one of PICKLE_HEADS for a pickle
+
+
+def _inspect(path: str, check_members: bool) -> tuple[bool, str]:
+    """Why a file that exists could not be read by ``torch.load``, as far as the file itself tells, and whether it is
+    intact: a complete zip archive (``check_members``: every member's checksum too) or a pickle's start. A refusal by
+    the weights-only unpickler of an intact file is about an object in it, not about damage (torch reports garbage
+    bytes as a refused object too)."""
     size = os.path.getsize(path)
     if size == 0:
-        return "the file is empty (0 bytes)"
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head.startswith(b"PK"):
+        return False, "the file is empty (0 bytes)"
+    head, file = file_head(path), f"the file ({size} bytes)"
+    if head == b"PK":
         try:
             with zipfile.ZipFile(path) as archive:
-                archive.infolist()
+                intact = not check_members or archive.testzip() is None
         except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            return (
-                f"the file ({size} bytes) is truncated or corrupt: it is not a complete PyTorch zip archive "
-                f"({exc}); it was probably written by a save that did not finish"
+            return False, (
+                f"{file} is truncated or corrupt: it is not a complete PyTorch zip archive ({exc}); it was probably "
+                "written by a save that did not finish"
             )
-        return f"the file ({size} bytes) is a PyTorch zip archive, but its contents could not be read"
-    if head[:2] in PICKLE_HEADS:
-        return f"the file ({size} bytes) is a legacy pickle checkpoint that could not be read (truncated or corrupt?)"
-    return f"the file ({size} bytes) is not a PyTorch checkpoint (it does not start like a zip archive or a pickle)"
-
-
-def _container_intact(path: str) -> bool:
-    """Whether the file is a complete zip archive or starts like a pickle: then a refusal by the weights-only
-    unpickler is about an object in it, not about damage (torch reports garbage bytes as a refused object too)."""
-    with open(path, "rb") as f:
-        head = f.read(2)
-    if head.startswith(b"PK"):
-        try:
-            with zipfile.ZipFile(path) as archive:
-                return archive.testzip() is None
-        except (zipfile.BadZipFile, OSError, EOFError):
-            return False
-    return head in PICKLE_HEADS
+        return intact, f"{file} is a PyTorch zip archive, but its contents could not be read"
+    if head in PICKLE_HEADS:
+        return True, f"{file} is a legacy pickle checkpoint that could not be read (truncated or corrupt?)"
+    return False, f"{file} is not a PyTorch checkpoint (it does not start like a zip archive or a pickle)"
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -179,11 +168,11 @@ def load_error(path: str, exc: BaseException) -> CheckpointLoadError:
     """The error for a ``torch.load`` of the existing file ``path`` that raised ``exc``: a refusal by the weights-only
     unpickler of an intact file (naming the object and the opt-in), or what is damaged about the file."""
     words = refused_by_weights_only(exc)
-    if words is not None and _container_intact(path):
+    intact, what = _inspect(path, check_members=words is not None)
+    if words is not None and intact:
         return refusal_error(path, words)
     return CheckpointLoadError(
-        f"Could not load checkpoint {path!r}: {_describe_damage(path)}. Underlying error: {type(exc).__name__}: {exc}",
-        path,
+        f"Could not load checkpoint {path!r}: {what}. Underlying error: {type(exc).__name__}: {exc}", path
     )
 
 
@@ -219,7 +208,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             except FileNotFoundError:
                 pass
             raise
-        fsync_dir(folder)
+        fsync_path(folder)
 
     def _write(self, checkpoint: dict[str, Any], f: IO[bytes]) -> None:
         """Serialise ``checkpoint`` into the open temporary file (a seam for tests and subclasses)."""

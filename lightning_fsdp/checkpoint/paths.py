@@ -13,7 +13,6 @@ from lightning_fsdp.checkpoint.atomic_io import (
     CheckpointIsDirectoryError,
     CheckpointLoadError,
     CheckpointNotFoundError,
-    fsync_dir,
     fsync_path,
     temp_path_for,
 )
@@ -118,7 +117,7 @@ def commit_directory(tmp: str, path: str) -> None:
         os.rename(path, aside)
         os.rename(tmp, path)
         remove_path(aside)
-    fsync_dir(parent)
+    fsync_path(parent)
 
 
 def remove_stale_temps(path: str) -> None:
@@ -173,7 +172,7 @@ def _fsync_tree(folder: str) -> None:
     for root, _dirs, files in os.walk(folder):
         for name in files:
             fsync_path(os.path.join(root, name))
-        fsync_dir(root)
+        fsync_path(root)
 
 
 def file_problem(path: str, expected_min_size: int | None = None) -> str | None:

@@ -27,6 +27,7 @@ from lightning_fsdp.checkpoint.atomic_io import (
     PICKLE_HEADS,
     CheckpointLoadError,
     UntrustedCheckpointError,
+    file_head,
     refusal_error,
     refused_by_weights_only,
     refused_global,
@@ -132,13 +133,6 @@ def _user_safe_globals() -> dict[str, Any]:
     return out
 
 
-def _unpickle_metadata(file: str, weights_only: bool | None) -> Any:
-    with open(file, "rb") as f:
-        if not restricted(weights_only):
-            return pickle.load(f)  # the caller trusts the file by name
-        return MetadataUnpickler(f).load()
-
-
 def confine_storage(path: str, metadata: Metadata) -> None:
     """Every storage record of ``metadata`` names a file inside the directory ``path`` (a relative path that does not
     climb out of it) and a non-negative byte range; otherwise raise naming ``.metadata`` and the path it names."""
@@ -181,9 +175,10 @@ def read_dcp_metadata(path: str, weights_only: bool | None = None) -> Metadata:
     ``.metadata``."""
     file = os.path.join(path, DCP_METADATA_FILE)
     try:
-        metadata = _unpickle_metadata(file, weights_only)
+        with open(file, "rb") as f:  # unrestricted: the caller trusts the file by name
+            metadata = MetadataUnpickler(f).load() if restricted(weights_only) else pickle.load(f)
     except Exception as exc:  # noqa: BLE001 - re-raised naming the file
-        if isinstance(exc, RefusedGlobalError) and _starts_like_a_pickle(file):
+        if isinstance(exc, RefusedGlobalError) and file_head(file) in PICKLE_HEADS:
             words = f"Unsupported global: GLOBAL {exc.name} is not part of DCP's checkpoint metadata."
             raise refusal_error(file, words, "the restricted unpickler of DCP metadata") from exc
         problem = file_problem(file) or "it is truncated or corrupt"
@@ -200,11 +195,6 @@ def read_dcp_metadata(path: str, weights_only: bool | None = None) -> Metadata:
         )
     confine_storage(path, metadata)
     return metadata
-
-
-def _starts_like_a_pickle(file: str) -> bool:
-    with open(file, "rb") as f:
-        return f.read(2) in PICKLE_HEADS
 
 
 def check_shard_files(path: str, metadata: Metadata) -> None:
