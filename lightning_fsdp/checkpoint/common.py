@@ -47,14 +47,10 @@ class ShardedOptimizerState(dict):
     """``optimizer.state_dict()`` for this rank, state tensors holding its rows: ``load_state_dict`` takes it as is."""
 
 
-def param_names(module: nn.Module) -> dict[int, str]:
-    """The canonical (first) name of every parameter of ``module``, by ``id``."""
-    return {id(p): n for n, p in module.named_parameters()}
-
-
 def engine_param_names(engine: ShardingEngine) -> dict[int, str]:
+    """The canonical (first) name of every parameter of the engine's module, by ``id``."""
     engine.reshard_idle()  # names are read past the stand-ins a forward without backward left
-    return param_names(engine.root)
+    return {id(p): n for n, p in engine.root.named_parameters()}
 
 
 def managed_keys(engine: ShardingEngine) -> dict[str, ParamSlot]:
@@ -92,20 +88,11 @@ def shape_str(shape: Any) -> str:
     return str(tuple(int(s) for s in shape))
 
 
-def check_keys(
-    model_keys: list[str],
-    state: Mapping[str, Any],
-    unexpected: tuple[str, ...],
-    strict: bool,
-    module: nn.Module,
-    source: str,
-) -> None:
-    missing = [k for k in model_keys if k not in state]
-    extra = list(unexpected) + [k for k in state if k not in set(model_keys) and k not in unexpected]
-    if strict and (missing or extra):
+def _check_keys(strict: bool, what: str, missing: list[str], unexpected: list[str]) -> None:
+    if strict and (missing or unexpected):
         raise CheckpointMismatchError(
-            f"Checkpoint {source!r} does not match {type(module).__name__}: missing keys {missing}, unexpected keys "
-            f"{extra}. Load with strict=False (LightningModule.strict_loading = False) to skip them."
+            f"{what}: missing keys {missing}, unexpected keys {unexpected}. Load with strict=False "
+            "(LightningModule.strict_loading = False) to skip them."
         )
 
 
@@ -118,7 +105,9 @@ def load_model_state_dict(engine: ShardingEngine, state: Mapping[str, Any], *, s
     own = module.state_dict()
     rows = isinstance(state, ShardedStateDict)
     if rows:
-        check_keys(list(own), state, state.unexpected_keys, strict, module, state.source)
+        unexpected = list(state.unexpected_keys) + [k for k in state if k not in own and k not in state.unexpected_keys]
+        what = f"Checkpoint {state.source!r} does not match {type(module).__name__}"
+        _check_keys(strict, what, [k for k in own if k not in state], unexpected)
     for key, slot in managed.items():
         if key not in state:
             continue
@@ -149,12 +138,8 @@ def load_model_state_dict(engine: ShardingEngine, state: Mapping[str, Any], *, s
     rest.update({key: own[key] for key in managed if key in own})
     result = module.load_state_dict(rest, strict=False)
     missing = [k for k in result.missing_keys if k not in managed] + [k for k in managed if k not in state]
-    if strict and not rows and (missing or result.unexpected_keys):
-        raise CheckpointMismatchError(
-            f"Error loading state dict into {type(module).__name__}: missing keys {missing}, "
-            f"unexpected keys {list(result.unexpected_keys)}. Load with strict=False (LightningModule.strict_loading "
-            "= False) to skip them."
-        )
+    if not rows:
+        _check_keys(strict, f"Error loading state dict into {type(module).__name__}", missing, result.unexpected_keys)
 
 
 # The names the formats' loaders had before they shared one.
@@ -282,18 +267,7 @@ class DirectoryFormat(CheckpointFormat):
     read: Callable[..., dict[str, Any]]  # (path, run, *, coll, weights_only): the checkpoint dict with this rank's rows
 
     def save(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun, storage_options: Any = None) -> None:
-        self._check_save_path(path, storage_options)
-        assert run.engine is not None
-        self.write(checkpoint, path, run)
-
-    def load(
-        self, path: Any, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None
-    ) -> dict[str, Any]:
-        assert run.engine is not None
-        return self.read(os.fspath(path), run, coll=coll, weights_only=weights_only)
-
-    def _check_save_path(self, path: Any, storage_options: Any | None) -> None:
-        """Refuse what only a ``CheckpointIO`` could do: storage options and remote paths (every rank writes here)."""
+        # Refused: what only a CheckpointIO could do, storage options and remote paths (every rank writes here).
         if storage_options is not None:
             raise TypeError(
                 f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported with "
@@ -305,6 +279,14 @@ class DirectoryFormat(CheckpointFormat):
                 f"state_dict_type={self.kind!r} writes to local (or network-mounted) file systems only, not to "
                 f"{str(path)!r}; use state_dict_type='full' with a CheckpointIO for remote storage."
             )
+        assert run.engine is not None
+        self.write(checkpoint, path, run)
+
+    def load(
+        self, path: Any, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None
+    ) -> dict[str, Any]:
+        assert run.engine is not None
+        return self.read(os.fspath(path), run, coll=coll, weights_only=weights_only)
 
 
 def write_directory(
