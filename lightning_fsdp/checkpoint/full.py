@@ -44,28 +44,26 @@ def full_model_state_dict(
     if keep is None:
         keep = not rank0_only or global_rank() == 0
     state = engine.root.state_dict()  # shards for managed parameters; buffers and unmanaged parameters as they are
-    if engine.closed:
-        # The stage has ended and the module holds its full parameters again (ShardingEngine.restore_unsharded).
-        return (
-            {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
-            if keep
-            else {}
-        )
-    keys: dict[int, list[str]] = {}
-    for key, slot in managed.items():
-        keys.setdefault(id(slot), []).append(key)
-    for unit in engine.units:
-        fulls = unit.full_tensors()  # one unit at a time, in the master dtype
-        if keep:
-            for slot, full in zip(unit.slots, fulls):
-                full = full.to("cpu", copy=True)
-                for key in keys.get(id(slot), []):
-                    if key in state:
-                        state[key] = full
-        del fulls
+    # Once the stage has ended the module holds its full parameters again (ShardingEngine.restore_unsharded), copied
+    # below with its buffers; until then each unit's are gathered.
+    if not engine.closed:
+        keys: dict[int, list[str]] = {}
+        for key, slot in managed.items():
+            keys.setdefault(id(slot), []).append(key)
+        for unit in engine.units:
+            fulls = unit.full_tensors()  # one unit at a time, in the master dtype
+            if keep:
+                for slot, full in zip(unit.slots, fulls):
+                    full = full.to("cpu", copy=True)
+                    for key in keys.get(id(slot), []):
+                        if key in state:
+                            state[key] = full
+            del fulls
     if not keep:
         return {}
-    return {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    return {
+        k: (v.detach().to("cpu", copy=engine.closed) if isinstance(v, torch.Tensor) else v) for k, v in state.items()
+    }
 
 
 def _per_parameter(name: str, value: Any, layout: ShardLayout) -> bool:
