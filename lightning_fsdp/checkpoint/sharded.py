@@ -121,24 +121,17 @@ def sharded_optimizer_state_dict(
     return out
 
 
-def _split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
-    """(DCP part, meta.pt part, per-optimizer 0-dim row-state names)."""
-    rest = dict(checkpoint)
-    tensors: dict[str, Any] = {"model": rest.pop("state_dict", {})}
-    optimizer_states = rest.pop("optimizer_states", None)
-    scalar_rows = []
+def _write(checkpoint: Mapping[str, Any], path: str, coll: Collective, keys: str, pipeline: Any = None) -> None:
+    """The DCP files (every rank its rows) and ``meta.pt`` (rank 0), committed atomically; ``keys``: how the
+    optimizer state is keyed (``"fqn"``, or ``"index"`` converted from a full checkpoint)."""
+    meta = dict(checkpoint)
+    tensors: dict[str, Any] = {"model": meta.pop("state_dict", {})}
+    optimizer_states = meta.pop("optimizer_states", None)
+    scalar_rows = []  # per optimizer, its 0-dim row-state names (kept in meta.pt, not in DCP)
     for index, state in enumerate(optimizer_states or []):
         state = dict(state)
         scalar_rows.append(state.pop(_SCALAR_ROWS, {}))
         tensors[f"optimizer_{index}"] = state
-    return tensors, rest, scalar_rows
-
-
-def _write(checkpoint: Mapping[str, Any], path: str, coll: Collective, keys: str, pipeline: Any = None) -> None:
-    """The DCP files (every rank its rows) and ``meta.pt`` (rank 0), committed atomically; ``keys``: how the
-    optimizer state is keyed (``"fqn"``, or ``"index"`` converted from a full checkpoint)."""
-    tensors, meta, scalar_rows = _split_checkpoint(checkpoint)
-    optimizer_states = checkpoint.get("optimizer_states")
     info = {
         "format": "sharded",
         "version": common.FORMAT_VERSION,
@@ -187,8 +180,12 @@ def save_sharded_from_full(checkpoint: Mapping[str, Any], path: str) -> None:
     _write(checkpoint, path, Collective(alone=True), "index")
 
 
-def read_meta(path: str, weights_only: bool | None = None) -> dict[str, Any]:
-    return AtomicCheckpointIO().load_checkpoint(os.path.join(path, META_FILE), weights_only=weights_only)
+def _read_directory(path: str, weights_only: bool | None) -> tuple[Metadata, dict[str, Any], Any]:
+    """(DCP metadata, its shard files checked; ``meta.pt``; ``meta.pt``'s ``"lightning_fsdp"`` entry, popped)."""
+    metadata = read_dcp_metadata(path, weights_only)
+    check_shard_files(path, metadata)
+    meta = AtomicCheckpointIO().load_checkpoint(os.path.join(path, META_FILE), weights_only=weights_only)
+    return metadata, meta, meta.pop(FORMAT_KEY, None) or {}
 
 
 def dcp_entries(metadata: Metadata, saved_order: bool = False) -> dict[str, tuple[tuple, Any]]:
@@ -238,10 +235,7 @@ class _ShardedLoad:
         # Under pipeline parallelism (a PipelineCheckpoint): the other stages' keys, the unsplit optimizers' groups.
         self.pipeline = pipeline
         self.weights_only = weights_only  # False: the caller trusts the files (see safe_load)
-        self.metadata = read_dcp_metadata(path, weights_only)
-        check_shard_files(path, self.metadata)
-        self.meta = read_meta(path, weights_only)
-        self.info = self.meta.pop(FORMAT_KEY, None) or {}
+        self.metadata, self.meta, self.info = _read_directory(path, weights_only)
         self.entries = dcp_entries(self.metadata)
         self.optimizer_prefixes = sorted(
             {p[0] for p, _ in self.entries.values() if _OPTIMIZER_KEY.fullmatch(str(p[0]))},
@@ -388,9 +382,9 @@ class _ShardedLoad:
         self._plan_optimizers()  # raises the same mismatch on every rank: all read the same entries
         # Round 2: the tensors, each rank reading the rows it holds under the current layout.
         dcp_load(self.tensor_targets, self.path, self.coll, self.weights_only)
-        loaded = {**self.tensor_targets, **self.loaded_bytes}
+        self.loaded = {**self.tensor_targets, **self.loaded_bytes}
         state = ShardedStateDict(
-            {key: self._local(flat, loaded[flat]) for key, flat in self.model_keys.items()},
+            {key: self._local(flat, self.loaded[flat]) for key, flat in self.model_keys.items()},
             unexpected_keys=self.unexpected,
             source=self.path,
         )
@@ -403,11 +397,10 @@ class _ShardedLoad:
     def _optimizer_state(
         self, groups: list[dict[str, Any]], state_targets: dict, sizes: list[int]
     ) -> ShardedOptimizerState:
-        loaded = {**self.tensor_targets, **self.loaded_bytes}
         state: dict[int, dict[str, Any]] = {}
         for flat, (position, sub, _kind) in state_targets.items():
             entry = state.setdefault(position, {})
-            _set(entry, sub, self._local(flat, loaded[flat]))
+            _set(entry, sub, self._local(flat, self.loaded[flat]))
         # This run's group sizes (fewer under pipeline parallelism).
         return ShardedOptimizerState({"state": state, "param_groups": common.numbered_groups(groups, sizes)})
 
@@ -428,10 +421,7 @@ def load_sharded_checkpoint(
 def read_sharded_checkpoint_full(path: str, weights_only: bool | None = None) -> dict[str, Any]:
     """A sharded directory as one full checkpoint (plain ``torch.optim`` optimizer state), in this process alone."""
     # What torch's format_utils.dcp_to_torch_save reads (every entry whole), through the public dcp.load.
-    metadata = read_dcp_metadata(path, weights_only)
-    check_shard_files(path, metadata)
-    meta = read_meta(path, weights_only)
-    info = meta.pop(FORMAT_KEY, None) or {}
+    metadata, meta, info = _read_directory(path, weights_only)
     entries = dcp_entries(metadata, saved_order=True)
     targets = {
         flat: torch.empty(tuple(storage.size), dtype=storage.properties.dtype)
