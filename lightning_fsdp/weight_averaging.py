@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fsdp.checkpoint.common import managed_keys
-from lightning_fsdp.checkpoint.full import global_rank
+from lightning_fsdp.checkpoint.common import ShardedStateDict, managed_keys
+from lightning_fsdp.checkpoint.full import full_model_state_dict, global_rank
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import gather_rows
 from lightning_fsdp.engine.unit import ParamSlot
@@ -303,8 +303,6 @@ def gather_averages_for_save(strategy: Any, checkpoint: dict[str, Any]) -> None:
     if kind_of_checkpoint == "full":
         checkpoint["state_dict"] = _full_state(last_wa, engine, keep)
         return
-    from lightning_fsdp.checkpoint.full import full_model_state_dict
-
     slots = managed_keys(engine)
     average = last_wa.state_dict()
     if kind_of_checkpoint == "sharded":
@@ -321,8 +319,6 @@ def gather_averages_for_save(strategy: Any, checkpoint: dict[str, Any]) -> None:
 @torch.no_grad()
 def slice_loaded_averages(strategy: Any, checkpoint: Any) -> Any:
     """Give each rank its rows of a loaded checkpoint's full averages, in place (returned); no collectives."""
-    from lightning_fsdp.checkpoint.common import ShardedStateDict
-
     engine, trainer = _live_engine_and_trainer(strategy)
     if engine is None or trainer is None or not isinstance(checkpoint, dict):
         return checkpoint
