@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -84,9 +85,7 @@ def _balanced_cuts(sizes: list[int], parts: int) -> list[int]:
     """Cut positions splitting ``sizes`` into ``parts`` consecutive runs with the smallest largest run (exact
     dynamic programme; ties broken towards earlier cuts, so the result is the same on every rank)."""
     n = len(sizes)
-    prefix = [0]
-    for size in sizes:
-        prefix.append(prefix[-1] + size)
+    prefix = [0, *accumulate(sizes)]
     inf = float("inf")
     # best[k][i]: the smallest largest run splitting the first i pieces into k runs; cut[k][i]: where the last starts.
     best = [[inf] * (n + 1) for _ in range(parts + 1)]
