@@ -5,7 +5,7 @@ docs/patterns.md ("Uneven inputs"); what is not covered: docs/reliability.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,6 @@ _LOOPS = {
 _STAGES = tuple(_LOOPS)
 _CODES = {stage: code for code, stage in enumerate(_STAGES, start=1)}
 _WORDS = {stage: words for stage, (words, _limit) in _LOOPS.items()}
-_LIMITS = {stage: limit for stage, (_words, limit) in _LOOPS.items()}
 _UNKNOWN = -1  # a count or an index that this rank does not know
 
 
@@ -42,7 +41,7 @@ def _advice(stage: RunningStage) -> str:
         "datasets of different lengths, cut them to a common length (DistributedSampler(drop_last=True), or "
         "DataLoader(drop_last=True) where they differ by less than a batch); make an IterableDataset yield the same "
         "number of batches on every rank (split the stream per rank and stop every rank at the shortest share); "
-        f"or cap the loop with Trainer({_LIMITS[stage]}=N), N at most the smallest count."
+        f"or cap the loop with Trainer({_LOOPS[stage][1]}=N), N at most the smallest count."
     )
     if stage is RunningStage.PREDICTING:
         text += (
@@ -50,6 +49,10 @@ def _advice(stage: RunningStage) -> str:
             "multiple of the world size splits evenly."
         )
     return text
+
+
+def _per_rank(values: Iterable[Any]) -> str:
+    return ", ".join(f"rank {r}: {value}" for r, value in enumerate(values))
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -152,20 +155,18 @@ class EvenBatches:
         words = _WORDS[stage]
 
         if len({row[0] for row in headers}) > 1:
-            listing = ", ".join(f"rank {r}: {_WORDS[_STAGES[row[0] - 1]]}" for r, row in enumerate(headers))
+            listing = _per_rank(_WORDS[_STAGES[row[0] - 1]] for row in headers)
             raise UnevenBatchesError(
                 f"Uneven inputs: the ranks are starting different loops ({listing}); an earlier loop ended on some "
                 f"ranks before others. {_advice(stage)}"
             )
         if len({row[1] for row in headers}) > 1:
-            listing = ", ".join(f"rank {r}: {row[1]}" for r, row in enumerate(headers))
+            listing = _per_rank(row[1] for row in headers)
             raise UnevenBatchesError(
                 f"Uneven inputs: the ranks have different numbers of {words} dataloaders ({listing}). {_advice(stage)}"
             )
         every_count = "; ".join(
-            (f"dataloader {j}: " if width > 1 else "")
-            + ", ".join(f"rank {r}: {_count(row[j])}" for r, row in enumerate(rows))
-            for j in range(width)
+            (f"dataloader {j}: " if width > 1 else "") + _per_rank(_count(row[j]) for row in rows) for j in range(width)
         )
         uneven_but_may_stop = False
         for j in range(width):
@@ -173,7 +174,7 @@ class EvenBatches:
             if len(set(column)) == 1:
                 continue
             where = f" in {words} dataloader {j}" if width > 1 else ""
-            listing = ", ".join(f"rank {r}: {_count(c)}" for r, c in enumerate(column))
+            listing = _per_rank(_count(c) for c in column)
             if _UNKNOWN in column:
                 what = f"{words} dataloader {j}" if width > 1 else f"{words} loader"
                 raise UnevenBatchesError(
@@ -237,9 +238,7 @@ class EvenBatches:
         words = _WORDS[stage]
         note = self._notes.get(stage, "")
         if any(row[:2] != rows[0][:2] for row in rows):
-            listing = ", ".join(
-                f"rank {r}: {_WORDS[_STAGES[row[0] - 1]]} batch {row[1] + 1}" for r, row in enumerate(rows)
-            )
+            listing = _per_rank(f"{_WORDS[_STAGES[row[0] - 1]]} batch {row[1] + 1}" for row in rows)
             raise UnevenBatchesError(
                 f"Uneven inputs: the ranks are at different batches ({listing}); the loaders yielded different "
                 f"numbers of batches earlier on.{note} {_advice(stage)}"
@@ -257,7 +256,7 @@ class EvenBatches:
                 f"{'it' if len(done) == 1 else 'them'} in the next collective until the process-group timeout."
                 f"{note} {_advice(stage)}"
             )
-        listing = ", ".join(f"rank {r}: batch {row[4]} of dataloader {row[3]}" for r, row in enumerate(rows))
+        listing = _per_rank(f"batch {row[4]} of dataloader {row[3]}" for row in rows)
         first = min(row[3] for row in rows)
         moved = [r for r, row in enumerate(rows) if row[3] != first]
         raise UnevenBatchesError(
