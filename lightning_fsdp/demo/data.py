@@ -135,8 +135,7 @@ class CharDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader(self.val_dataset())
 
-    def test_dataloader(self) -> DataLoader:
-        return self._eval_loader(self.val_dataset())
+    test_dataloader = val_dataloader
 
     def predict_dataloader(self) -> DataLoader:
         return self._eval_loader(self.val_dataset(inputs_only=True))

@@ -55,8 +55,6 @@ class GPTLightningModule(L.LightningModule):
         self.save_hyperparameters()
         self.config = GPTConfig(**{field.name: self.hparams[field.name] for field in dataclasses.fields(GPTConfig)})
         self.model = GPT(self.config)
-        # Counted now: once sharded, parameters() yields only this rank's shards.
-        self.num_model_parameters = self.model.num_parameters()
 
     def setup(self, stage: str) -> None:
         # Otherwise a mismatch fails deep inside an embedding lookup.
@@ -78,20 +76,15 @@ class GPTLightningModule(L.LightningModule):
         return self.model(idx)[0]
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        _, loss = self.model(x, y)
+        loss = self.model(*batch)[1]
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        _, loss = self.model(x, y)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val_loss", self.model(*batch)[1], prog_bar=True, sync_dist=True)
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        _, loss = self.model(x, y)
-        self.log("test_loss", loss, sync_dist=True)
+        self.log("test_loss", self.model(*batch)[1], sync_dist=True)
 
     def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         """The most likely next character at every position."""
