@@ -6,7 +6,7 @@ silently returned SUM for them. Under anomaly checking ``Communicator.agree`` pr
 that disagree raise, naming what each was about to do, instead of hanging.
 
 [Note: narrow on the wire, wide in the sum]
-``reduce_wire_dtype`` (``WireReduction``): docs/options.md, and why an all-to-all: docs/decisions.md.
+``reduce_wire_dtype`` (``reduce_scatter_wide``): docs/options.md, and why an all-to-all: docs/decisions.md.
 
 [Note: collectives on gloo]
 The form each backend gets is ``backends.py``'s [Note: the capability table]; ``Communicator`` reads its row once."""
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,29 +62,22 @@ class CommStats:
         self.__init__()  # type: ignore[misc]
 
 
-class Works(NamedTuple):
-    """Several work handles that complete one collective of the engine."""
+class Pending:
+    """Collectives in flight as one handle: ``wait()`` waits for ``works`` (see ``wait_naming_timeout``), then runs
+    ``finish`` once, the local step that completes the result; ``keep``: what the collectives read, alive until then."""
 
-    works: list[Any]
-    timeout_ms: int | None = None
-
-    def wait(self) -> None:
-        for work in self.works:
-            wait_naming_timeout(work, self.timeout_ms)
-
-
-class Widened:
-    """An all-reduce in float32 for a dtype the backend cannot carry; ``wait()`` writes it back, rounded once."""
-
-    def __init__(self, work: Any, wide: torch.Tensor, tensor: torch.Tensor) -> None:
-        self._work, self._wide, self._tensor = work, wide, tensor
+    def __init__(
+        self, works: list[Any], finish: Callable[[], Any] | None = None, timeout_ms: int | None = None, keep: Any = None
+    ) -> None:
+        self._works, self._finish, self._timeout_ms, self._keep = works, finish, timeout_ms, keep
 
     def wait(self) -> None:
-        if self._work is None:
-            return
-        self._work.wait()
-        self._work = None
-        self._tensor.copy_(self._wide)
+        works, self._works = self._works, []
+        for work in works:
+            wait_naming_timeout(work, self._timeout_ms)
+        finish, self._finish, self._keep = self._finish, None, None
+        if finish is not None:
+            finish()
 
 
 def wait_naming_timeout(work: Any, timeout_ms: int | None) -> None:
@@ -107,34 +100,6 @@ def _gloo_timeout_ms(group: dist.ProcessGroup | None) -> int | None:
         return int(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() * 1000)
     except (AttributeError, RuntimeError):
         return None
-
-
-class WireReduction:
-    """A ``Communicator.reduce_scatter_wide`` in flight: the all-to-all, then the wide sum into ``output``."""
-
-    def __init__(
-        self,
-        work: Any,
-        sent: torch.Tensor,
-        received: torch.Tensor,
-        output: torch.Tensor,
-        ranks: int,
-        timeout_ms: int | None = None,
-    ) -> None:
-        self._work = work
-        self._timeout_ms = timeout_ms
-        self._buffers: tuple[torch.Tensor, ...] | None = (sent, received)  # alive until the exchange completes
-        self._output = output
-        self._ranks = ranks
-
-    def wait(self) -> None:
-        if self._buffers is None:
-            return
-        wait_naming_timeout(self._work, self._timeout_ms)
-        _sent, received = self._buffers
-        self._buffers = None
-        # Rank order, the same on every rank: row r is rank r's chunk of this rank's shard.
-        torch.sum(received.view(self._ranks, -1), dim=0, dtype=self._output.dtype, out=self._output)
 
 
 class Communicator:
@@ -210,15 +175,15 @@ class Communicator:
             return gather(output, shard, group=self.group, async_op=async_op)
         chunks = output.view(self.world_size, -1)
         if form is Gather.LIST:
-            works = Works([dist.all_gather(list(chunks), shard.reshape(-1), group=self.group, async_op=True)])
+            works = Pending([dist.all_gather(list(chunks), shard.reshape(-1), group=self.group, async_op=True)])
         else:
             chunks[self.rank].copy_(shard.reshape(-1))
-            works = Works(
+            works = Pending(
                 [
                     dist.broadcast(chunk, src=src, group=self.group, async_op=True)
                     for chunk, src in zip(chunks, self._global_ranks)
                 ],
-                self._timeout_ms,
+                timeout_ms=self._timeout_ms,
             )
         return _settle(works, async_op)
 
@@ -237,7 +202,7 @@ class Communicator:
 
     def reduce_scatter_wide(
         self, output: torch.Tensor, full: torch.Tensor, wire_dtype: torch.dtype, *, async_op: bool = False
-    ) -> WireReduction | None:
+    ) -> Pending | None:
         """``reduce_scatter`` sending ``full`` as ``wire_dtype``, summed in ``output``'s dtype (see [Note: narrow on
         the wire, wide in the sum]); ``full`` may be freed on return, the handle's ``wait()`` writes ``output``."""
         wire = full.to(wire_dtype)
@@ -250,7 +215,14 @@ class Communicator:
         work = dist.all_to_all_single(
             as_carried(received, self.forms), as_carried(wire, self.forms), group=self.group, async_op=True
         )
-        return _settle(WireReduction(work, wire, received, output, self.world_size, self._timeout_ms), async_op)
+        pending = Pending(
+            [work],
+            # Rank order, the same on every rank: row r is rank r's chunk of this rank's shard.
+            lambda: torch.sum(received.view(self.world_size, -1), dim=0, dtype=output.dtype, out=output),
+            self._timeout_ms,
+            keep=wire,
+        )
+        return _settle(pending, async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, *, async_op: bool = False) -> Any:
         widen = self.world_size > 1 and not self.forms.carries(tensor.dtype)
@@ -260,7 +232,8 @@ class Communicator:
         if self.world_size == 1:
             return None
         work = dist.all_reduce(sent, op=op, group=self.group, async_op=async_op or widen)
-        return _settle(Widened(work, sent, tensor), async_op) if widen else work
+        # Widened (a dtype the backend cannot carry): the float32 sum is written back, rounded once, when done.
+        return _settle(Pending([work], lambda: tensor.copy_(sent)), async_op) if widen else work
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         """``tensor`` of this group's rank ``src_rank`` on every rank of the group (``sync_module_states``)."""
