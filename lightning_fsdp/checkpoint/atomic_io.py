@@ -182,14 +182,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
-                f" is not supported for `{self.__class__.__name__}`. Please implement your custom `CheckpointIO`"
-                " to define how you'd like to use `storage_options`."
-            )
-        if not is_local_path(path):
-            return super().save_checkpoint(checkpoint, path)
+        if storage_options is not None or not is_local_path(path):
+            # TorchCheckpointIO refuses storage options (a TypeError) and writes remote paths through fsspec.
+            return super().save_checkpoint(checkpoint, path, storage_options)
         path = os.path.abspath(os.fspath(path))
         if os.path.isdir(path):
             raise IsADirectoryError(f"Cannot save a full checkpoint to {path!r}: it is an existing directory.")
