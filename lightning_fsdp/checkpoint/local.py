@@ -128,18 +128,15 @@ def read_local_meta(path: str, weights_only: bool | None = None) -> tuple[dict[s
 
 
 def _read_rank_file(
-    path: str, rank: int, world_size: int, weights_only: bool | None, load: Callable[[str, bool | None], Any] | None
+    path: str, rank: int, world_size: int, weights_only: bool | None, load: Callable[..., Any] | None
 ) -> dict[str, Any]:
-    """``rank``'s file, read by ``load(file, weights_only)`` (by default whole, through ``AtomicCheckpointIO``);
+    """``rank``'s file, read by ``load(file, weights_only=...)`` (by default whole, by ``AtomicCheckpointIO``);
     raises unless it holds the shards of ``rank`` of ``world_size``."""
     file = os.path.join(path, local_rank_file(rank))
     problem = file_problem(file)
     if problem is not None:
         raise CheckpointLoadError(f"Local checkpoint {path!r} is damaged: {problem}; rank {rank} needs it.", file)
-    if load is None:
-        data = AtomicCheckpointIO().load_checkpoint(file, weights_only=weights_only)
-    else:
-        data = load(file, weights_only)
+    data = (load or AtomicCheckpointIO().load_checkpoint)(file, weights_only=weights_only)
     got = (data.get("rank"), data.get("world_size")) if isinstance(data, Mapping) else (None, None)
     if got != (rank, world_size):
         raise CheckpointLoadError(
@@ -234,9 +231,7 @@ class RankFiles:
     """Every rank's file of a local checkpoint, read in this process alone (each by ``load``, as for
     :func:`_read_rank_file`), and the full value of each entry assembled from them."""
 
-    def __init__(
-        self, path: str, weights_only: bool | None, load: Callable[[str, bool | None], Any] | None = None
-    ) -> None:
+    def __init__(self, path: str, weights_only: bool | None, load: Callable[..., Any] | None = None) -> None:
         self.meta, info = read_local_meta(path, weights_only)
         self.entries: Mapping[str, Any] = info["entries"]
         self.optimizers = info.get("optimizers")
