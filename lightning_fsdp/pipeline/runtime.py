@@ -123,14 +123,13 @@ class PipelineRuntime:
         engine.keep_last_unit_for_backward = False
 
     def _backward_units(self, stage: int, last_backward: bool) -> tuple[list[Any], list[Any]]:
-        """``(scope, reduced)`` of a backward of ``stage``: the units it concerns, and those of them it reduces
-        ([Note: gradient reduction per stage])."""
+        """``(scope, held)`` of a backward of ``stage``: the units it concerns, and those of them whose gradients it
+        leaves unreduced: all but in the stage's last backward ([Note: gradient reduction per stage])."""
         own = self._stage_units.get(stage, [])
         if not last_backward:
-            return own, []
+            return own, own
         self._stages_done += 1
-        scope = own + (self._shared_units if self._stages_done == len(self.local_stages) else [])
-        return scope, scope
+        return own + (self._shared_units if self._stages_done == len(self.local_stages) else []), []
 
     def _shapes(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[tuple, Any]]:
         """Each stage's (input, output) on the meta device for one microbatch of ``inputs``."""
@@ -256,9 +255,7 @@ class _ShardedStage(PipelineStage):
         if runtime is None or runtime.engine is None:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         engine = runtime.engine
-        scope, reduce = runtime._backward_units(self.stage_index, last_backward)
-        reduced = {id(unit) for unit in reduce}
-        held = [unit for unit in scope if id(unit) not in reduced]
+        scope, held = runtime._backward_units(self.stage_index, last_backward)
         with engine.backward_scope(scope), engine.no_sync(held):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
