@@ -155,11 +155,9 @@ class PipelineCheckpoint:
         parts = self._to_global_rank0(dict(state))
         if parts is None:
             return {}
-        merged: dict[str, Any] = {}
-        for part in parts:
-            merged.update(part)
+        merged = {key: value for part in parts for key, value in part.items()}
         ordered = {key: merged[key] for key in self.model_keys if key in merged}
-        ordered.update({k: v for k, v in merged.items() if k not in ordered})
+        ordered.update(merged)  # keys the unsplit model does not have (left for strict loading to report) come last
         return ordered
 
     def merge_full_optimizer(self, index: int, state: Mapping[str, Any]) -> dict[str, Any]:
