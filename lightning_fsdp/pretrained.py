@@ -244,14 +244,13 @@ def _plan(
     reads, missing, mismatched = [], [], []
     for target in targets:
         # A tied parameter is read once, from the first of its keys the files hold.
-        ft = next((source_of[k] for k in target.keys if k in source_of), None)
-        if ft is None:
+        key = next((k for k in target.keys if k in source_of), None)
+        if key is None:
             missing += target.keys
-        elif ft.shape != target.shape:
-            key = next(k for k in target.keys if k in source_of)
-            mismatched.append((key, ft.shape, target.shape))
+        elif source_of[key].shape != target.shape:
+            mismatched.append((key, source_of[key].shape, target.shape))
         else:
-            reads.append((target, ft))
+            reads.append((target, source_of[key]))
     result = LoadResult(missing, unexpected, mismatched)
     if strict and (missing or unexpected or mismatched):
         problems = []
