@@ -44,14 +44,6 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def check_weights_after_stage(value: Any) -> str:
-    if not isinstance(value, str) or value not in CHOICES:
-        raise ValueError(
-            f"weights_after_stage={value!r} is not valid; expected one of {', '.join(map(repr, CHOICES))}."
-        )
-    return value
-
-
 def free_host_memory() -> int | None:
     """Bytes of host memory available to new allocations without swapping (``MemAvailable``), None if unknown."""
     override = os.environ.get(FREE_MEMORY_VARIABLE)
@@ -69,7 +61,11 @@ class StageEnd:
     """Carries out ``weights_after_stage`` in ``FSDPStrategy.teardown``; a failed stage always stays sharded."""
 
     def __init__(self, choice: str, pipeline_parallel_size: int = 1) -> None:
-        self.choice = check_weights_after_stage(choice)
+        if not isinstance(choice, str) or choice not in CHOICES:
+            raise ValueError(
+                f"weights_after_stage={choice!r} is not valid; expected one of {', '.join(map(repr, CHOICES))}."
+            )
+        self.choice = choice
         if choice == "rank0" and pipeline_parallel_size > 1:
             # Rank 0 holds only its own stages: the other stages' weights would be kept nowhere.
             raise ValueError(
