@@ -35,18 +35,16 @@ def clip_grad_norm_(
     params = [p for p in parameters if p.grad is not None]
     sharded = [p.grad for p in params if is_sharded(p)]
     replicated = [p.grad for p in params if not is_sharded(p)]
+    inf = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     local = _norm_term(sharded, norm_type, device)
     shard_comm.agree(TAG_CLIP)
-    if math.isinf(norm_type):
-        shard_comm.all_reduce(local, op=dist.ReduceOp.MAX)
-        total = torch.maximum(local, _norm_term(replicated, norm_type, device))
-        if stage_group is not None:
-            _all_reduce_on(total, stage_group, dist.ReduceOp.MAX)
-    else:
-        shard_comm.all_reduce(local)
-        total = local + _norm_term(replicated, norm_type, device)
-        if stage_group is not None:
-            _all_reduce_on(total, stage_group, dist.ReduceOp.SUM)
+    shard_comm.all_reduce(local, op=op)
+    whole = _norm_term(replicated, norm_type, device)
+    total = torch.maximum(local, whole) if inf else local + whole
+    if stage_group is not None:
+        _all_reduce_on(total, stage_group, op)
+    if not inf:
         total = total ** (1.0 / norm_type)
     # torch's own scaling by a given total norm groups the gradients by device and dtype: with cpu_offload the
     # sharded ones live in host memory, the replicated ones (ignored parameters) and the norm on the accelerator.
