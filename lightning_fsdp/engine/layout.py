@@ -26,7 +26,7 @@ class ShardLayout:
 
     @property
     def row_numel(self) -> int:
-        return math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
+        return math.prod(self.shape[1:])  # 1 for a 0-dim or 1-dim parameter
 
     @property
     def chunk_rows(self) -> int:
@@ -53,13 +53,11 @@ class ShardLayout:
 
     @property
     def local_shape(self) -> torch.Size:
-        tail = tuple(self.shape[1:]) if len(self.shape) > 0 else ()
-        return torch.Size((self.local_rows, *tail))
+        return torch.Size((self.local_rows, *self.shape[1:]))
 
     @property
     def padded_full_shape(self) -> torch.Size:
-        tail = tuple(self.shape[1:]) if len(self.shape) > 0 else ()
-        return torch.Size((self.chunk_rows * self.world_size, *tail))
+        return torch.Size((self.chunk_rows * self.world_size, *self.shape[1:]))
 
     def local_slice(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full (unpadded) tensor of ``shape``."""
