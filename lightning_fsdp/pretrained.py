@@ -54,13 +54,6 @@ class _Target(NamedTuple):
     shape: tuple[int, ...]  # the full shape the file must have
 
 
-class _Plan(NamedTuple):
-    """Which file tensor fills which model tensor, and what does not fit."""
-
-    reads: list[tuple[_Target, _FileTensor]]
-    result: LoadResult
-
-
 def load_pretrained(
     target: nn.Module | ShardingEngine,
     path: str | os.PathLike,
@@ -78,12 +71,12 @@ def load_pretrained(
     _check_arguments(target, path, prefix, rename, strict)
     module, engine = _resolve(target)
     coll = Collective() if engine is not None else Collective(alone=True)
-    plan = coll.run_agreed(lambda: _plan(module, engine, os.fspath(path), prefix, rename, strict))
+    reads, result = coll.run_agreed(lambda: _plan(module, engine, os.fspath(path), prefix, rename, strict))
     # A read failing on one rank raises on all; the others would wait in the first step's collectives.
-    coll.run_agreed(lambda: _copy(plan.reads))
+    coll.run_agreed(lambda: _copy(reads))
     # Every rank copied the same tensors: they leave the record of uninitialised ones alike everywhere.
-    mark_initialised(target.tensor for target, _file in plan.reads)
-    return plan.result
+    mark_initialised(target.tensor for target, _file in reads)
+    return result
 
 
 def _check_arguments(target: Any, path: Any, prefix: Any, rename: Any, strict: Any) -> None:
@@ -224,7 +217,8 @@ def _key_for(name: str, prefix: str, rename: Rename) -> str | None:
 
 def _plan(
     module: nn.Module, engine: ShardingEngine | None, path: str, prefix: str, rename: Rename, strict: bool
-) -> _Plan:
+) -> tuple[list[tuple[_Target, _FileTensor]], LoadResult]:
+    """Which file tensor fills which model tensor, and what does not fit."""
     tensors = _file_tensors(safetensors_files(path))
     targets = _targets(module, engine)
     target_of = {key: t for t in targets for key in t.keys}
@@ -266,7 +260,7 @@ def _plan(
             + "; ".join(problems)
             + ". Fix prefix/rename, or pass strict=False to load the rest and get these back in the LoadResult."
         )
-    return _Plan(reads, result)
+    return reads, result
 
 
 @torch.no_grad()
