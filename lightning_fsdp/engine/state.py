@@ -377,7 +377,7 @@ class ShardingEngine(EngineControls):
                 self._nonfinite_ignored = []
                 for unit in self._reduced_units:
                     unit.nonfinite = []
-                report_nonfinite(local, self._comms())
+                report_nonfinite(local, [c for c in (self.shard_comm, self.replicate_comm) if c is not None])
         finally:
             self._reduced_units.clear()
             self._begin_step()
@@ -430,9 +430,6 @@ class ShardingEngine(EngineControls):
 
     def _describe_collective(self, tag: int) -> str:
         return describe_collective(self.units, tag)
-
-    def _comms(self) -> list[Communicator]:
-        return [self.shard_comm] + ([self.replicate_comm] if self.replicate_comm is not None else [])
 
     def _update_peak(self) -> None:
         stats = self.shard_comm.stats

@@ -26,12 +26,6 @@ class ParamOwner(NamedTuple):
     fqn: str
 
 
-def _wants_descend(policy: WrapPolicy, module: nn.Module, numel: int) -> bool:
-    if policy.fn is not None:
-        return bool(policy.fn(module, True, numel))
-    return True
-
-
 def _named_by_policy(policy: WrapPolicy, module: nn.Module, nonwrapped_numel: int) -> bool:
     """Selected by class or by the policy function (as opposed to by size alone)."""
     return bool(policy.classes and isinstance(module, policy.classes)) or bool(
@@ -67,7 +61,7 @@ def select_unit_modules(root: nn.Module, policy: WrapPolicy, ignored: Iterable[n
                 own += p.numel()
         total = own + sum(p.numel() for c in module.children() for p in c.parameters())
         remainder = own
-        if _wants_descend(policy, module, total):
+        if policy.fn is None or policy.fn(module, True, total):  # recurse=True: whether to look inside
             for child in module.children():
                 remainder += visit(child)
         else:
