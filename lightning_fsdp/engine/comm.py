@@ -232,7 +232,7 @@ class Communicator:
         if self.world_size == 1:
             return None
         work = dist.all_reduce(sent, op=op, group=self.group, async_op=async_op or widen)
-        # Widened (a dtype the backend cannot carry): the float32 sum is written back, rounded once, when done.
+        # A dtype the backend cannot carry travels as float32: the sum is written back, rounded once, when done.
         return _settle(Pending([work], lambda: tensor.copy_(sent)), async_op) if widen else work
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
