@@ -60,7 +60,8 @@ def main() -> None:
         trainer = L.Trainer(
             accelerator="cpu",
             devices=2,
-            strategy=FSDPStrategy(auto_wrap_policy={Block}, state_dict_type=mode),
+            # The model stays sharded after fit: the save and load below are those of a sharded model.
+            strategy=FSDPStrategy(auto_wrap_policy={Block}, state_dict_type=mode, weights_after_stage="sharded"),
             max_steps=1,
             logger=False,
             enable_checkpointing=False,

@@ -139,6 +139,28 @@ def test_sharded_keeps_the_engine_and_later_stages_work(tmp_path_factory):
     assert not torch.equal(full[0]["second_fit"]["values"]["model.tiny"], full[0]["values"]["model.tiny"])
 
 
+def test_checkpoints_load_back_after_the_stage_ended(tmp_path_factory):
+    # Saved after fit with weights_after_stage="full", then loaded into overwritten weights: each format gives back
+    # the weights the module held after fit, and the full-size momentum every format agrees on.
+    run = stage_end_run(tmp_path_factory)
+    compared = 0
+    for rank, result in enumerate(run["full"]):
+        shapes = result["shapes"]
+        trainable = sorted(n for n in shapes if not n.startswith("model.frozen."))  # SGD keeps no state for frozen
+        momenta = [loaded["momentum"] for loaded in result["reloaded"].values()]
+        assert len(momenta) == 3, rank
+        for kind, loaded in result["reloaded"].items():
+            assert_weights_equal(loaded["values"], result["values"])
+            assert loaded["buffer"][0] == "cpu" and torch.equal(loaded["buffer"][1], torch.full((5,), 0.5)), kind
+            assert sorted(loaded["momentum"]) == trainable, kind
+            for name, momentum in loaded["momentum"].items():
+                assert tuple(momentum.shape) == shapes[name], (kind, name)
+                assert torch.equal(momentum, momenta[0][name]), (kind, name)
+                assert (momentum != -1).any(), (kind, name)
+                compared += 1
+    assert compared == 2 * 3 * (PARAMETERS - 2)
+
+
 def test_auto_keeps_the_model_sharded_when_memory_is_short(tmp_path_factory):
     run = stage_end_run(tmp_path_factory)
     zero, one = run["auto_short"]

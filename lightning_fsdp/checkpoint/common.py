@@ -99,8 +99,14 @@ def _check_keys(strict: bool, what: str, missing: list[str], unexpected: list[st
 @torch.no_grad()
 def load_model_state_dict(engine: ShardingEngine, state: Mapping[str, Any], *, strict: bool = True) -> None:
     """Copy a state dict into the sharded module on every rank: full tensors (each rank copies its rows), or a
-    :class:`ShardedStateDict` (this rank's rows already)."""
+    :class:`ShardedStateDict` (this rank's rows already). Once the stage has ended and the module holds its full
+    parameters again (``weights_after_stage``), full tensors are copied in whole."""
     module = engine.root
+    if engine.closed:
+        result = module.load_state_dict(state, strict=False)
+        what = f"Error loading state dict into {type(module).__name__}"
+        _check_keys(strict, what, result.missing_keys, result.unexpected_keys)
+        return
     managed = managed_keys(engine)
     own = module.state_dict()
     rows = isinstance(state, ShardedStateDict)

@@ -107,7 +107,8 @@ def full_optimizer_state_dict(
 
 
 def load_full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer, state_dict: Mapping) -> None:
-    """Load a plain ``torch.optim`` state dict (the same on every rank) into an optimizer over shards."""
+    """Load a plain ``torch.optim`` state dict (the same on every rank) into an optimizer over shards (over full
+    parameters once the stage has ended and the module holds them again: then the state is loaded whole)."""
     state_dict = to_index_keyed(state_dict)  # checks it is a torch.optim state dict
     sizes = [len(g["params"]) for g in state_dict["param_groups"]]
     here = [len(g["params"]) for g in optimizer.param_groups]
@@ -116,7 +117,7 @@ def load_full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer,
     local_state = {}
     for index, entry in state_dict["state"].items():
         param = params[int(index)]
-        slot = engine.slot_of(param)
+        slot = None if engine.closed else engine.slot_of(param)
         new_entry = {}
         for name, value in entry.items():
             if slot is not None and _per_parameter(name, value, slot.layout):

@@ -11,6 +11,8 @@ the ``weights_after_stage`` warnings seen during ``fit``.
   validate and second fit (re-sharding).
 - ``auto_short`` / ``auto_ample``: the default, with the free host memory given as 1 byte / 1 PB through
   ``LIGHTNING_FSDP_FREE_HOST_MEMORY``.
+- ``full`` also saves a checkpoint in each format after the stage ended, overwrites the weights, the buffer and the
+  optimizer state, and loads each back through the strategy, recording what the module and optimizer hold then.
 - ``failed``: ``weights_after_stage="full"``, but ``training_step`` raises on every rank at the second step; the
   error is caught and a second ``fit`` (a new Trainer) retries on the same module.
 
@@ -30,6 +32,7 @@ from torch.utils.data.distributed import DistributedSampler
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_model_state_dict  # noqa: E402
+from lightning_fsdp.checkpoint.routing import StateDictType  # noqa: E402
 from lightning_fsdp.engine import get_engine  # noqa: E402
 from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
 from lightning_fsdp.stage_end import FREE_MEMORY_VARIABLE  # noqa: E402
@@ -89,6 +92,32 @@ def held(module: Module) -> dict:
     }
 
 
+def reload_each_format(trainer: L.Trainer, module: Module, base: str) -> dict:
+    """{format: what the module and optimizer hold after loading that format's checkpoint}, every checkpoint saved
+    after the stage ended and loaded into weights, buffer and optimizer state overwritten with -1."""
+    strategy, optimizer = trainer.strategy, trainer.optimizers[0]
+    kinds = ("full", "sharded", "local")
+    for kind in kinds:
+        strategy.state_dict_type = StateDictType(kind)
+        trainer.save_checkpoint(f"{base}.{kind}")
+    reloaded = {}
+    for kind in kinds:
+        with torch.no_grad():
+            for tensor in (*module.parameters(), *module.buffers()):
+                tensor.fill_(-1.0)
+            for state in optimizer.state.values():
+                state["momentum_buffer"].fill_(-1.0)
+        checkpoint = strategy.load_checkpoint(f"{base}.{kind}")
+        strategy.load_model_state_dict(checkpoint)
+        strategy.load_optimizer_state_dict(checkpoint)
+        names = {id(p): n for n, p in module.named_parameters()}
+        reloaded[kind] = {
+            **held(module),
+            "momentum": {names[id(p)]: s["momentum_buffer"].clone() for p, s in optimizer.state.items()},
+        }
+    return reloaded
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -126,6 +155,8 @@ def main() -> None:
             result["gathered"] = {k: v.clone() for k, v in full_model_state_dict(engine).items()}  # rank 0 only
         if engine is not None:
             result["local_numel"] = sum(p.numel() for p in module.parameters())
+        if name == "full":
+            result["reloaded"] = reload_each_format(trainer, module, args.out)
         if again:
             module.fail = False
             if not fail:
