@@ -292,6 +292,11 @@ class DirectoryFormat(CheckpointFormat):
         self, path: Any, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None
     ) -> dict[str, Any]:
         assert run.engine is not None
+        coll = coll or Collective()
+        if run.engine.closed:
+            # The stage has ended and the module holds its full parameters again (weights_after_stage): every rank
+            # reads the whole directory, as it would a full file.
+            return coll.run_agreed(lambda: self.read_as_full(os.fspath(path), weights_only=weights_only))
         return self.read(os.fspath(path), run, coll=coll, weights_only=weights_only)
 
 

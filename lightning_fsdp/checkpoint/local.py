@@ -128,7 +128,7 @@ def read_local_meta(path: str, weights_only: bool | None = None) -> tuple[dict[s
 
 
 def _read_rank_file(
-    path: str, rank: int, world_size: int, weights_only: bool | None, load: Callable[..., Any] | None
+    path: str, rank: int, world_size: int, weights_only: bool | None, load: Callable[..., Any] | None = None
 ) -> dict[str, Any]:
     """``rank``'s file, read by ``load(file, weights_only=...)`` (by default whole, by ``AtomicCheckpointIO``);
     raises unless it holds the shards of ``rank`` of ``world_size``."""
@@ -209,7 +209,7 @@ def load_local_checkpoint(
         meta, info = read_local_meta(path, weights_only)
         load_optimizers = optimizers is not None and info.get("optimizers") is not None
         unexpected = _check_layout(path, info, engine, coll, optimizers if load_optimizers else None)
-        data = _read_rank_file(path, coll.rank, coll.world_size, weights_only, None)
+        data = _read_rank_file(path, coll.rank, coll.world_size, weights_only)
         own = engine.root.state_dict()
         checkpoint = dict(meta)
         checkpoint["state_dict"] = common.ShardedStateDict(

@@ -209,14 +209,9 @@ class CheckpointHooks:
             # block): every rank checks it, and all raise, before any other collective, if one finds a problem.
             path = os.fspath(path)
             fmt = coll.run_agreed(lambda: _directory_format(path, self.engine, self._pipeline_role))
-        if fmt is not FULL_FORMAT and self.engine.closed:
-            # The stage has ended and the module holds its full parameters again (weights_after_stage): every rank
-            # reads the whole directory, as it would a full file.
-            checkpoint = coll.run_agreed(lambda: fmt.read_as_full(path, weights_only=weights_only))
-        else:
-            info = self._pipeline_role.checkpoint_info(self.engine, optimizers) if fmt is not FULL_FORMAT else None
-            run = CheckpointRun(self.engine, optimizers, self.checkpoint_io, info)
-            checkpoint = fmt.load(path, run, weights_only=weights_only, coll=coll)
+        info = self._pipeline_role.checkpoint_info(self.engine, optimizers) if fmt is not FULL_FORMAT else None
+        run = CheckpointRun(self.engine, optimizers, self.checkpoint_io, info)
+        checkpoint = fmt.load(path, run, weights_only=weights_only, coll=coll)
         return slice_loaded_averages(self, checkpoint)  # each rank's rows of the SWA / EMA averages
 
     @override

@@ -500,8 +500,9 @@ class ShardingEngine(EngineControls):
         if self.closed:
             return
         self.finish_reductions()
+        device = torch.device(device)
         for unit in self.units:
-            unit.restore_full_parameters(torch.device(device))
+            unit.restore_full_parameters(device)
         self.remove_hooks()
         self.closed = True
         unwatch_optimizer_steps(self)
