@@ -16,6 +16,7 @@ import torch
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.stage_end import FREE_MEMORY_VARIABLE, free_host_memory
+from tests.models import ToyLM, loss_fn, samples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "stage_end_run.py")
@@ -139,10 +140,28 @@ def test_sharded_keeps_the_engine_and_later_stages_work(tmp_path_factory):
     assert not torch.equal(full[0]["second_fit"]["values"]["model.tiny"], full[0]["values"]["model.tiny"])
 
 
+def one_device() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(weights, momentum buffers) of the script's training on one device: the same seed and model, 3 steps of SGD
+    with momentum on the global batch (the 2 ranks' DistributedSampler shares of samples 6s .. 6s+5 at step s)."""
+    torch.manual_seed(0)
+    model = ToyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = samples(24)
+    for step in range(3):
+        x, y = data[6 * step : 6 * step + 6]
+        optimizer.zero_grad()
+        loss_fn(model(x) + torch.full((5,), 0.5).sum(), y).backward()
+        optimizer.step()
+    names = {id(p): f"model.{n}" for n, p in model.named_parameters()}
+    weights = {names[id(p)]: p.detach().clone() for p in model.parameters()}
+    return weights, {names[id(p)]: state["momentum_buffer"] for p, state in optimizer.state.items()}
+
+
 def test_checkpoints_load_back_after_the_stage_ended(tmp_path_factory):
     # Saved after fit with weights_after_stage="full", then loaded into overwritten weights: each format gives back
-    # the weights the module held after fit, and the full-size momentum every format agrees on.
+    # the weights the module held after fit, which are one device's, and one device's full-size momentum.
     run = stage_end_run(tmp_path_factory)
+    weights, momentum_one_device = one_device()
     compared = 0
     for rank, result in enumerate(run["full"]):
         shapes = result["shapes"]
@@ -151,14 +170,19 @@ def test_checkpoints_load_back_after_the_stage_ended(tmp_path_factory):
         assert len(momenta) == 3, rank
         for kind, loaded in result["reloaded"].items():
             assert_weights_equal(loaded["values"], result["values"])
+            assert sorted(loaded["values"]) == sorted(weights), kind
+            for name, value in loaded["values"].items():
+                torch.testing.assert_close(value, weights[name], rtol=1e-5, atol=1e-6, msg=f"{kind} {name}")
+                compared += 1
             assert loaded["buffer"][0] == "cpu" and torch.equal(loaded["buffer"][1], torch.full((5,), 0.5)), kind
             assert sorted(loaded["momentum"]) == trainable, kind
             for name, momentum in loaded["momentum"].items():
                 assert tuple(momentum.shape) == shapes[name], (kind, name)
                 assert torch.equal(momentum, momenta[0][name]), (kind, name)
                 assert (momentum != -1).any(), (kind, name)
+                torch.testing.assert_close(momentum, momentum_one_device[name], rtol=1e-5, atol=1e-6)
                 compared += 1
-    assert compared == 2 * 3 * (PARAMETERS - 2)
+    assert compared == 2 * 3 * (PARAMETERS + PARAMETERS - 2)
 
 
 def test_auto_keeps_the_model_sharded_when_memory_is_short(tmp_path_factory):
