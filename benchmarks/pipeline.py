@@ -185,7 +185,7 @@ class PipelineBenchmarkConfig:
             raise ValueError("layers must be >= 2: Interleaved1F1B cuts the model into 4 stages")
         if self.width % self.heads:
             raise ValueError(f"width ({self.width}) must be divisible by heads ({self.heads})")
-        from lightning_fsdp.pipeline.options import PipelineOptions
+        from lightning_fsdp.options import PipelineOptions
 
         for spec in VARIANTS.values():
             if spec.pipeline:  # torch's rules on microbatches per schedule, as the strategy checks them
@@ -357,7 +357,7 @@ class Built:
 
     def __init__(self, key: str, cfg: PipelineBenchmarkConfig, rank: int, timeout: timedelta) -> None:
         from lightning_fsdp.engine import fully_shard
-        from lightning_fsdp.pipeline.options import PipelineOptions
+        from lightning_fsdp.options import PipelineOptions
         from lightning_fsdp.pipeline.runtime import PipelineRuntime, pipeline_layout
 
         spec = VARIANTS[key]

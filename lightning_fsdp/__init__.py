@@ -16,15 +16,15 @@ __version__ = "0.1.0"
 
 # Public name -> the module defining it.
 _PUBLIC = {
-    "BackwardPrefetch": "lightning_fsdp.engine.config",
+    "BackwardPrefetch": "lightning_fsdp.engine.options",
     "FSDPStrategy": "lightning_fsdp.strategy",
     "HPUAccelerator": "accelerators",
     "LoadResult": "lightning_fsdp.pretrained",
     "MemoryEstimate": "lightning_fsdp.estimate",
-    "MixedPrecision": "lightning_fsdp.engine.config",
-    "ShardingEngine": "lightning_fsdp.engine.state",
+    "MixedPrecision": "lightning_fsdp.engine.options",
+    "ShardingEngine": "lightning_fsdp.engine.sharding_engine",
     "ShardingMonitor": "lightning_fsdp.monitor",
-    "ShardingStrategy": "lightning_fsdp.engine.config",
+    "ShardingStrategy": "lightning_fsdp.engine.options",
     "StateDictType": "lightning_fsdp.checkpoint.routing",
     "UnevenBatchesError": "lightning_fsdp.even_batches",
     "estimate_memory": "lightning_fsdp.estimate",
@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from lightning_fsdp.checkpoint.export import export_safetensors  # noqa: F401
     from lightning_fsdp.checkpoint.routing import StateDictType  # noqa: F401
     from lightning_fsdp.engine import ShardingEngine, fully_shard, get_engine  # noqa: F401
-    from lightning_fsdp.engine.config import BackwardPrefetch, MixedPrecision, ShardingStrategy  # noqa: F401
+    from lightning_fsdp.engine.options import BackwardPrefetch, MixedPrecision, ShardingStrategy  # noqa: F401
     from lightning_fsdp.estimate import MemoryEstimate, estimate_memory  # noqa: F401
     from lightning_fsdp.even_batches import UnevenBatchesError  # noqa: F401
     from lightning_fsdp.monitor import ShardingMonitor  # noqa: F401

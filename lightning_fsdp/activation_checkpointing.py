@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_fsdp.engine.config import check_call_signature, parse_module_classes
+from lightning_fsdp.engine.options import check_call_signature, parse_module_classes
 
 CheckpointPolicy = Callable[[nn.Module], bool]
 _MARK = "_lightning_fsdp_checkpointed"

@@ -10,13 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fsdp.engine.config import (
+from lightning_fsdp.engine.layout import ShardLayout
+from lightning_fsdp.engine.options import (
     ShardingStrategy,
     parse_auto_wrap_policy,
     parse_mixed_precision,
     parse_sharding_strategy,
 )
-from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.wrap import assign_owners, enclosing_units, select_unit_modules
 
 __all__ = ["MemoryEstimate", "estimate_memory"]

@@ -19,8 +19,8 @@ from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.meta_init import mark_initialised
+from lightning_fsdp.engine.records import TrainingState
 from lightning_fsdp.engine.registry import find_engine
-from lightning_fsdp.engine.states import TrainingState
 
 if TYPE_CHECKING:
     from typing import TypeAlias

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_fsdp.engine.config import ShardingStrategy
 from lightning_fsdp.engine.groups import is_process_group
+from lightning_fsdp.engine.options import ShardingStrategy
 
 GroupPair = tuple[dist.ProcessGroup, dist.ProcessGroup]
 

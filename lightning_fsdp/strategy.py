@@ -43,20 +43,20 @@ from lightning_fsdp.engine import (
     fully_shard,
     get_engine,
 )
+from lightning_fsdp.engine.options import check_flag
 from lightning_fsdp.engine.sharding import has_meta_tensors
 from lightning_fsdp.even_batches import EvenBatches
 from lightning_fsdp.launcher import check_start_method, choose_launcher, stop_launched_processes
 from lightning_fsdp.options import (
+    PipelineOptions,
     check_device_id,
     check_device_id_matches,
-    check_flag,
     check_lightning_arguments,
     check_optimizers,
     check_trainable,
     check_use_orig_params,
     engine_kwargs,
 )
-from lightning_fsdp.pipeline.options import PipelineOptions
 from lightning_fsdp.pipeline.role import pipeline_role
 from lightning_fsdp.pipeline.runtime import PipelineRuntime
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision

@@ -16,7 +16,7 @@ from lightning_fsdp.checkpoint.common import ShardedStateDict, managed_keys
 from lightning_fsdp.checkpoint.full import full_model_state_dict, global_rank
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import gather_rows
-from lightning_fsdp.engine.unit import ParamSlot
+from lightning_fsdp.engine.records import ParamSlot
 
 # Averaged copies holding this rank's rows (with their engine), and averages handed back whole after a stage.
 _SHARDED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()

@@ -36,7 +36,7 @@ from torch import nn
 
 import lightning_fsdp  # noqa: F401  (registers "fsdp_custom")
 from lightning_fsdp import FSDPStrategy, MixedPrecision
-from lightning_fsdp.engine.config import parse_mixed_precision, parse_module_classes
+from lightning_fsdp.engine.options import parse_mixed_precision, parse_module_classes
 from tests.processes import ROOT, clean_env, free_port  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "scripts" / "bad_input_run.py"

@@ -23,7 +23,7 @@ import torch
 from lightning_fsdp import cli as fsdp_cli
 from lightning_fsdp.demo.gpt import Block, CausalSelfAttention, GPTConfig
 from lightning_fsdp.demo.module import GPTLightningModule
-from lightning_fsdp.engine.config import MixedPrecision
+from lightning_fsdp.engine.options import MixedPrecision
 from lightning_fsdp.estimate import estimate_memory
 from tests.processes import in_background
 

@@ -3,7 +3,8 @@
 One launch of tests/scripts/compile_run.py runs every scenario (compiled runs start slowly), cached for the module;
 each test checks one scenario: final weights (every entry, fp32, rtol 1e-5), per-step losses, and dynamo's own
 counters: a Block compiled with ``fullgraph=True`` must compile with no graph break, and nothing may compile after
-the first step (the engine's hooks stay out of dynamo; [Note: compiled modules] in lightning_fsdp/engine/state.py).
+the first step (the engine's hooks stay out of dynamo; [Note: compiled modules] in
+lightning_fsdp/engine/sharding_engine.py).
 The reference trains the same model in eager mode in this process, on the same global batches.
 """
 

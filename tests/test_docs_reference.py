@@ -99,7 +99,7 @@ def test_prose_defaults_mean_what_they_say():
     import torch
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-    from lightning_fsdp.pipeline.options import PipelineOptions
+    from lightning_fsdp.options import PipelineOptions
 
     assert default_pg_timeout == timedelta(minutes=30)  # "Lightning's default (30 minutes)"
     # "1, or 2 interleaved"; microbatches "stages"; split "balanced" (None: chosen by the balancing programme)

@@ -136,7 +136,7 @@ def test_a_loaded_checkpoint_initialises_what_it_fills():
     """Resuming (``fit(ckpt_path=...)``) loads the model state through the checkpoint routing: what it filled is
     no longer recorded, and the model computes the checkpoint's values."""
     from lightning_fsdp.checkpoint import routing
-    from lightning_fsdp.pipeline.options import PipelineOptions
+    from lightning_fsdp.options import PipelineOptions
     from lightning_fsdp.pipeline.role import PipelineRole
 
     with parameters_on_meta():

@@ -155,7 +155,7 @@ def test_names_resolve_to_submodules_and_parameters():
 def test_wrap_policies_never_make_a_container_without_forward_a_unit():
     from torch import nn
 
-    from lightning_fsdp.engine.config import parse_auto_wrap_policy
+    from lightning_fsdp.engine.options import parse_auto_wrap_policy
     from lightning_fsdp.engine.wrap import select_unit_modules
 
     class Holder(nn.Module):

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from lightning_fsdp import FSDPStrategy
-from lightning_fsdp.pipeline import PipelineOptions, pipeline_pieces, plan_stages
+from lightning_fsdp.options import PipelineOptions
+from lightning_fsdp.pipeline import pipeline_pieces, plan_stages
 from lightning_fsdp.pipeline.split import AbsentPiece, keep_only, meta_copy, stage_view
 from tests.processes import ROOT, clean_env, in_background
 

@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fsdp.engine.config import ShardingStrategy
-from lightning_fsdp.engine.options import ShardingOptions
+from lightning_fsdp.engine.options import ShardingOptions, ShardingStrategy
 from lightning_fsdp.process_groups import GroupChoice, node_groups
 from tests.distributed import run_distributed
 

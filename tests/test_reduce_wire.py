@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_fsdp import MixedPrecision
 from lightning_fsdp.engine import fully_shard
-from lightning_fsdp.engine.config import parse_mixed_precision
+from lightning_fsdp.engine.options import parse_mixed_precision
 from tests.distributed import run_distributed
 
 

@@ -17,7 +17,7 @@ from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, is_local_pat
 from lightning_fsdp.collective import Collective, raised_alike_on_every_rank
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.layout import ShardLayout
-from lightning_fsdp.engine.unit import ParamSlot
+from lightning_fsdp.engine.records import ParamSlot
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO

@@ -35,8 +35,8 @@ from lightning_fsdp.checkpoint.paths import checkpoint_kind, remove_checkpoint_p
 from lightning_fsdp.checkpoint.sharded import ShardedFormat
 from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
-from lightning_fsdp.engine.config import parse_enum
 from lightning_fsdp.engine.meta_init import mark_initialised
+from lightning_fsdp.engine.options import parse_enum
 from lightning_fsdp.weight_averaging import gather_averages_for_save, slice_loaded_averages
 
 __all__ = [

@@ -7,13 +7,19 @@ docs/how-it-works.md maps its modules and follows a parameter through them.
 """
 
 from lightning_fsdp.engine.comm import CommStats, Communicator, gather_rows
-from lightning_fsdp.engine.config import BackwardPrefetch, MixedPrecision, ShardingStrategy, WrapPolicy
 from lightning_fsdp.engine.layout import ShardLayout
-from lightning_fsdp.engine.options import ShardingOptions
+from lightning_fsdp.engine.options import (
+    BackwardPrefetch,
+    MixedPrecision,
+    ShardingOptions,
+    ShardingStrategy,
+    WrapPolicy,
+)
+from lightning_fsdp.engine.records import ParamSlot
 from lightning_fsdp.engine.registry import get_engine
 from lightning_fsdp.engine.sharding import fully_shard
-from lightning_fsdp.engine.state import ShardingEngine
-from lightning_fsdp.engine.unit import FlatUnit, ParamSlot
+from lightning_fsdp.engine.sharding_engine import ShardingEngine
+from lightning_fsdp.engine.unit import FlatUnit
 
 __all__ = [
     "BackwardPrefetch",

@@ -38,7 +38,7 @@ def clip_grad_norm_(
     inf = math.isinf(norm_type)
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     local = _norm_term(sharded, norm_type, device)
-    shard_comm.agree(TAG_CLIP)
+    shard_comm.check_same_collective(TAG_CLIP)
     shard_comm.all_reduce(local, op=op)
     whole = _norm_term(replicated, norm_type, device)
     total = torch.maximum(local, whole) if inf else local + whole

@@ -2,8 +2,8 @@
 
 [Note: which collectives]
 Reductions are SUM then an explicit division: ``AVG`` and ``PREMUL_SUM`` are missing on some backends, and older gloo
-silently returned SUM for them. Under anomaly checking ``Communicator.agree`` precedes every collective, so ranks
-that disagree raise, naming what each was about to do, instead of hanging.
+silently returned SUM for them. Under anomaly checking ``Communicator.check_same_collective`` precedes every
+collective, so ranks that disagree raise, naming what each was about to do, instead of hanging.
 
 [Note: narrow on the wire, wide in the sum]
 ``reduce_wire_dtype`` (``reduce_scatter_wide``): docs/options.md, and why an all-to-all: docs/decisions.md.
@@ -128,10 +128,11 @@ class Communicator:
             else [0]
         )
         self.stats = CommStats()
-        # Turns an ``agree`` tag into words for the error message; the engine installs one that names units.
+        # Turns a ``check_same_collective`` tag into words for the error message; the engine installs one that names
+        # units.
         self.describe_tag: Callable[[int], str] = lambda tag: f"collective #{tag}"
 
-    def agree(self, tag: int) -> None:
+    def check_same_collective(self, tag: int) -> None:
         """Under anomaly checking, confirm every rank is about to issue the same collective (``tag``): otherwise a
         unit run on some ranks only pairs unrelated collectives, a hang or a silent mix of tensors. One small
         all-gather per collective."""

@@ -16,7 +16,7 @@ import torch
 from lightning_fsdp.engine.comm import Communicator
 from lightning_fsdp.engine.groups import consecutive_subgroup
 from lightning_fsdp.engine.options import check_flag, check_reshard_after_forward
-from lightning_fsdp.engine.states import TrainingState
+from lightning_fsdp.engine.records import TrainingState
 from lightning_fsdp.engine.unit import FlatUnit
 
 

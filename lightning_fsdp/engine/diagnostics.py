@@ -6,13 +6,14 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from lightning_fsdp.engine.states import CollectiveKind
+from lightning_fsdp.engine.records import CollectiveKind
 
 if TYPE_CHECKING:
     from lightning_fsdp.engine.comm import Communicator
     from lightning_fsdp.engine.unit import FlatUnit
 
-# ``Communicator.agree`` tags of collectives that belong to no unit (a unit's tags, ``FlatUnit.tag``, are >= 0).
+# ``Communicator.check_same_collective`` tags of collectives that belong to no unit (a unit's tags, ``FlatUnit.tag``,
+# are >= 0).
 TAG_IGNORED_GRAD, TAG_CLIP, TAG_ANOMALY = -1, -2, -3
 
 
@@ -41,7 +42,7 @@ def report_nonfinite(local: list[str], comms: list[Communicator]) -> None:
     for name in local:
         found.setdefault(name, set()).add(f"rank {dist.get_rank() if dist.is_initialized() else 0}")
     for comm in comms:
-        comm.agree(TAG_ANOMALY)
+        comm.check_same_collective(TAG_ANOMALY)
         merged: dict[str, set[str]] = {}
         for other in comm.all_gather_object(found):
             for name, where in other.items():

@@ -7,7 +7,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_fsdp.engine.comm import Communicator
-from lightning_fsdp.engine.config import ShardingStrategy
+from lightning_fsdp.engine.options import ShardingStrategy
 
 
 def is_process_group(value: Any) -> bool:

@@ -1,4 +1,6 @@
-"""``ShardingOptions``: the engine's options, validated in one place for ``FSDPStrategy`` and ``fully_shard``.
+"""The engine's options: the public option types with the parser of each value (the type itself or its YAML spelling,
+a string or a dict; a bad value raises naming it and the valid choices), and ``ShardingOptions``, all of them
+validated in one place for ``FSDPStrategy`` and ``fully_shard``.
 
 [Note: validate before the first collective]
 Every option is checked on every rank before any process group exists or before the first collective, so a bad
@@ -7,6 +9,7 @@ value raises the same error everywhere. Parsing a parsed value returns it unchan
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -14,17 +17,216 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fsdp.engine.config import (
-    BackwardPrefetch,
-    MixedPrecision,
-    ShardingStrategy,
-    WrapPolicy,
-    check_call_signature,
-    parse_auto_wrap_policy,
-    parse_enum,
-    parse_mixed_precision,
-    parse_sharding_strategy,
-)
+
+class ShardingStrategy(enum.Enum):
+    """How parameters, gradients and optimizer state are split across the shard group (docs/options.md)."""
+
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+class BackwardPrefetch(enum.Enum):
+    """When the next unit's all-gather is issued during backward."""
+
+    BACKWARD_PRE = "BACKWARD_PRE"
+    BACKWARD_POST = "BACKWARD_POST"
+
+
+def parse_enum(value: Any, enum_cls: type[enum.Enum], option: str, *, none_ok: bool = False) -> enum.Enum | None:
+    if isinstance(value, enum_cls) or (none_ok and value is None):
+        return value
+    if isinstance(value, str):
+        for member in enum_cls:
+            if value.upper() == member.name or value == member.value:
+                return member
+    choices = ", ".join(repr(m.value) for m in enum_cls) + (" or None" if none_ok else "")
+    raise ValueError(f"{option}={value!r} is not valid; choose one of {choices}.")
+
+
+def parse_sharding_strategy(value: Any) -> ShardingStrategy:
+    return parse_enum(value, ShardingStrategy, "sharding_strategy")  # type: ignore[return-value]
+
+
+WrapPolicyCallable = Callable[[nn.Module, bool, int], bool]
+
+
+@dataclass(frozen=True)
+class WrapPolicy:
+    """A normalised auto-wrap policy: modules of ``classes``, those ``fn(module, recurse, nonwrapped_numel)`` selects
+    (torch FSDP's meaning), and those with at least ``min_num_params`` parameters not already in a unit."""
+
+    classes: tuple[type[nn.Module], ...] = ()
+    fn: WrapPolicyCallable | None = None
+    min_num_params: int | None = None
+
+
+def parse_module_classes(value: Any, option: str) -> tuple[type[nn.Module], ...]:
+    """Accepts a set/list/tuple of ``nn.Module`` subclasses, or their import paths as strings."""
+    if isinstance(value, (str, type)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{option}={value!r} is not valid; expected a set of nn.Module subclasses (or their import paths)."
+        )
+    classes = []
+    for item in value:
+        named = item if isinstance(item, str) else None
+        if named is not None:
+            item = _import_class(named, option)
+        if not (isinstance(item, type) and issubclass(item, nn.Module)):
+            what = f"names {named!r}, which is {item!r}," if named is not None else f"contains {item!r}, which is"
+            raise TypeError(f"{option} {what} not an nn.Module subclass.")
+        classes.append(item)
+    return tuple(classes)
+
+
+def _import_class(path: str, option: str) -> type:
+    import importlib
+
+    module_name, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"{option} names {path!r}, which cannot be imported: {err}") from err
+
+
+def parse_auto_wrap_policy(value: Any) -> WrapPolicy:
+    """Normalises ``auto_wrap_policy``: a set of module classes, a callable, an int minimum parameter count or None."""
+    if value is None:
+        return WrapPolicy()
+    if isinstance(value, WrapPolicy):
+        return value
+    if isinstance(value, bool):
+        raise TypeError(_wrap_policy_error(value))
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"auto_wrap_policy={value!r}: a minimum parameter count must be a positive int.")
+        return WrapPolicy(min_num_params=value)
+    if isinstance(value, type) and issubclass(value, nn.Module):
+        return WrapPolicy(classes=(value,))
+    if isinstance(value, (set, frozenset, list, tuple)):
+        return WrapPolicy(classes=parse_module_classes(value, "auto_wrap_policy"))
+    if callable(value):
+        check_call_signature(value, "auto_wrap_policy", "(module, recurse, nonwrapped_numel)")
+        return WrapPolicy(fn=value)
+    raise TypeError(_wrap_policy_error(value))
+
+
+def check_call_signature(fn: Callable[..., Any], option: str, call: str) -> None:
+    """Raise a ``TypeError`` naming ``option`` if ``fn`` cannot take the positional arguments ``call`` lists (e.g.
+    ``"(module)"``), on every rank, before sharding starts. Signatures Python cannot inspect pass."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    count = len(call.strip("()").split(","))
+    try:
+        signature.bind(*([None] * count))
+    except TypeError as err:
+        raise TypeError(f"{option}={fn!r} cannot be called as {option}{call}: {err}.") from None
+
+
+def _wrap_policy_error(value: Any) -> str:
+    return (
+        f"auto_wrap_policy={value!r} ({type(value).__name__}) is not valid; expected a set of nn.Module "
+        "classes, a callable (module, recurse, nonwrapped_numel) -> bool, a positive int minimum parameter "
+        "count, or None."
+    )
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Low-precision compute, full-precision master shards; the fields: docs/options.md ("Mixed precision")."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+    reduce_wire_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "reduce_wire_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise TypeError(
+                    f"MixedPrecision({name}={value!r}) is not valid; expected a floating torch.dtype or None."
+                )
+        for name in ("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"MixedPrecision({name}={getattr(self, name)!r}) is not valid; expected True or False.")
+        if self.keep_low_precision_grads:
+            raise ValueError(
+                "MixedPrecision(keep_low_precision_grads=True) is not supported: the full-precision shards are the "
+                "optimizer's master weights and a parameter's .grad must have its dtype, so reduced gradients are "
+                "always converted to the shards' dtype. Use keep_low_precision_grads=False."
+            )
+        if self.reduce_wire_dtype is not None and self.reduce_wire_dtype not in WIRE_DTYPES:
+            raise ValueError(
+                f"MixedPrecision(reduce_wire_dtype={self.reduce_wire_dtype!r}) is not valid; expected one of "
+                f"{', '.join(map(str, WIRE_DTYPES))} or None."
+            )
+        summed_in = self.effective_reduce_dtype
+        if self.reduce_wire_dtype is not None and summed_in is not None:
+            check_wire_narrower(self.reduce_wire_dtype, summed_in)
+
+    @property
+    def effective_reduce_dtype(self) -> torch.dtype | None:
+        return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
+
+
+WIRE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_wire_narrower(wire: torch.dtype, summed_in: torch.dtype) -> None:
+    """A wire dtype only helps when it is narrower than the dtype the reduction sums in."""
+    if torch.finfo(wire).bits >= torch.finfo(summed_in).bits:
+        raise ValueError(
+            f"MixedPrecision(reduce_wire_dtype={wire}) must be narrower than the dtype gradients are reduced in "
+            f"({summed_in}: reduce_dtype, else param_dtype, else the parameters' dtype); it would move the same bytes "
+            "and round the same way. Set reduce_dtype=torch.float32 to send bfloat16 and sum in float32, or drop "
+            "reduce_wire_dtype."
+        )
+
+
+def parse_mixed_precision(value: Any) -> MixedPrecision | None:
+    if value is None or isinstance(value, MixedPrecision):
+        return value
+    if isinstance(value, dict):
+        fields = list(MixedPrecision.__dataclass_fields__)
+        unknown = [k for k in value if k not in fields]
+        if unknown:
+            raise ValueError(
+                f"mixed_precision={value!r} has unknown field(s) {', '.join(map(repr, unknown))}; the fields of "
+                f"MixedPrecision are {', '.join(fields)}."
+            )
+        return MixedPrecision(**{k: _parse_dtype(v, k) if k.endswith("_dtype") else v for k, v in value.items()})
+    raise TypeError(f"mixed_precision={value!r} is not valid; expected lightning_fsdp.MixedPrecision, a dict or None.")
+
+
+def _parse_dtype(value: Any, field: str) -> Any:
+    # YAML configs spell dtypes as strings: "bfloat16", "torch.float16".
+    if isinstance(value, str):
+        name = value.removeprefix("torch.")
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(
+                f"MixedPrecision({field}={value!r}) is not a torch dtype; use e.g. 'bfloat16', 'float16' or 'float32'."
+            )
+        return dtype
+    return value
 
 
 @dataclass(frozen=True)

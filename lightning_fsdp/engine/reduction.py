@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from lightning_fsdp.engine.comm import wait_works
-from lightning_fsdp.engine.states import CollectiveKind, ParamSlot, PendingReduce
+from lightning_fsdp.engine.records import CollectiveKind, ParamSlot, PendingReduce
 
 
 class GradientReduction:
@@ -71,7 +71,7 @@ class GradientReduction:
         staged_out = None
         if self.sharded:
             reduced = torch.empty(plan.numel + k, dtype=self.reduce_dtype, device=self.device)
-            self.shard_comm.agree(self.tag(CollectiveKind.REDUCE))
+            self.shard_comm.check_same_collective(self.tag(CollectiveKind.REDUCE))
             works, inputs = [], []
             for j in plan.direct:
                 flat = grads[j].reshape(-1).to(self.reduce_dtype)
@@ -100,7 +100,7 @@ class GradientReduction:
             reduced = torch.cat([g.reshape(-1).to(self.reduce_dtype) for g in grads] + [flags])
             if pre_divide:
                 reduced.div_(ranks)
-            self.shard_comm.agree(self.tag(CollectiveKind.REDUCE))
+            self.shard_comm.check_same_collective(self.tag(CollectiveKind.REDUCE))
             works, inputs = [self.shard_comm.all_reduce(reduced, async_op=True)], []
         self._pending_reduce = PendingReduce(works, reduced, inputs, staged_out, pre_divide, ranks, plan)
 
@@ -192,7 +192,7 @@ class GradientReduction:
             sizes = [r.numel() for r in regions] + [len(plan.slots)]
             torch.split_with_sizes_copy(pending.staged_out, sizes, out=regions + [reduced[plan.numel :]])
         if self.replicate_comm is not None and self.replicate_comm.world_size > 1:
-            self.replicate_comm.agree(self.tag(CollectiveKind.REPLICATE))
+            self.replicate_comm.check_same_collective(self.tag(CollectiveKind.REPLICATE))
             self.replicate_comm.all_reduce(reduced)
         if not pending.pre_divide:
             reduced.div_(pending.ranks)

@@ -10,14 +10,21 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fsdp.engine.comm import Communicator
-from lightning_fsdp.engine.config import MixedPrecision, ShardingStrategy, check_wire_narrower
 from lightning_fsdp.engine.groups import check_engine_groups
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.meta_init import InitWatch, own_tensors, record_uninitialised
-from lightning_fsdp.engine.options import ShardingOptions, check_reshard_after_forward, split_ignored
+from lightning_fsdp.engine.options import (
+    MixedPrecision,
+    ShardingOptions,
+    ShardingStrategy,
+    check_reshard_after_forward,
+    check_wire_narrower,
+    split_ignored,
+)
+from lightning_fsdp.engine.records import ParamSlot
 from lightning_fsdp.engine.registry import attach_engine, get_engine
-from lightning_fsdp.engine.state import ShardingEngine
-from lightning_fsdp.engine.unit import FlatUnit, ParamSlot
+from lightning_fsdp.engine.sharding_engine import ShardingEngine
+from lightning_fsdp.engine.unit import FlatUnit
 from lightning_fsdp.engine.wrap import assign_owners, enclosing_units, ignored_module_set, select_unit_modules
 
 

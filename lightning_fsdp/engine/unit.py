@@ -12,9 +12,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_fsdp.engine.comm import Communicator, all_gather_flat, wait_works
-from lightning_fsdp.engine.config import check_wire_narrower
-from lightning_fsdp.engine.reduction import GradientReduction
-from lightning_fsdp.engine.states import (
+from lightning_fsdp.engine.options import check_wire_narrower
+from lightning_fsdp.engine.records import (
     CollectiveKind,
     ParamSlot,
     PendingGather,
@@ -24,6 +23,7 @@ from lightning_fsdp.engine.states import (
     ShardedState,
     UnitStepState,
 )
+from lightning_fsdp.engine.reduction import GradientReduction
 from lightning_fsdp.engine.streams import INACTIVE, CollectiveStreams, pins_host_memory
 
 
@@ -82,7 +82,8 @@ class FlatUnit(GradientReduction):
         offloaded = self.shard_device.type == "cpu" and self.device != self.shard_device
         self.pinned = offloaded and pins_host_memory(self.device)
         self.streams: CollectiveStreams = INACTIVE
-        self.index = 0  # position in the engine's unit list: names this unit's collectives for ``Communicator.agree``
+        # Position in the engine's unit list: names this unit's collectives for ``Communicator.check_same_collective``.
+        self.index = 0
         # Calls open now (nested and recomputed ones included); whether the outermost marked its inputs.
         self.forward_depth = 0
         self.marked_call = False
@@ -265,7 +266,7 @@ class FlatUnit(GradientReduction):
         # Each of the ``ranks`` ranks sends ``k`` consecutive padded chunks per parameter (k = 1 from the shards).
         ranks = comm.world_size
         k = self.world_size // ranks
-        comm.agree(self.tag(CollectiveKind.ALL_GATHER))
+        comm.check_same_collective(self.tag(CollectiveKind.ALL_GATHER))
         if len(self.slots) == 1:
             # One parameter: rank-major and parameter-major layouts coincide, so gather in place.
             self._allocate_full()
@@ -493,7 +494,8 @@ class FlatUnit(GradientReduction):
         return True
 
     def tag(self, kind: int) -> int:
-        """This unit's collective of ``kind`` as one integer for ``Communicator.agree`` (``describe_tag`` reads it)."""
+        """This unit's collective of ``kind`` as one integer for ``Communicator.check_same_collective``
+        (``describe_tag`` reads it)."""
         return self.index * len(CollectiveKind) + kind
 
     def local_param_bytes(self) -> int:

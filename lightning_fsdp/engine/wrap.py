@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from lightning_fsdp.engine.config import WrapPolicy
+from lightning_fsdp.engine.options import WrapPolicy
 
 
 class ParamUse(NamedTuple):

@@ -14,13 +14,13 @@ from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.common import CheckpointFormat
 from lightning_fsdp.engine import MixedPrecision, ShardingEngine
+from lightning_fsdp.options import PipelineOptions, check_pipeline_composition, check_pipeline_precision
 from lightning_fsdp.pipeline.checkpoint import (
     PipelineCheckpoint,
     check_pipeline_format,
     pipeline_model_state_dict,
     pipeline_optimizer_state,
 )
-from lightning_fsdp.pipeline.options import PipelineOptions, check_pipeline_composition, check_pipeline_precision
 from lightning_fsdp.pipeline.runtime import PipelineRuntime, pipeline_layout
 from lightning_fsdp.pipeline.split import plan_stages
 

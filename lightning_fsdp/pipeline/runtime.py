@@ -17,8 +17,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.utils._pytree import tree_map
 
+from lightning_fsdp.options import SCHEDULES, PipelineOptions
 from lightning_fsdp.pipeline.contract import BrokenChainError, chain_checked, tensors_in
-from lightning_fsdp.pipeline.options import SCHEDULES, PipelineOptions
 from lightning_fsdp.pipeline.split import keep_only, meta_copy, plan_stages, stage_view
 
 _RUNTIMES: weakref.WeakKeyDictionary[nn.Module, PipelineRuntime] = weakref.WeakKeyDictionary()

@@ -19,12 +19,12 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_fsdp.engine.clip import clip_grad_norm_
 from lightning_fsdp.engine.comm import Communicator
-from lightning_fsdp.engine.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from lightning_fsdp.engine.controls import EngineControls
 from lightning_fsdp.engine.diagnostics import TAG_IGNORED_GRAD, describe_collective, report_nonfinite
 from lightning_fsdp.engine.layout import ShardLayout
+from lightning_fsdp.engine.options import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from lightning_fsdp.engine.records import ParamSlot, TrainingState
 from lightning_fsdp.engine.registry import detach_engine, unwatch_optimizer_steps, watch_optimizer_steps
-from lightning_fsdp.engine.states import ParamSlot, TrainingState
 from lightning_fsdp.engine.streams import CollectiveStreams, streams_for
 from lightning_fsdp.engine.unit import FlatUnit
 
@@ -441,10 +441,10 @@ class ShardingEngine(EngineControls):
             self._nonfinite_ignored.append(name)
         grad = grad.clone()
         ranks = self.shard_comm.world_size
-        self.shard_comm.agree(TAG_IGNORED_GRAD)
+        self.shard_comm.check_same_collective(TAG_IGNORED_GRAD)
         self.shard_comm.all_reduce(grad)
         if self.replicate_comm is not None and self.replicate_comm.world_size > 1:
-            self.replicate_comm.agree(TAG_IGNORED_GRAD)
+            self.replicate_comm.check_same_collective(TAG_IGNORED_GRAD)
             self.replicate_comm.all_reduce(grad)
             ranks *= self.replicate_comm.world_size
         return grad.div_(ranks)
