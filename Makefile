@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test lint docs setup clean gpu-check
+.PHONY: demo test lint typecheck docs setup clean gpu-check
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,10 +46,14 @@ $(MPI_SITE)/.installed: | $(BIN)/.installed
 demo: setup
 	$(BIN)/python examples/demo.py
 
-# The linter and formatter first (seconds), then the suite.
+# The linter and formatter first (seconds), the type checker (under a minute; configuration in pyproject.toml), then
+# the suite.
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy
 
 test: lint
 	$(BIN)/python -m pytest -q
@@ -64,4 +68,4 @@ docs: setup
 	$(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) lightning_logs .pytest_cache site
+	rm -rf $(VENV) lightning_logs .pytest_cache .mypy_cache site
