@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_fsdp import MixedPrecision
 from lightning_fsdp.engine import fully_shard
 from lightning_fsdp.engine.backends import FLAT
+from lightning_fsdp.engine.reduction import used_flags
 from lightning_fsdp.engine.streams import INACTIVE, CollectiveStreams, pins_host_memory, stream_module
 from lightning_fsdp.engine.unit import FlatUnit
 from tests.distributed import run_distributed
@@ -578,9 +579,10 @@ def test_used_flags_without_a_host_copy():
     engine = fully_shard(model, auto_wrap_policy={Block})
     unit = engine.units[0]
     used = [True, False, True, False]
-    plain = unit._used_flags(used)
+    plain = used_flags(used, unit.compute_dtype, unit.device, on_device=unit.streams.active)
     engine._use_streams(RecordingStreams(StreamChecker()))
-    assert torch.equal(unit._used_flags(used), plain) and plain.tolist() == [1.0, 0.0, 1.0, 0.0]
+    on_device = used_flags(used, unit.compute_dtype, unit.device, on_device=unit.streams.active)
+    assert torch.equal(on_device, plain) and plain.tolist() == [1.0, 0.0, 1.0, 0.0]
 
 
 def test_inactive_on_cpu():

@@ -14,8 +14,8 @@ The form each backend gets is ``backends.py``'s [Note: the capability table]; ``
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,12 +24,21 @@ from lightning_fsdp.engine.backends import FLAT, CollectiveForms, Gather, Reduce
 from lightning_fsdp.engine.layout import ShardLayout
 
 
-def _torch_flat(name: str, old_name: str) -> Callable[..., Any]:
+class Waitable(Protocol):
+    """A collective in flight: a ``torch.distributed.Work`` or a ``Pending``."""
+
+    def wait(self) -> object: ...
+
+
+T = TypeVar("T")
+
+
+def _torch_flat(name: str, old_name: str) -> Callable[..., Waitable | None]:
     # torch 2.13 renamed the flat collectives; older releases only have the *_tensor names. Looked up per call.
     return getattr(dist, name, None) or getattr(dist, old_name)
 
 
-def _settle(pending: Any, async_op: bool) -> Any:
+def _settle(pending: Pending, async_op: bool) -> Pending | None:
     """``pending`` for an ``async_op`` caller to wait on; otherwise waited for here (None)."""
     if async_op:
         return pending
@@ -39,7 +48,7 @@ def _settle(pending: Any, async_op: bool) -> Any:
 
 def all_gather_flat(
     output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
-) -> Any:
+) -> Waitable | None:
     """``all_gather_into_tensor`` in the form ``group``'s backend has (``backends.py``): ``output`` (N *
     tensor.numel(),) receives every rank's ``tensor`` in rank order. Not counted in any ``CommStats``."""
     return Communicator(group, tensor.device).gather_uncounted(output, tensor, async_op=async_op)
@@ -59,7 +68,8 @@ class CommStats:
     peak_gathered_units: int = 0
 
     def reset(self) -> None:
-        self.__init__()  # type: ignore[misc]
+        for counter in fields(self):
+            setattr(self, counter.name, counter.default)
 
 
 class Pending:
@@ -67,7 +77,11 @@ class Pending:
     ``finish`` once, the local step that completes the result; ``keep``: what the collectives read, alive until then."""
 
     def __init__(
-        self, works: list[Any], finish: Callable[[], Any] | None = None, timeout_ms: int | None = None, keep: Any = None
+        self,
+        works: list[Waitable],
+        finish: Callable[[], object] | None = None,
+        timeout_ms: int | None = None,
+        keep: object = None,
     ) -> None:
         self._works, self._finish, self._timeout_ms, self._keep = works, finish, timeout_ms, keep
 
@@ -80,7 +94,7 @@ class Pending:
             finish()
 
 
-def wait_naming_timeout(work: Any, timeout_ms: int | None) -> None:
+def wait_naming_timeout(work: Waitable, timeout_ms: int | None) -> None:
     """``work.wait()``, naming the group's timeout when gloo's broadcast or all-to-all times out (their error,
     unlike its all-gather's, does not say how long it waited)."""
     try:
@@ -150,21 +164,21 @@ class Communicator:
                 "run the same sharded units in the same order; parameters skipped inside a unit are fine."
             )
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: T) -> list[T]:
         """Every rank's ``obj`` in rank order (pickled; for small reports, not tensors of the step)."""
         if self.world_size == 1:
             return [obj]
-        out: list[Any] = [None] * self.world_size
+        out = [obj] * self.world_size  # placeholders: every entry is overwritten with that rank's object
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False) -> Any:
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False) -> Waitable | None:
         """``output`` (N * shard.numel(),) gets every rank's ``shard`` in rank order; wait on an ``async_op`` handle."""
         self.stats.all_gather_bytes += shard.numel() * shard.element_size()
         self.stats.all_gather_calls += 1
         return self.gather_uncounted(output, shard, async_op=async_op)
 
-    def gather_uncounted(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False) -> Any:
+    def gather_uncounted(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False) -> Waitable | None:
         """``all_gather`` without counting it in ``stats`` (checks, checkpoints)."""
         if self.world_size == 1:
             output.copy_(shard)
@@ -188,7 +202,7 @@ class Communicator:
             )
         return _settle(works, async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, async_op: bool = False) -> Any:
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, async_op: bool = False) -> Waitable | None:
         """SUM-reduce ``full`` (N * output.numel(),) across ranks into this rank's slice, ``output``; with
         ``async_op``, keep ``full`` alive and wait on the returned handle (if any) before reading ``output``."""
         if self.world_size > 1 and self.forms.reduce_scatter_form(full.dtype) is ReduceScatter.ALL_TO_ALL:
@@ -225,7 +239,9 @@ class Communicator:
         )
         return _settle(pending, async_op)
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, *, async_op: bool = False) -> Any:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, *, async_op: bool = False
+    ) -> Waitable | None:
         widen = self.world_size > 1 and not self.forms.carries(tensor.dtype)
         sent = tensor.float() if widen else tensor
         self.stats.all_reduce_bytes += sent.numel() * sent.element_size()
@@ -254,7 +270,7 @@ def gather_rows(local: torch.Tensor, layout: ShardLayout, comm: Communicator) ->
     return out[: layout.rows].reshape(layout.shape)
 
 
-def wait_works(works: list[Any]) -> None:
+def wait_works(works: list[Waitable | None]) -> None:
     """Wait for a collective's work handles (None where it completed synchronously, e.g. on one rank)."""
     for work in works:
         if work is not None:

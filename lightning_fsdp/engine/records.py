@@ -7,14 +7,14 @@ the next unshard's, as the shards may have changed) and held gradients (``ParamS
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, IntEnum, auto
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from lightning_fsdp.engine.comm import Communicator
+from lightning_fsdp.engine.comm import Communicator, Waitable
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.wrap import ParamUse
 
@@ -77,7 +77,8 @@ class ParamSlot:
     uses: list[ParamUse]
     layout: ShardLayout
     offset: int = 0  # element offset of this parameter's padded chunk in the flat shard buffer
-    full: nn.Parameter | None = None
+    # The full-size stand-in the modules hold while unsharded: given by the unit when it builds its buffers.
+    full: nn.Parameter = field(init=False)
     # Trainable in a forward of this step: its gradient may arrive though frozen since, so the reduction keeps it.
     in_graph: bool = False
     # What the engine last gave ``full``: a difference at the next sync is the user's flip through the module.
@@ -100,16 +101,25 @@ class ReducePlan(NamedTuple):
     direct: list[int]  # indices into ``slots`` reduced on their own, in place (large, rows split evenly)
     staged: list[int]  # indices packed through the padded rank-major copy
 
+    @classmethod
+    def of(cls, slots: list[ParamSlot], direct: list[int], staged: list[int]) -> ReducePlan:
+        """The plan reducing ``slots``, each padded chunk after the previous one."""
+        offsets, numel = [], 0
+        for slot in slots:
+            offsets.append(numel)
+            numel += slot.layout.padded_numel
+        return cls(slots, offsets, numel, direct, staged)
+
 
 class PendingGather(NamedTuple):
     """An unshard's all-gathers in flight (see ``FlatUnit.start_unshard``)."""
 
-    works: list[Any]
+    works: list[Waitable | None]
     inputs: list[torch.Tensor]  # kept alive until the collectives complete
     staged_out: torch.Tensor | None  # the staging buffer's output, copied into the full buffer when done
     ranks: int  # the ranks gathered over: the shard group's, or a secondary group's (each sent 1/ranks of the unit)
     # Recorded on the all-gather stream after the collectives; None on CPU.
-    event: Any = None
+    event: torch.Event | None = None
 
 
 class SecondaryShard(NamedTuple):
@@ -123,7 +133,7 @@ class SecondaryShard(NamedTuple):
 class PendingReduce(NamedTuple):
     """A gradient reduction in flight (see ``FlatUnit.reduce_grads``)."""
 
-    works: list[Any]
+    works: list[Waitable | None]
     output: torch.Tensor  # this rank's reduced gradients, then one used-flag per parameter
     inputs: list[torch.Tensor]  # kept alive until the collectives complete
     staged_out: torch.Tensor | None  # the packed collective's output, copied into ``output`` when done
@@ -131,5 +141,5 @@ class PendingReduce(NamedTuple):
     ranks: int
     plan: ReducePlan
     # On an accelerator: the event after the post-reduce work, and what ``_post_reduce`` returned. None on CPU.
-    event: Any = None
+    event: torch.Event | None = None
     result: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -365,7 +365,7 @@ class ShardingEngine(EngineControls):
                 if not self._in_scope(unit):
                     continue
                 unit.free_after_backward()
-                if unit.trainable_slots and not unit.step_state.reduced and unit.reduce_or_hold(self.finish_reductions):
+                if unit.slots_to_reduce and not unit.step_state.reduced and unit.reduce_or_hold(self.finish_reductions):
                     self._reduced_units.append(unit)
             self.finish_reductions()
             if self._host_copies:

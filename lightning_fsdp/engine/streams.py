@@ -12,8 +12,8 @@ tests/test_streams.py checks the protocol on CPU."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -44,58 +44,85 @@ def pins_host_memory(device: torch.device) -> bool:
     return current is not None and current.type == device.type
 
 
+class DeviceModule(Protocol):
+    """What ``CollectiveStreams`` uses of a device module (``torch.cuda``, ``torch.hpu``, or the tests' fake)."""
+
+    def Stream(self, device: torch.device, priority: int = ...) -> torch.Stream: ...  # noqa: N802 - torch.cuda's name
+
+    def current_stream(self, device: torch.device) -> torch.Stream: ...
+
+    def stream(self, stream: torch.Stream) -> AbstractContextManager[object]: ...
+
+
+class _SideStreams(NamedTuple):
+    module: DeviceModule
+    all_gather: torch.Stream
+    reduce_scatter: torch.Stream
+
+
 class CollectiveStreams:
     """One compute device's all-gather and reduce-scatter streams ([Note: collectives on their own streams]). On CPU
     ``active`` is False and nothing else may be called."""
 
-    def __init__(self, device: torch.device | str, device_module: Any | None = None) -> None:
+    def __init__(self, device: torch.device | str, device_module: DeviceModule | None = None) -> None:
         self.device = torch.device(device)
-        self._module = device_module if device_module is not None else stream_module(self.device)
-        self.active = self._module is not None
-        self.all_gather_stream: Any = None
-        self.reduce_scatter_stream: Any = None
-        if self.active:
-            self.all_gather_stream = self._new_stream()
-            self.reduce_scatter_stream = self._new_stream()
+        module = device_module if device_module is not None else stream_module(self.device)
+        self.active = module is not None
+        self._side = (
+            _SideStreams(module, self._new_stream(module), self._new_stream(module)) if module is not None else None
+        )
 
-    def _new_stream(self) -> Any:
+    def _new_stream(self, module: DeviceModule) -> torch.Stream:
         try:
-            return self._module.Stream(device=self.device, priority=HIGH_PRIORITY)
+            return module.Stream(device=self.device, priority=HIGH_PRIORITY)
         except TypeError:  # a device module whose streams take no priority
-            return self._module.Stream(device=self.device)
+            return module.Stream(device=self.device)
 
-    def current_stream(self) -> Any:
+    def _active_side(self) -> _SideStreams:
+        if self._side is None:
+            raise RuntimeError(f"CollectiveStreams on {self.device} is inactive: there are no streams to use.")
+        return self._side
+
+    @property
+    def all_gather_stream(self) -> torch.Stream:
+        return self._active_side().all_gather
+
+    @property
+    def reduce_scatter_stream(self) -> torch.Stream:
+        return self._active_side().reduce_scatter
+
+    def current_stream(self) -> torch.Stream:
         """The stream kernels are queued on now: the compute stream outside the side-stream blocks."""
-        return self._module.current_stream(self.device)
+        return self._active_side().module.current_stream(self.device)
 
     @contextmanager
-    def _on(self, side: Any) -> Iterator[Any]:
+    def _on(self, side: torch.Stream) -> Iterator[torch.Stream]:
         compute = self.current_stream()
         side.wait_stream(compute)
-        with self._module.stream(side):
+        with self._active_side().module.stream(side):
             yield compute
 
-    def all_gather_side(self) -> Any:
+    def all_gather_side(self) -> AbstractContextManager[torch.Stream]:
         """A block on the all-gather stream, after it waited for the compute stream (yielded)."""
         return self._on(self.all_gather_stream)
 
-    def reduce_scatter_side(self) -> Any:
+    def reduce_scatter_side(self) -> AbstractContextManager[torch.Stream]:
         """A block on the reduce-scatter stream, after it waited for the compute stream (yielded)."""
         return self._on(self.reduce_scatter_stream)
 
-    def record_event(self) -> Any:
+    def record_event(self) -> torch.Event:
         """An event recorded on the current stream: done when everything queued there so far is."""
         return self.current_stream().record_event()
 
-    def wait_event(self, event: Any) -> None:
+    def wait_event(self, event: torch.Event) -> None:
         """The current stream waits for ``event`` (the host does not)."""
         self.current_stream().wait_event(event)
 
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+    def record_stream(self, tensor: torch.Tensor, stream: torch.Stream) -> None:
         """Once freed, ``tensor``'s memory is not reused before ``stream`` has done what was queued until then."""
         tensor.record_stream(stream)
 
-    def synchronize_event(self, event: Any) -> None:
+    def synchronize_event(self, event: torch.Event) -> None:
         """The host waits for ``event``."""
         event.synchronize()
 

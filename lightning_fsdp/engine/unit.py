@@ -1,6 +1,7 @@
 """One sharded unit (torch FSDP2's ``FSDPParamGroup``): unshard, reshard and gradient reduction, each a flat
-collective over the unit's buffers. ``.data`` views the flat shard buffer, so the optimizer updates in place and the
-all-gather needs no copy-in; the stand-ins and freeing: docs/how-it-works.md ("Shards", "A training step")."""
+collective over the unit's buffers (the reduction's work: ``reduction.py``'s functions). ``.data`` views the flat
+shard buffer, so the optimizer updates in place and the all-gather needs no copy-in; the stand-ins and freeing:
+docs/how-it-works.md ("Shards", "A training step")."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_fsdp.engine.comm import Communicator, all_gather_flat, wait_works
+from lightning_fsdp.engine.comm import Communicator, Waitable, all_gather_flat, wait_works
 from lightning_fsdp.engine.options import check_wire_narrower
 from lightning_fsdp.engine.records import (
     CollectiveKind,
@@ -23,11 +24,11 @@ from lightning_fsdp.engine.records import (
     ShardedState,
     UnitStepState,
 )
-from lightning_fsdp.engine.reduction import GradientReduction
+from lightning_fsdp.engine.reduction import ReduceSettings, finish_reduction, hold_unsynced_grads, start_reduction
 from lightning_fsdp.engine.streams import INACTIVE, CollectiveStreams, pins_host_memory
 
 
-class FlatUnit(GradientReduction):
+class FlatUnit:
     """Unshard, reshard and gradient reduction for one unit's parameters: flat collectives over its shard buffer."""
 
     # From 1 MiB of float32 a parameter is gathered on its own, in place; smaller ones share a staged collective.
@@ -93,7 +94,24 @@ class FlatUnit(GradientReduction):
         self._had_grad: list[bool] = []
         self.nonfinite: list[str] = []  # anomaly checking: parameters whose local gradient was not finite
         self._pending_reduce: PendingReduce | None = None
-        self._build_buffers()
+        # The flat buffers: each parameter's padded chunk at its offset in the shard, N of them in the full buffer.
+        offset = 0
+        for slot in self.slots:
+            slot.offset = offset
+            offset += slot.layout.padded_numel
+        self.shard_numel = offset
+        self.flat_shard = torch.zeros(offset, dtype=self.dtype, device=self.shard_device, pin_memory=self.pinned)
+        # A NO_SHARD unit in full precision computes on its shard buffer directly.
+        self._aliases_shard = not self.sharded and self.compute_dtype == self.dtype and self.shard_device == self.device
+        full_numel = 0 if self._aliases_shard else self.world_size * self.shard_numel
+        self.full_flat = torch.empty(full_numel, dtype=self.compute_dtype, device=self.device)
+        self._split_sizes = [s.layout.padded_numel for s in self.slots]
+        self._direct, self._staged = self._split_direct(self.slots, even_rows=False)
+        self._full_regions = self._place_parameters()
+        self._staged_sizes = [self._split_sizes[i] for i in self._staged]
+        self._staged_regions = [] if self._aliases_shard else [self._full_regions[i] for i in self._staged]
+        if not self._aliases_shard:
+            self._free_full()
 
     def _check_uniform_dtype(self) -> None:
         kinds = {(s.param.dtype, s.param.device) for s in self.slots}
@@ -108,45 +126,30 @@ class FlatUnit(GradientReduction):
     def world_size(self) -> int:
         return self.shard_comm.world_size if self.sharded else 1
 
-    def _build_buffers(self) -> None:
-        offset = 0
-        for slot in self.slots:
-            slot.offset = offset
-            offset += slot.layout.padded_numel
-        self.shard_numel = offset
+    @torch.no_grad()
+    def _place_parameters(self) -> list[torch.Tensor]:
+        """Copy each parameter's rows into the flat shard, whose view its ``.data`` becomes, and give it its full-size
+        stand-in; returns each parameter's (N, padded chunk) region of the full buffer (none when they alias)."""
         n = self.world_size
-        self.flat_shard = torch.zeros(
-            self.shard_numel, dtype=self.dtype, device=self.shard_device, pin_memory=self.pinned
-        )
-        # A NO_SHARD unit in full precision computes on its shard buffer directly.
-        self._aliases_shard = not self.sharded and self.compute_dtype == self.dtype and self.shard_device == self.device
-        full_numel = 0 if self._aliases_shard else n * self.shard_numel
-        self.full_flat = torch.empty(full_numel, dtype=self.compute_dtype, device=self.device)
-        self._split_sizes = [s.layout.padded_numel for s in self.slots]
-        self._direct, self._staged = self._split_direct(self.slots, even_rows=False)
-        self._full_regions = []
-        with torch.no_grad():
-            for slot in self.slots:
-                layout = slot.layout
-                shard_view = self.flat_shard[slot.offset : slot.offset + layout.local_numel].view(layout.local_shape)
-                shard_view.copy_(layout.local_slice(slot.param.data))
-                full = nn.Parameter(
-                    torch.empty(0, dtype=self.compute_dtype, device=self.device), requires_grad=slot.param.requires_grad
-                )
-                slot.synced_requires_grad = slot.param.requires_grad
-                if not self._aliases_shard:
-                    region = self.full_flat[n * slot.offset : n * (slot.offset + layout.padded_numel)]
-                    self._full_regions.append(region.view(n, layout.padded_numel))
-                    full.data = region.view(layout.padded_full_shape)[: layout.rows].view(layout.shape)
-                else:
-                    # Unsharded: the full parameter aliases the shard, so the optimizer's update is seen directly.
-                    full.data = shard_view.view(layout.shape)
-                slot.full = full
-                slot.param.data = shard_view
-        if not self._aliases_shard:
-            self._staged_sizes = [self._split_sizes[i] for i in self._staged]
-            self._staged_regions = [self._full_regions[i] for i in self._staged]
-            self._free_full()
+        full_regions = []
+        for slot in self.slots:
+            layout = slot.layout
+            shard_view = self.flat_shard[slot.offset : slot.offset + layout.local_numel].view(layout.local_shape)
+            shard_view.copy_(layout.local_slice(slot.param.data))
+            full = nn.Parameter(
+                torch.empty(0, dtype=self.compute_dtype, device=self.device), requires_grad=slot.param.requires_grad
+            )
+            slot.synced_requires_grad = slot.param.requires_grad
+            if not self._aliases_shard:
+                region = self.full_flat[n * slot.offset : n * (slot.offset + layout.padded_numel)]
+                full_regions.append(region.view(n, layout.padded_numel))
+                full.data = region.view(layout.padded_full_shape)[: layout.rows].view(layout.shape)
+            else:
+                # Unsharded: the full parameter aliases the shard, so the optimizer's update is seen directly.
+                full.data = shard_view.view(layout.shape)
+            slot.full = full
+            slot.param.data = shard_view
+        return full_regions
 
     def sync_requires_grad(self, slots: list[ParamSlot] | None = None) -> None:
         """Give the full parameters (of ``slots``, default all) the user's current ``requires_grad``: called as the
@@ -170,7 +173,7 @@ class FlatUnit(GradientReduction):
                 slot.in_graph = False
 
     @property
-    def trainable_slots(self) -> list[ParamSlot]:
+    def slots_to_reduce(self) -> list[ParamSlot]:
         """The parameters this step's reduction carries: trainable now, or trainable in a forward of this step."""
         return self.reduce_plan().slots
 
@@ -178,17 +181,10 @@ class FlatUnit(GradientReduction):
         key = tuple(s.param.requires_grad or s.in_graph for s in self.slots)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._make_plan([s for s, on in zip(self.slots, key) if on])
+            slots = [s for s, on in zip(self.slots, key) if on]
+            # Large gradients whose rows split evenly over the ranks are reduced on their own, with no padded copy.
+            plan = self._plans[key] = ReducePlan.of(slots, *self._split_direct(slots, even_rows=True))
         return plan
-
-    def _make_plan(self, slots: list[ParamSlot]) -> ReducePlan:
-        offsets, numel = [], 0
-        for slot in slots:
-            offsets.append(numel)
-            numel += slot.layout.padded_numel
-        # Large gradients whose rows split evenly over the ranks are reduced on their own, with no padded copy.
-        direct, staged = self._split_direct(slots, even_rows=True)
-        return ReducePlan(slots, offsets, numel, direct, staged)
 
     def _split_direct(self, slots: list[ParamSlot], *, even_rows: bool) -> tuple[list[int], list[int]]:
         """Indices of the ``slots`` large enough for a collective of their own (with ``even_rows``: whose rows also
@@ -239,30 +235,32 @@ class FlatUnit(GradientReduction):
         if self._aliases_shard or not self.slots:
             return
         streams = self.streams
-        if not streams.active or not self.sharded:
-            # CPU; or no collective to overlap (NO_SHARD casting or offloading): on the current stream.
-            self._issue_unshard(secondary, async_op)
+        if not self.sharded:
+            # No collective to overlap (NO_SHARD casting or offloading): a copy on the current stream.
+            self._allocate_full()
+            with torch.no_grad():
+                self.full_flat.copy_(self._shard_on_device())
+            return
+        if not streams.active:
+            self._pending_unshard = self._issue_unshard(secondary, async_op)  # CPU: on the current stream
             return
         if len(self.slots) == 1 or self._direct:
             # Written in place by a collective: allocated on the compute stream, which frees it (see the streams Note).
             self._allocate_full()
         with streams.all_gather_side():
-            self._issue_unshard(secondary, async_op, non_blocking=True)
+            pending = self._issue_unshard(secondary, async_op, non_blocking=True)
             # NCCL, HCCL: this stream waits for the collectives, the host does not.
-            wait_works(self._pending_unshard.works)
+            wait_works(pending.works)
             event = streams.record_event()
-        self._pending_unshard = self._pending_unshard._replace(works=[], event=event)
+        self._pending_unshard = pending._replace(works=[], event=event)
 
-    def _issue_unshard(self, secondary: SecondaryShard | None, async_op: bool, *, non_blocking: bool = False) -> None:
+    def _issue_unshard(
+        self, secondary: SecondaryShard | None, async_op: bool, *, non_blocking: bool = False
+    ) -> PendingGather:
         if secondary is not None:
             comm, source = secondary.comm, secondary.buffer
         else:
             comm, source = self.shard_comm, self._shard_on_device(non_blocking)  # no copy in fp32
-            if not self.sharded:
-                self._allocate_full()
-                with torch.no_grad():
-                    self.full_flat.copy_(source)
-                return
         # Each of the ``ranks`` ranks sends ``k`` consecutive padded chunks per parameter (k = 1 from the shards).
         ranks = comm.world_size
         k = self.world_size // ranks
@@ -271,13 +269,12 @@ class FlatUnit(GradientReduction):
             # One parameter: rank-major and parameter-major layouts coincide, so gather in place.
             self._allocate_full()
             work = comm.all_gather(self.full_flat, source, async_op=async_op)
-            self._pending_unshard = PendingGather([work], [source], None, ranks)
-            return
+            return PendingGather([work], [source], None, ranks)
 
         def piece(i: int) -> torch.Tensor:  # parameter i's k chunks in ``source``
             return source[k * self.slots[i].offset : k * (self.slots[i].offset + self._split_sizes[i])]
 
-        works = []
+        works: list[Waitable | None] = []
         if self._direct:
             self._allocate_full()
             for i in self._direct:
@@ -289,7 +286,7 @@ class FlatUnit(GradientReduction):
             gathered = torch.empty(ranks * staged_in.numel(), dtype=self.compute_dtype, device=self.device)
             works.append(comm.all_gather(gathered, staged_in, async_op=async_op))
             inputs.append(staged_in)
-        self._pending_unshard = PendingGather(works, inputs, gathered, ranks)
+        return PendingGather(works, inputs, gathered, ranks)
 
     def _shard_on_device(self, non_blocking: bool = False) -> torch.Tensor:
         """The flat shard on the compute device in the compute dtype: the shard itself when neither changes.
@@ -429,7 +426,7 @@ class FlatUnit(GradientReduction):
         if cast_dtype is not None:
             args, kwargs = _cast_floating(args, cast_dtype), _cast_floating(kwargs, cast_dtype)
             changed = True
-        if first and self.trainable_slots and torch.is_grad_enabled() and not in_backward:
+        if first and self.slots_to_reduce and torch.is_grad_enabled() and not in_backward:
             flat, spec = tree_flatten((args, kwargs))
             wanted = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if not wanted:
@@ -492,6 +489,76 @@ class FlatUnit(GradientReduction):
         self.reduce_grads()
         self.step_state.reduced = True
         return True
+
+    def reduce_grads(self) -> None:
+        """Start averaging this step's full gradients across ranks into the shards (``start_reduction``);
+        ``finish_reduce`` completes it."""
+        plan = self.reduce_plan()
+        if not plan.slots:
+            return
+        self.grads_unsynced = False
+        self._pending_reduce, nonfinite = start_reduction(plan, self.reduce_settings())
+        if nonfinite is not None:
+            self.nonfinite = nonfinite
+
+    def reduce_settings(self) -> ReduceSettings:
+        """What this unit's reduction is given: fixed at sharding, but for the streams and the unit's index."""
+        return ReduceSettings(
+            shard_comm=self.shard_comm,
+            replicate_comm=self.replicate_comm,
+            sharded=self.sharded,
+            grad_dtype=self.compute_dtype,
+            reduce_dtype=self.reduce_dtype,
+            wire_dtype=self.reduce_wire_dtype,
+            device=self.device,
+            shard_dtype=self.dtype,
+            shard_device=self.shard_device,
+            pinned=self.pinned,
+            streams=self.streams,
+            reduce_tag=self.tag(CollectiveKind.REDUCE),
+            replicate_tag=self.tag(CollectiveKind.REPLICATE),
+        )
+
+    def hold_grads(self) -> None:
+        """Gradient sync off: add this backward's full gradients to the ones held (``hold_unsynced_grads``)."""
+        plan = self.reduce_plan()
+        if plan.slots:
+            self.grads_unsynced = True
+            hold_unsynced_grads(plan.slots, self.reduce_dtype)
+
+    def held_grad_bytes(self) -> int:
+        """Bytes of the full-size gradients held for a later reduction (gradient sync off)."""
+        held = [s.unsynced_grad for s in self.slots if s.unsynced_grad is not None]
+        return sum(grad.numel() * grad.element_size() for grad in held)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction ``reduce_grads`` started and add its result to the shards' ``.grad``."""
+        pending, self._pending_reduce = self._pending_reduce, None
+        if pending is not None:
+            self.used_counts, self._had_grad = finish_reduction(pending, self.reduce_settings())
+            self._last_plan = pending.plan
+
+    def abandon(self) -> None:
+        """After a backward that raised: complete whatever is in flight (every rank issued it), keep none of it."""
+        pending, self._pending_reduce = self._pending_reduce, None
+        if pending is not None:
+            wait_works(pending.works)
+            if pending.event is not None:
+                self.streams.wait_event(pending.event)
+        self.reshard()
+        for slot in self.slots:
+            slot.full.grad = None
+        self.used_counts = None
+        self.begin_step()
+
+    def drop_unused_grads(self) -> None:
+        """After the engine saw that some parameter of this unit had no gradient on any rank: give it ``None``
+        again (its reduced gradient is exactly zero) unless an earlier micro-batch had given it one."""
+        used = self.used_counts.tolist() if self.used_counts is not None else []
+        slots = self._last_plan.slots if self._last_plan is not None else []
+        for slot, count, had in zip(slots, used, self._had_grad):
+            if count == 0 and not had:
+                slot.param.grad = None
 
     def tag(self, kind: int) -> int:
         """This unit's collective of ``kind`` as one integer for ``Communicator.check_same_collective``
