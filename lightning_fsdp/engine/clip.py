@@ -32,9 +32,10 @@ def clip_grad_norm_(
     """Clip gradients by the global norm over all shards; call on every rank of ``shard_comm``. ``is_sharded``: a
     shard, not a whole parameter; ``stage_group``: the other pipeline stages, so all clip by the whole model's norm."""
     norm_type = float(norm_type)
-    params = [p for p in parameters if p.grad is not None]
-    sharded = [p.grad for p in params if is_sharded(p)]
-    replicated = [p.grad for p in params if not is_sharded(p)]
+    with_grads = [(p, grad) for p in parameters if (grad := p.grad) is not None]
+    params = [p for p, _grad in with_grads]
+    sharded = [grad for p, grad in with_grads if is_sharded(p)]
+    replicated = [grad for p, grad in with_grads if not is_sharded(p)]
     inf = math.isinf(norm_type)
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     local = _norm_term(sharded, norm_type, device)
@@ -52,7 +53,7 @@ def clip_grad_norm_(
     return total
 
 
-def _all_reduce_on(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp) -> None:
+def _all_reduce_on(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType) -> None:
     """In place, on ``group``; through host memory where the group is gloo's and the tensor is not."""
     if dist.get_backend(group) == "gloo" and tensor.device.type != "cpu":
         host = tensor.cpu()

@@ -37,14 +37,15 @@ def parameters_on_meta(enabled: bool = True) -> Iterator[None]:
         return
     original = nn.Module.register_parameter
 
-    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, _to_meta(param) if param is not None and not param.is_meta else param)
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(self, name, _to_meta(param) if param is not None and not param.is_meta else param)
 
+    # Patching the method of every module is the point (modules built inside call it from their constructors).
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
     try:
         yield
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        nn.Module.register_parameter = original  # type: ignore[method-assign]  # restored, as above
 
 
 def _to_meta(param: nn.Parameter) -> nn.Parameter:

@@ -12,7 +12,7 @@ import dataclasses
 import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -43,22 +43,34 @@ class BackwardPrefetch(enum.Enum):
     BACKWARD_POST = "BACKWARD_POST"
 
 
-def parse_enum(value: Any, enum_cls: type[enum.Enum], option: str, *, none_ok: bool = False) -> enum.Enum | None:
-    if isinstance(value, enum_cls) or (none_ok and value is None):
+E = TypeVar("E", bound=enum.Enum)
+T = TypeVar("T")
+
+
+def parse_enum(value: object, enum_cls: type[E], option: str, *, none_ok: bool = False) -> E | None:
+    """A member of ``enum_cls`` from itself, its name (any case) or its value; also None with ``none_ok``."""
+    if none_ok and value is None:
+        return None
+    return _parse_member(value, enum_cls, option, " or None" if none_ok else "")
+
+
+def _parse_member(value: object, enum_cls: type[E], option: str, also_valid: str = "") -> E:
+    if isinstance(value, enum_cls):
         return value
     if isinstance(value, str):
         for member in enum_cls:
             if value.upper() == member.name or value == member.value:
                 return member
-    choices = ", ".join(repr(m.value) for m in enum_cls) + (" or None" if none_ok else "")
+    choices = ", ".join(repr(m.value) for m in enum_cls) + also_valid
     raise ValueError(f"{option}={value!r} is not valid; choose one of {choices}.")
 
 
-def parse_sharding_strategy(value: Any) -> ShardingStrategy:
-    return parse_enum(value, ShardingStrategy, "sharding_strategy")  # type: ignore[return-value]
+def parse_sharding_strategy(value: object) -> ShardingStrategy:
+    return _parse_member(value, ShardingStrategy, "sharding_strategy")
 
 
-WrapPolicyCallable = Callable[[nn.Module, bool, int], bool]
+# Selects a module when it returns something true (torch FSDP's lambda policies return booleans).
+WrapPolicyCallable = Callable[[nn.Module, bool, int], object]
 
 
 @dataclass(frozen=True)
@@ -71,7 +83,7 @@ class WrapPolicy:
     min_num_params: int | None = None
 
 
-def parse_module_classes(value: Any, option: str) -> tuple[type[nn.Module], ...]:
+def parse_module_classes(value: object, option: str) -> tuple[type[nn.Module], ...]:
     """Accepts a set/list/tuple of ``nn.Module`` subclasses, or their import paths as strings."""
     if isinstance(value, (str, type)) or not isinstance(value, Iterable):
         raise TypeError(
@@ -99,7 +111,7 @@ def _import_class(path: str, option: str) -> type:
         raise ValueError(f"{option} names {path!r}, which cannot be imported: {err}") from err
 
 
-def parse_auto_wrap_policy(value: Any) -> WrapPolicy:
+def parse_auto_wrap_policy(value: object) -> WrapPolicy:
     """Normalises ``auto_wrap_policy``: a set of module classes, a callable, an int minimum parameter count or None."""
     if value is None:
         return WrapPolicy()
@@ -121,7 +133,7 @@ def parse_auto_wrap_policy(value: Any) -> WrapPolicy:
     raise TypeError(_wrap_policy_error(value))
 
 
-def check_call_signature(fn: Callable[..., Any], option: str, call: str) -> None:
+def check_call_signature(fn: Callable[..., object], option: str, call: str) -> None:
     """Raise a ``TypeError`` naming ``option`` if ``fn`` cannot take the positional arguments ``call`` lists (e.g.
     ``"(module)"``), on every rank, before sharding starts. Signatures Python cannot inspect pass."""
     import inspect
@@ -137,7 +149,7 @@ def check_call_signature(fn: Callable[..., Any], option: str, call: str) -> None
         raise TypeError(f"{option}={fn!r} cannot be called as {option}{call}: {err}.") from None
 
 
-def _wrap_policy_error(value: Any) -> str:
+def _wrap_policy_error(value: object) -> str:
     return (
         f"auto_wrap_policy={value!r} ({type(value).__name__}) is not valid; expected a set of nn.Module "
         "classes, a callable (module, recurse, nonwrapped_numel) -> bool, a positive int minimum parameter "
@@ -201,7 +213,7 @@ def check_wire_narrower(wire: torch.dtype, summed_in: torch.dtype) -> None:
         )
 
 
-def parse_mixed_precision(value: Any) -> MixedPrecision | None:
+def parse_mixed_precision(value: object) -> MixedPrecision | None:
     if value is None or isinstance(value, MixedPrecision):
         return value
     if isinstance(value, dict):
@@ -212,11 +224,13 @@ def parse_mixed_precision(value: Any) -> MixedPrecision | None:
                 f"mixed_precision={value!r} has unknown field(s) {', '.join(map(repr, unknown))}; the fields of "
                 f"MixedPrecision are {', '.join(fields)}."
             )
-        return MixedPrecision(**{k: _parse_dtype(v, k) if k.endswith("_dtype") else v for k, v in value.items()})
+        # The values as the user gave them, dtypes spelled as strings parsed: MixedPrecision checks every field.
+        given: dict[str, Any] = {k: _parse_dtype(v, k) if k.endswith("_dtype") else v for k, v in value.items()}
+        return MixedPrecision(**given)
     raise TypeError(f"mixed_precision={value!r} is not valid; expected lightning_fsdp.MixedPrecision, a dict or None.")
 
 
-def _parse_dtype(value: Any, field: str) -> Any:
+def _parse_dtype(value: object, field: str) -> object:
     # YAML configs spell dtypes as strings: "bfloat16", "torch.float16".
     if isinstance(value, str):
         name = value.removeprefix("torch.")
@@ -242,62 +256,65 @@ class ShardingOptions:
     limit_all_gathers: bool = True
     sync_module_states: bool = False
     cpu_offload: bool = False
-    param_init_fn: Callable[[nn.Module], None] | None = None
-    ignored_modules: tuple[Any, ...] = ()
-    ignored_states: tuple[Any, ...] = ()
+    param_init_fn: Callable[[nn.Module], object] | None = None
+    # Modules (or, for the strategy, names of them); ``ignored_states`` also parameters (or their names).
+    ignored_modules: tuple[object, ...] = ()
+    ignored_states: tuple[object, ...] = ()
     reshard_after_forward: bool | int | None = None  # None: the sharding strategy's default
 
     @classmethod
     def parse(
         cls,
         *,
-        sharding_strategy: Any = ShardingStrategy.FULL_SHARD,
-        auto_wrap_policy: Any = None,
-        mixed_precision: Any = None,
-        backward_prefetch: Any = BackwardPrefetch.BACKWARD_PRE,
-        forward_prefetch: Any = False,
-        limit_all_gathers: Any = True,
-        sync_module_states: Any = False,
-        cpu_offload: Any = False,
-        param_init_fn: Any = None,
-        ignored_modules: Any = None,
-        ignored_states: Any = None,
-        reshard_after_forward: Any = None,
+        sharding_strategy: object = ShardingStrategy.FULL_SHARD,
+        auto_wrap_policy: object = None,
+        mixed_precision: object = None,
+        backward_prefetch: object = BackwardPrefetch.BACKWARD_PRE,
+        forward_prefetch: object = False,
+        limit_all_gathers: object = True,
+        sync_module_states: object = False,
+        cpu_offload: object = False,
+        param_init_fn: object = None,
+        ignored_modules: object = None,
+        ignored_states: object = None,
+        reshard_after_forward: object = None,
         names: bool = False,
     ) -> ShardingOptions:
         """Check and normalise the user's values; raises ``TypeError`` / ``ValueError`` naming the bad one. ``names``:
         the ignored entries may be strings (YAML), which the strategy resolves once the model exists."""
         cpu_offload = getattr(cpu_offload, "offload_params", cpu_offload)  # torch's CPUOffload(offload_params=...)
-        for option, flag in (
-            ("forward_prefetch", forward_prefetch),
-            ("limit_all_gathers", limit_all_gathers),
-            ("sync_module_states", sync_module_states),
-            ("cpu_offload", cpu_offload),
-        ):
-            check_flag(flag, option)
+        flags = {
+            option: check_flag(flag, option)
+            for option, flag in (
+                ("forward_prefetch", forward_prefetch),
+                ("limit_all_gathers", limit_all_gathers),
+                ("sync_module_states", sync_module_states),
+                ("cpu_offload", cpu_offload),
+            )
+        }
         if param_init_fn is not None:
             if not callable(param_init_fn):
                 raise TypeError(f"param_init_fn={param_init_fn!r} is not callable.")
             check_call_signature(param_init_fn, "param_init_fn", "(module)")
-        check_reshard_after_forward(reshard_after_forward)
+        checked_reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
         name_kind = (str,) if names else ()
         return cls(
             sharding_strategy=parse_sharding_strategy(sharding_strategy),
             auto_wrap_policy=parse_auto_wrap_policy(auto_wrap_policy),
             mixed_precision=parse_mixed_precision(mixed_precision),
             backward_prefetch=parse_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch", none_ok=True),
-            forward_prefetch=forward_prefetch,
-            limit_all_gathers=limit_all_gathers,
-            sync_module_states=sync_module_states,
-            cpu_offload=cpu_offload,
+            forward_prefetch=flags["forward_prefetch"],
+            limit_all_gathers=flags["limit_all_gathers"],
+            sync_module_states=flags["sync_module_states"],
+            cpu_offload=flags["cpu_offload"],
             param_init_fn=param_init_fn,
             ignored_modules=item_list(ignored_modules, "ignored_modules", (nn.Module, *name_kind)),
             ignored_states=item_list(ignored_states, "ignored_states", (nn.Parameter, nn.Module, *name_kind)),
-            reshard_after_forward=reshard_after_forward,
+            reshard_after_forward=checked_reshard_after_forward,
         )
 
     @classmethod
-    def from_arguments(cls, arguments: Mapping[str, Any], *, names: bool = False) -> ShardingOptions:
+    def from_arguments(cls, arguments: Mapping[str, object], *, names: bool = False) -> ShardingOptions:
         """``parse`` over the entries of ``arguments`` named like the fields (callers pass their ``locals()``, so the
         list of options is written once, here; a caller missing one raises ``KeyError``)."""
         fields = [field.name for field in dataclasses.fields(cls)]
@@ -308,17 +325,19 @@ class ShardingOptions:
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
 
-def check_flag(value: Any, option: str) -> None:
-    """A boolean option: ``True`` or ``False`` only (not 1, "yes" or None, which YAML configs produce by mistake)."""
+def check_flag(value: object, option: str) -> bool:
+    """A boolean option: ``True`` or ``False`` only (not 1, "yes" or None, which YAML configs produce by mistake).
+    Returns it."""
     if not isinstance(value, bool):
         raise TypeError(f"{option}={value!r} is not valid; expected True or False.")
+    return value
 
 
-def check_reshard_after_forward(value: Any, shard_group_size: int | None = None) -> None:
+def check_reshard_after_forward(value: object, shard_group_size: int | None = None) -> bool | int | None:
     """None, True, False, or an int N with 1 < N < ``shard_group_size`` dividing it (ZeRO++ hpZ). Without
-    ``shard_group_size`` (no process group yet) only what does not depend on it is checked."""
+    ``shard_group_size`` (no process group yet) only what does not depend on it is checked. Returns it."""
     if value is None or isinstance(value, bool):
-        return
+        return value
     expected = "True, False, None (the sharding strategy decides) or an int N"
     if not isinstance(value, int):
         raise TypeError(f"reshard_after_forward={value!r} is not valid; expected {expected}.")
@@ -328,7 +347,7 @@ def check_reshard_after_forward(value: Any, shard_group_size: int | None = None)
                 f"reshard_after_forward={value!r} is not valid; expected {expected} with 1 < N < the shard group's "
                 "size, dividing it (the size of the smaller group each unit reshards to after forward)."
             )
-        return
+        return value
     valid = [n for n in range(2, shard_group_size) if shard_group_size % n == 0]
     if value not in valid:
         choices = ", ".join(map(str, valid)) if valid else f"none for a shard group of {shard_group_size}"
@@ -336,9 +355,10 @@ def check_reshard_after_forward(value: Any, shard_group_size: int | None = None)
             f"reshard_after_forward={value!r} is not valid for a shard group of {shard_group_size} rank(s); expected "
             f"{expected} with 1 < N < {shard_group_size} dividing {shard_group_size} (valid ints: {choices})."
         )
+    return value
 
 
-def item_list(value: Any, option: str, kinds: tuple[type, ...]) -> tuple:
+def item_list(value: object, option: str, kinds: tuple[type, ...]) -> tuple[object, ...]:
     """An iterable of entries, or one entry (a module, even an ``nn.ModuleList``, a tensor, a string, a mapping), as a
     tuple whose entries are all instances of ``kinds``."""
     if value is None:
@@ -350,8 +370,11 @@ def item_list(value: Any, option: str, kinds: tuple[type, ...]) -> tuple:
             f"{option}={value!r} is not valid; expected an iterable of {spelled} objects (names of "
             "submodules are resolved by FSDPStrategy, not by fully_shard)."
         )
-    single = isinstance(value, (nn.Module, torch.Tensor, str, bytes, Mapping)) or not isinstance(value, Iterable)
-    items = (value,) if single else tuple(value)
+    items: tuple[object, ...]
+    if isinstance(value, (nn.Module, torch.Tensor, str, bytes, Mapping)) or not isinstance(value, Iterable):
+        items = (value,)
+    else:
+        items = tuple(value)
     for item in items:
         if not isinstance(item, kinds):
             hint = " (a string names a submodule or parameter of the LightningModule)" if str in kinds else ""
@@ -365,29 +388,27 @@ _KIND_NAMES = {nn.Module: "nn.Module", nn.Parameter: "nn.Parameter"}
 def split_ignored(root: nn.Module, options: ShardingOptions) -> tuple[list[nn.Module], list[nn.Parameter]]:
     """The ignored modules and the ignored parameters of ``root`` (``ignored_states`` holds both kinds)."""
     modules = list(options.ignored_modules)
-    params = []
+    params: list[object] = []
     for item in options.ignored_states:
         (modules if isinstance(item, nn.Module) else params).append(item)
-    _refuse_foreign("ignored_modules", modules, root.modules(), root, "submodule", lambda m: f"a {type(m).__name__}")
-    _refuse_foreign(
-        "ignored_states",
-        params,
-        root.parameters(),
-        root,
-        "parameter",
-        lambda p: f"a parameter of shape {tuple(p.shape)}",
-    )
-    return modules, params
+    own_modules = _own_entries("ignored_modules", modules, root.modules(), root, "submodule")
+    return own_modules, _own_entries("ignored_states", params, root.parameters(), root, "parameter")
 
 
-def _refuse_foreign(
-    option: str, items: list, own: Iterable[Any], root: nn.Module, kind: str, describe: Callable[[Any], str]
-) -> None:
-    """Raise for an entry that is not ``root``'s own (a module of another model instance would be silently sharded)."""
-    own_ids = {id(x) for x in own}
+def _own_entries(option: str, items: list[object], own: Iterable[T], root: nn.Module, kind: str) -> list[T]:
+    """``items``, each one of ``own`` (``root``'s); raise for an entry that is not (a module of another model instance
+    would be silently sharded)."""
+    own_by_id = {id(x): x for x in own}
     for item in items:
-        if id(item) not in own_ids:
+        if id(item) not in own_by_id:
             raise ValueError(
-                f"{option} contains {describe(item)} that is not a {kind} of {type(root).__name__} (a "
+                f"{option} contains {_describe(item)} that is not a {kind} of {type(root).__name__} (a "
                 f"{kind.removeprefix('sub')} of another model instance?)."
             )
+    return [own_by_id[id(item)] for item in items]
+
+
+def _describe(item: object) -> str:
+    if isinstance(item, torch.Tensor):
+        return f"a parameter of shape {tuple(item.shape)}"
+    return f"a {type(item).__name__}"

@@ -194,8 +194,8 @@ def _materialize(
         for module in meta_modules:
             if param_init_fn is not None:
                 param_init_fn(module)
-            elif callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
+            elif callable(reset_parameters := getattr(module, "reset_parameters", None)):
+                reset_parameters()
     pending, seen = [], set()
     for module in meta_modules:
         for kind, name, tensor in own_tensors(module):

@@ -9,27 +9,43 @@ raised leaves BACKWARD; the next root forward outside a backward abandons that s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
 
 from lightning_fsdp.engine.clip import clip_grad_norm_
 from lightning_fsdp.engine.comm import Communicator
-from lightning_fsdp.engine.controls import EngineControls
-from lightning_fsdp.engine.diagnostics import TAG_IGNORED_GRAD, describe_collective, report_nonfinite
+from lightning_fsdp.engine.controls import (
+    UnshardHandle,
+    check_held_gradients,
+    gradient_sync_off,
+    hold_unsharded,
+    secondary_group,
+    unshard_and_keep,
+)
+from lightning_fsdp.engine.diagnostics import describe_collective, report_nonfinite
+from lightning_fsdp.engine.ignored import IgnoredParams
 from lightning_fsdp.engine.layout import ShardLayout
-from lightning_fsdp.engine.options import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from lightning_fsdp.engine.options import (
+    BackwardPrefetch,
+    MixedPrecision,
+    ShardingStrategy,
+    check_flag,
+    check_reshard_after_forward,
+)
 from lightning_fsdp.engine.records import ParamSlot, TrainingState
 from lightning_fsdp.engine.registry import detach_engine, unwatch_optimizer_steps, watch_optimizer_steps
 from lightning_fsdp.engine.streams import CollectiveStreams, streams_for
 from lightning_fsdp.engine.unit import FlatUnit
 
 
-def outside_compile(hook: Callable) -> Callable:
+def outside_compile(hook: Callable[..., object]) -> Callable[..., object]:
     """``hook`` runs eagerly even when called from compiled code (see [Note: compiled modules])."""
     return torch.compiler.disable(hook, recursive=True, reason="fsdp_custom engine hook")
 
@@ -39,8 +55,9 @@ def _current_graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
-class ShardingEngine(EngineControls):
-    """Owns the units of one root module and drives them from module hooks."""
+class ShardingEngine:
+    """Owns the units of one root module and drives them from module hooks; its public methods are the user's
+    controls (see [Note: engine controls]). Call them on every rank alike."""
 
     def __init__(
         self,
@@ -64,7 +81,7 @@ class ShardingEngine(EngineControls):
         self.sharding_strategy = sharding_strategy
         self.mixed_precision = mixed_precision or MixedPrecision()
         self._training_state = TrainingState.IDLE
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self.forward_prefetch = forward_prefetch
         self.backward_prefetch = backward_prefetch
         self.limit_all_gathers = limit_all_gathers
@@ -76,11 +93,9 @@ class ShardingEngine(EngineControls):
         self._backward_scope: set[int] | None = None  # backward_scope: the units a backward concerns (None: all)
         self._position: dict[int, int] = {}
         self._slot_by_param = {id(s.param): s for u in units for s in u.slots}
-        self.ignored_params = list(ignored_params or [])
-        self._ignored_ids = {id(p) for p in self.ignored_params}
         names = {id(p): name for name, p in root.named_parameters(remove_duplicate=False)}
+        self._ignored = IgnoredParams(list(ignored_params or []), names, shard_comm, replicate_comm)
         self._reduced_units: list[FlatUnit] = []
-        self._nonfinite_ignored: list[str] = []
         self._forward_depth = 0  # unit forwards open right now (outermost call of each, nested ones included)
         # reshard_after_forward=N: cached by size, as torch's groups are created once, by every rank.
         self.secondary_comm: Communicator | None = None
@@ -94,9 +109,7 @@ class ShardingEngine(EngineControls):
         for comm in (shard_comm, replicate_comm):
             if comm is not None:
                 comm.describe_tag = self._describe_collective
-        self._ignored_names = {id(p): names.get(id(p), "?") for p in self.ignored_params}
-        self._ignored_hooked: set[int] = set()
-        self._hook_ignored_params()
+        self._ignored.hook_trainable()
         self._register_root_hooks()
         self.closed = False
 
@@ -150,21 +163,11 @@ class ShardingEngine(EngineControls):
             slot.full.requires_grad_(not frozen)
         watch_optimizer_steps(self)
 
-    def _hook_ignored_params(self) -> None:
-        # Ignored parameters that become trainable later get their gradient averaging then.
-        for param in self.ignored_params:
-            if param.requires_grad and id(param) not in self._ignored_hooked:
-                self._ignored_hooked.add(id(param))
-                name = self._ignored_names[id(param)]
-                self._handles.append(
-                    param.register_hook(lambda grad, name=name: self._average_ignored_grad(grad, name))
-                )
-
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._ignored_hooked.clear()
+        self._ignored.remove_hooks()
 
     def _pre_forward(self, unit: FlatUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         first = unit.forward_depth == 0
@@ -214,9 +217,9 @@ class ShardingEngine(EngineControls):
             self._abandon_step()
         # What an earlier forward left unsharded may predate an optimizer step (kept units: the step resharded them).
         self._reshard_all(spare_kept=True)
-        self._hook_ignored_params()
+        self._ignored.hook_trainable()
 
-    def _post_forward(self, unit: FlatUnit, output: Any) -> None:
+    def _post_forward(self, unit: FlatUnit, output: object) -> None:
         if unit.forward_depth == 0:
             return  # the hooks were added while this forward ran
         unit.forward_depth -= 1
@@ -232,7 +235,7 @@ class ShardingEngine(EngineControls):
                     if other.is_prefetched and not other.kept:
                         other.reshard()
 
-    def _end_forward(self, unit: FlatUnit, output: Any) -> None:
+    def _end_forward(self, unit: FlatUnit, output: object) -> None:
         may_reshard = unit is not self.root_unit and not self._next_up(unit)
         unit.post_forward(output, may_reshard=may_reshard, on_backward_start=lambda: self._pre_backward(unit))
 
@@ -241,7 +244,7 @@ class ShardingEngine(EngineControls):
         would cost an all-gather nothing overlaps (docs/how-it-works.md, "A training step")."""
         return self.keep_last_unit_for_backward and self._order_frozen and bool(self._order) and unit is self._order[-1]
 
-    def _sync_root_slots(self, slots: list) -> None:
+    def _sync_root_slots(self, slots: list[ParamSlot]) -> None:
         if self._training_state is TrainingState.BACKWARD:
             return
         root = self.root_unit
@@ -250,7 +253,7 @@ class ShardingEngine(EngineControls):
         if not root.is_unsharded:
             root.unshard()
 
-    def _mark_root_use(self, output: Any) -> None:
+    def _mark_root_use(self, output: object) -> None:
         root = self.root_unit
         if root.forward_depth == 0 or self._training_state is TrainingState.BACKWARD or not torch.is_grad_enabled():
             return
@@ -263,22 +266,9 @@ class ShardingEngine(EngineControls):
             self._training_state = TrainingState.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _check_held_gradients(self, optimizer: Any, *, late: bool) -> None:
-        if self.closed or self._training_state is TrainingState.BACKWARD:
-            return
-        holding = [u for u in self.units if u.grads_unsynced]
-        if not holding:
-            return
-        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        names = [u.name for u in holding if any(id(s.param) in stepped for s in u.slots)]
-        if names:
-            when = "updated" if late else "would update"
-            raise RuntimeError(
-                f"optimizer.step() {when} parameters of units {names} whose gradients were accumulated with "
-                "gradient sync off (ShardingEngine.no_sync() / set_requires_gradient_sync(False)) and never reduced "
-                "across ranks: the shards' .grad does not contain them yet. Run the last micro-batch's backward with "
-                "gradient sync on (outside no_sync()), which reduces the accumulated sum once, then step."
-            )
+    def _check_held_gradients(self, optimizer: Optimizer, *, late: bool) -> None:
+        if not self.closed and self._training_state is not TrainingState.BACKWARD:
+            check_held_gradients(self.units, optimizer, late=late)
 
     def _after_optimizer_step(self) -> None:
         # Full parameters unsharded before a step are stale (kept units; the root under manual optimization).
@@ -303,7 +293,7 @@ class ShardingEngine(EngineControls):
         for unit in self.units:
             unit.abandon()
         self._reduced_units.clear()
-        self._nonfinite_ignored = []
+        self._ignored.nonfinite = []
         self._begin_step()
         self._end_backward_state()
 
@@ -373,8 +363,8 @@ class ShardingEngine(EngineControls):
             self._check_no_late_gradients()
             self._restore_none_gradients()
             if torch.is_anomaly_enabled():
-                local = [name for u in self._reduced_units for name in u.nonfinite] + self._nonfinite_ignored
-                self._nonfinite_ignored = []
+                local = [name for u in self._reduced_units for name in u.nonfinite] + self._ignored.nonfinite
+                self._ignored.nonfinite = []
                 for unit in self._reduced_units:
                     unit.nonfinite = []
                 report_nonfinite(local, [c for c in (self.shard_comm, self.replicate_comm) if c is not None])
@@ -435,20 +425,6 @@ class ShardingEngine(EngineControls):
         stats = self.shard_comm.stats
         stats.peak_gathered_units = max(stats.peak_gathered_units, self._alive_units())
 
-    def _average_ignored_grad(self, grad: torch.Tensor, name: str) -> torch.Tensor:
-        # This backward's contribution, before accumulation into .grad, as DDP: micro-batch accumulation stays right.
-        if torch.is_anomaly_enabled() and not bool(torch.isfinite(grad).all()):
-            self._nonfinite_ignored.append(name)
-        grad = grad.clone()
-        ranks = self.shard_comm.world_size
-        self.shard_comm.check_same_collective(TAG_IGNORED_GRAD)
-        self.shard_comm.all_reduce(grad)
-        if self.replicate_comm is not None and self.replicate_comm.world_size > 1:
-            self.replicate_comm.check_same_collective(TAG_IGNORED_GRAD)
-            self.replicate_comm.all_reduce(grad)
-            ranks *= self.replicate_comm.world_size
-        return grad.div_(ranks)
-
     def slot_of(self, param: nn.Parameter) -> ParamSlot | None:
         """The ``ParamSlot`` of a parameter a unit shards (its name, layout, uses and full stand-in); None for any other
         parameter (ignored ones, or another model's)."""
@@ -456,7 +432,7 @@ class ShardingEngine(EngineControls):
 
     def is_managed(self, param: nn.Parameter) -> bool:
         """Whether the strategy handles ``param`` (sharded by a unit, or deliberately kept whole as ignored)."""
-        return id(param) in self._slot_by_param or id(param) in self._ignored_ids
+        return id(param) in self._slot_by_param or self._ignored.holds(param)
 
     def is_sharded(self, param: nn.Parameter) -> bool:
         slot = self._slot_by_param.get(id(param))
@@ -471,6 +447,82 @@ class ShardingEngine(EngineControls):
     def training_state(self) -> TrainingState:
         """IDLE between steps, FORWARD or BACKWARD inside one (see [Note: the engine's training state])."""
         return self._training_state
+
+    # The user's controls (torch FSDP2's ``FSDPModule`` methods): see [Note: engine controls] in controls.py.
+    @contextmanager
+    def unsharded(self, units: Iterable[FlatUnit] | None = None) -> Iterator[None]:
+        """Hold the full parameters of ``units`` (default: all) in their modules for the block (torch FSDP's
+        ``summon_full_params``). Enter it on every rank; calls of the model inside it make no collective, so one
+        rank may run the model alone. On exit, units that were sharded before are resharded. Use it between steps."""
+        with hold_unsharded(list(self.units if units is None else units)):
+            yield
+
+    def set_requires_gradient_sync(self, requires: bool, units: Iterable[FlatUnit] | None = None) -> None:
+        """Whether each unit's (default: all) backward reduces its gradients (torch FSDP2's name). With False the unit
+        holds one full-size gradient sum, reduced once by the next backward with True; a step meanwhile raises."""
+        check_flag(requires, "requires")
+        for unit in self.units if units is None else units:
+            unit.requires_gradient_sync = requires
+
+    @contextmanager
+    def no_sync(self, units: Iterable[FlatUnit] | None = None) -> Iterator[None]:
+        """``set_requires_gradient_sync(False, units)`` inside the block, previous values restored on exit."""
+        with gradient_sync_off(list(self.units if units is None else units)):
+            yield
+
+    def set_prefetch_groups(self, groups: Iterable[Iterable[FlatUnit]]) -> None:
+        """No prefetch crosses groups: for parts whose order the first step cannot predict (pipeline stages)."""
+        self._prefetch_group = {id(unit): index for index, group in enumerate(groups) for unit in group}
+
+    def set_reshard_after_backward(self, flag: bool) -> None:
+        """Whether each unit frees its full parameters when its backward ends (default True; torch FSDP2's name).
+        With False they stay until the next optimizer step or ``reshard()``, and later micro-batches gather nothing."""
+        check_flag(flag, "flag")
+        for unit in self.units:
+            unit.reshard_after_backward = flag
+
+    def set_reshard_after_forward(self, value: bool | int | None) -> None:
+        """What each unit but the root does with its full parameters after forward: the values of docs/options.md's
+        ``reshard_after_forward``. The first use of an N creates process groups: call it on every rank."""
+        check_reshard_after_forward(value, self.root_unit.world_size)
+        if value is None:
+            value = self.sharding_strategy.reshard_after_forward
+        secondary = None
+        if not isinstance(value, bool):
+            secondary = secondary_group(value, self.shard_comm, self._secondary_comms, self._describe_collective)
+        self.secondary_comm = secondary
+        for unit in self.units:
+            unit.reshard_after_forward = bool(value)
+            unit.secondary_comm = secondary
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather every unit now and keep it unsharded until ``reshard()`` or the next optimizer step (torch
+        FSDP2's ``unshard``); with ``async_op``, the handle's ``wait()`` completes it. Call on every rank."""
+        check_flag(async_op, "async_op")
+        handle = unshard_and_keep(self.units, async_op=async_op, after_wait=self._update_peak)
+        self._update_peak()
+        return handle
+
+    def reshard(self) -> None:
+        """Free every unit's full parameters now, kept ones included (torch FSDP2's ``reshard``, for the whole
+        model); a prefetch or an ``unshard(async_op=True)`` in flight is completed first. Not during a backward."""
+        if self._training_state is TrainingState.BACKWARD:
+            raise RuntimeError(
+                "ShardingEngine.reshard() was called during a backward: the units still computing their gradients "
+                "need their full parameters. Call it between steps."
+            )
+        self._reshard_all()
+
+    @contextmanager
+    def backward_scope(self, units: Iterable[FlatUnit]) -> Iterator[None]:
+        """Backwards run inside this block end the step of ``units`` only and leave every other unit as it is: for
+        parts of a model whose backwards run separately, such as two pipeline stages on one rank."""
+        previous = self._backward_scope
+        self._backward_scope = {id(unit) for unit in units}
+        try:
+            yield
+        finally:
+            self._backward_scope = previous
 
     def clip_grad_norm_(
         self,
@@ -508,7 +560,7 @@ class ShardingEngine(EngineControls):
         unwatch_optimizer_steps(self)
         detach_engine(self.root)
 
-    def shard_of(self, slot: Any) -> torch.Tensor:
+    def shard_of(self, slot: ParamSlot) -> torch.Tensor:
         """This rank's rows of a managed parameter: its data while sharded, a slice of its full value once the
         engine gave the module its parameters back (``trainer.save_checkpoint`` after ``fit`` still saves shards)."""
         if not self.closed:
