@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import nn
+from torch._ops import OpOverload
+from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
 
 PARAMETER, BUFFER = "parameter", "buffer"
 _EMPTY_FACTORIES = frozenset(
@@ -52,7 +54,8 @@ def _to_meta(param: nn.Parameter) -> nn.Parameter:
     # A parameter already on the meta device is registered as it is (a tie made in the constructor stays one object).
     if type(param) is nn.Parameter:
         meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        meta.__dict__.update(param.__dict__)  # attributes set on the parameter (e.g. no-weight-decay flags)
+        for name, value in vars(param).items():  # attributes set on the parameter (e.g. no-weight-decay flags)
+            setattr(meta, name, value)
         return meta
     # A subclass takes its attributes as keyword arguments, as accelerate rebuilds it.
     return type(param)(param.detach().to("meta"), **{**param.__dict__, "requires_grad": param.requires_grad})
@@ -68,7 +71,7 @@ def _storage_ptr(tensor: torch.Tensor) -> int:
         return 0
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def _tensors(value: object) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
@@ -84,7 +87,13 @@ class InitWatch(TorchDispatchMode):
         super().__init__()
         self._empty: set[int] = set()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: OpOverload,
+        types: Sequence[type],
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         schema = func._schema
@@ -133,7 +142,7 @@ class _Entry:
 
 # torch has only process-wide optimizer hooks: one, never removed (it may be running), checks the live records.
 _LIVE: weakref.WeakSet[Uninitialised] = weakref.WeakSet()
-_optimizer_hook: list[Any] = []
+_optimizer_hook: list[RemovableHandle] = []
 
 
 class Uninitialised:
@@ -146,7 +155,7 @@ class Uninitialised:
         self._entries: dict[int, _Entry] = {}
         for name, kind, owner, tensor in entries:
             self._entries.setdefault(id(tensor), _Entry(name, kind, type(owner).__name__, tensor))
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         if not self._entries:
             return
         self._param_ids = {id(p) for p in root.parameters()}
@@ -196,7 +205,7 @@ class Uninitialised:
         self._handles.clear()
         _LIVE.discard(self)
 
-    def stepped_by(self, optimizer: Any) -> bool:
+    def stepped_by(self, optimizer: Optimizer) -> bool:
         return any(id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"])
 
     def prune(self) -> bool:
@@ -207,7 +216,7 @@ class Uninitialised:
             self.close()
         return bool(self._entries)
 
-    def _before_forward(self, module: nn.Module, _args: Any, *, path: str, ids: frozenset[int]) -> None:
+    def _before_forward(self, module: nn.Module, _args: tuple[object, ...], *, path: str, ids: frozenset[int]) -> None:
         if self.prune() and not ids.isdisjoint(self._entries):
             where = f" ({path!r})" if path else ""
             self.raise_error(f"the forward of {type(module).__name__}{where}", ids)
@@ -234,7 +243,7 @@ class Uninitialised:
         )
 
 
-def _before_optimizer_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+def _before_optimizer_step(optimizer: Optimizer, _args: tuple[object, ...], _kwargs: dict[str, object]) -> None:
     for record in list(_LIVE):
         if record.stepped_by(optimizer) and record.prune():
             record.raise_error(f"optimizer.step() of {type(optimizer).__name__}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,6 +13,7 @@ from lightning_fsdp.engine.groups import check_engine_groups
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.meta_init import InitWatch, own_tensors, record_uninitialised
 from lightning_fsdp.engine.options import (
+    BackwardPrefetch,
     MixedPrecision,
     ShardingOptions,
     ShardingStrategy,
@@ -34,7 +34,7 @@ def fully_shard(
     process_group: dist.ProcessGroup | None = None,
     replicate_group: dist.ProcessGroup | None = None,
     sharding_strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
-    auto_wrap_policy: Any = None,
+    auto_wrap_policy: object = None,
     ignored_modules: Iterable[nn.Module] | None = None,
     ignored_states: Iterable[nn.Parameter | nn.Module] | None = None,
     cpu_offload: bool = False,
@@ -43,7 +43,7 @@ def fully_shard(
     param_init_fn: Callable[[nn.Module], None] | None = None,
     mixed_precision: MixedPrecision | None = None,
     forward_prefetch: bool = False,
-    backward_prefetch: Any = "BACKWARD_PRE",
+    backward_prefetch: BackwardPrefetch | str | None = "BACKWARD_PRE",
     limit_all_gathers: bool = True,
     reshard_after_forward: bool | int | None = None,
 ) -> ShardingEngine:
@@ -174,7 +174,7 @@ def _attribute_tensors(module: nn.Module) -> list[torch.Tensor]:
 
 
 def _materialize(
-    modules: list[nn.Module], device: torch.device, param_init_fn: Callable | None
+    modules: list[nn.Module], device: torch.device, param_init_fn: Callable[[nn.Module], object] | None
 ) -> list[tuple[nn.Module, str, str]]:
     """Allocate and initialise this unit's meta-device tensors on ``device``, keeping Parameter identity (ties);
     returns (module, kind, attribute name) of those no initialiser wrote (``meta_init.Uninitialised`` records them)."""

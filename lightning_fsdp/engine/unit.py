@@ -6,7 +6,7 @@ docs/how-it-works.md ("Shards", "A training step")."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -441,7 +441,7 @@ class FlatUnit:
                 changed = True
         return (args, kwargs) if changed else None
 
-    def post_forward(self, output: Any, *, may_reshard: bool, on_backward_start: Callable[[], None]) -> None:
+    def post_forward(self, output: object, *, may_reshard: bool, on_backward_start: Callable[[], None]) -> None:
         """After the outermost call's forward: hook the outputs that need a gradient (``on_backward_start``), and
         reshard if ``reshard_after_forward`` and ``may_reshard`` (not the root, nor the unit whose backward comes
         next). A forward no backward will follow reshards whatever the flags say."""
@@ -579,15 +579,18 @@ class _PostBackward(torch.autograd.Function):
     newest first), including the gradient accumulation of the unit's parameters."""
 
     @staticmethod
-    def forward(ctx: Any, callback: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.callback = callback
         return tensors
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         ctx.callback()
         return (None, *grads)
 
 
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+T = TypeVar("T")
+
+
+def _cast_floating(tree: T, dtype: torch.dtype) -> T:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
