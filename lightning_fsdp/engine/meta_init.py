@@ -58,7 +58,7 @@ def _to_meta(param: nn.Parameter) -> nn.Parameter:
             setattr(meta, name, value)
         return meta
     # A subclass takes its attributes as keyword arguments, as accelerate rebuilds it.
-    return type(param)(param.detach().to("meta"), **{**param.__dict__, "requires_grad": param.requires_grad})
+    return type(param)(param.detach().to("meta"), **{**vars(param), "requires_grad": param.requires_grad})
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:
