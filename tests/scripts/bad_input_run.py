@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401
 from lightning_fsdp import FSDPStrategy  # noqa: E402
-from tests.models import Block, ToyLM, batch, loss_fn  # noqa: E402
+from tests.toolbox.models import Block, ToyLM, batch, loss_fn  # noqa: E402
 
 MISUSE = ["frozen_fit", "frozen_eval", "foreign_optimizer"]
 

@@ -37,7 +37,7 @@ def main() -> None:
         full_model_state_dict,
         full_optimizer_state_dict,
     )
-    from tests.models import Block, ToyLM, batch, loss_fn
+    from tests.toolbox.models import Block, ToyLM, batch, loss_fn
 
     class Module(L.LightningModule):
         def __init__(self, dim: int, extra: bool, strict: bool) -> None:

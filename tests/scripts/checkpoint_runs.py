@@ -5,7 +5,7 @@ tests/scripts/checkpoint_cases.py (several load scenarios in one process group, 
 session, killed as a group if it outlives its timeout or fails. Runs write into one temporary folder per pytest
 process, removed at exit. Every training run sees the same global batches (6 samples per step, 3 steps per epoch), so
 a resumed run's steps 4-6 are comparable bit for bit with the uninterrupted run's. A test module can ``prefetch`` the
-training runs it will ask for: they start in the background, a few at a time (tests/processes.py's
+training runs it will ask for: they start in the background, a few at a time (tests/toolbox/launch.py's
 ``in_background``), each after the run it needs; ``train`` then waits for them.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tests.processes import in_background
+from tests.toolbox.launch import in_background
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN = os.path.join(ROOT, "tests", "scripts", "checkpoint_run.py")

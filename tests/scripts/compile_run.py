@@ -1,7 +1,8 @@
 """torch.compile under fsdp_custom, the ways users compile, all in one launch (compiled runs start slowly).
 
 Run as a user's script: ``--devices 2`` (Lightning's launcher re-runs it per rank); ``hpu_per_block`` needs the
-Gaudi test double on the path (``PYTHONPATH=tests/fakes``, ``PT_HPU_LAZY_MODE=0``), as tests/test_compile.py runs
+Gaudi test double on the path (``PYTHONPATH=tests/fakes``, ``PT_HPU_LAZY_MODE=0``), as tests/strategy/test_compile.py
+runs
 it. Every scenario trains the same tiny GPT-like model for ``STEPS`` optimizer steps (SGD with momentum) on the same
 global batches as the one-device reference the test computes in eager mode (rank r takes samples r, r+N, ...). Each
 rank writes ``{scenario: result}`` to ``--out.rank<r>``: the final full weights, per-step global losses, and

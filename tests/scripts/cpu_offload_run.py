@@ -18,7 +18,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp import FSDPStrategy  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
+from tests.toolbox.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 4
 SAMPLES = 16

@@ -1,7 +1,7 @@
 """A 2-rank fsdp_custom Lightning run in which one rank fails in the middle of a training step.
 
-Used by tests/test_faults.py. The run trains ToyLM (units per Block) with ``FSDPStrategy(timeout=--timeout s)``;
-at global step ``--fault-step`` the rank ``--fault-rank`` does ``--fault``:
+Used by tests/reliability/test_faults.py. The run trains ToyLM (units per Block) with ``FSDPStrategy(timeout=--timeout
+s)``; at global step ``--fault-step`` the rank ``--fault-rank`` does ``--fault``:
 
 - ``raise``: raises ``RuntimeError("injected fault ...")``;
 - ``exit``: ``os._exit(13)`` (no Python cleanup, no exception handling);
@@ -47,8 +47,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy, pipelined_loss  # noqa: E402
 from lightning_fsdp.pipeline import AbsentPiece  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 from tests.scripts.pipeline_run import ChainLM  # noqa: E402
+from tests.toolbox.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 6
 

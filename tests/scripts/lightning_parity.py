@@ -17,7 +17,7 @@ from torch.utils.data.distributed import DistributedSampler
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
+from tests.toolbox.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 6
 SAMPLES = 48
@@ -101,7 +101,8 @@ def main() -> None:
     elif strategy == "fsdp_custom_checkpointed":
         # Class paths, as a YAML config would give them.
         strategy = FSDPStrategy(
-            auto_wrap_policy={"tests.models.Block"}, activation_checkpointing_policy={"tests.models.Block"}
+            auto_wrap_policy={"tests.toolbox.models.Block"},
+            activation_checkpointing_policy={"tests.toolbox.models.Block"},
         )
     clip = {} if args.clip == "none" else {"gradient_clip_val": 0.05, "gradient_clip_algorithm": args.clip}
     trainer = L.Trainer(

@@ -1,7 +1,7 @@
 """Meta-device initialisation of a pretrained Llama under fsdp_custom, several cases in one launch.
 
-Run by tests/test_meta_init.py. Every case builds its model under ``trainer.init_module(empty_init=True)`` on 2 CPU
-ranks, with a fresh Trainer (the process group stays up between cases):
+Run by tests/strategy/test_meta_init.py. Every case builds its model under ``trainer.init_module(empty_init=True)`` on
+2 CPU ranks, with a fresh Trainer (the process group stays up between cases):
 
 - ``walkthrough``: the code block of docs/pretrained.md's walk-through, run as written except for the pretrained
   path (``--pretrained-tied``) and ``max_steps`` (2), in the working directory the test gives the launch.

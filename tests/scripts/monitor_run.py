@@ -22,7 +22,7 @@ from lightning_fsdp.demo.gpt import Block  # noqa: E402
 from lightning_fsdp.demo.module import GPTLightningModule  # noqa: E402
 from lightning_fsdp.monitor import ShardingMonitor  # noqa: E402
 
-# Shared with tests/test_monitor.py, which estimates the same model.
+# Shared with tests/strategy/test_monitor.py, which estimates the same model.
 MODEL = {"vocab_size": 65, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}
 STEPS = 3
 

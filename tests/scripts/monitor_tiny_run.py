@@ -3,7 +3,8 @@
     python tests/scripts/monitor_tiny_run.py --out DIR --strategies FULL_SHARD SHARD_GRAD_OP NO_SHARD
 
 Two CPU processes (Lightning's launcher re-runs this script for rank 1), each nn.Linear its own unit, SGD with
-momentum; each strategy logs to DIR/<strategy>/metrics.csv. tests/test_monitor.py holds the hand-computed bytes.
+momentum; each strategy logs to DIR/<strategy>/metrics.csv. tests/strategy/test_monitor.py holds the hand-computed
+bytes.
 """
 
 import argparse

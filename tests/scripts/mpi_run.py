@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_model_state_dict  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 from tests.scripts.fault_run import inject, say  # noqa: E402
+from tests.toolbox.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 8  # divisible by 2 and by 4 ranks
 

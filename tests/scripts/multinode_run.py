@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_model_state_dict  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
+from tests.toolbox.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 8  # divisible by 4 ranks (2 nodes x 2 processes) and by 2
 STEPS = 4

@@ -39,8 +39,8 @@ from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_model_state_dict  # noqa: E402
 from lightning_fsdp.engine import get_engine  # noqa: E402
 from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
-from tests.models import VOCAB, Block, loss_fn, samples  # noqa: E402
 from tests.scripts.pretrained_run import tiny_llama  # noqa: E402
+from tests.toolbox.models import VOCAB, Block, loss_fn, samples  # noqa: E402
 
 DIM = 5
 GLOBAL_BATCH = 6

@@ -1,5 +1,5 @@
-"""Checkpoints across pipeline layouts, for tests/test_pipeline_checkpoint.py: several jobs per launch (one process
-group, a fresh Trainer and LightningModule per job), run the way users run scripts.
+"""Checkpoints across pipeline layouts, for tests/pipeline/test_pipeline_checkpoint.py: several jobs per launch (one
+process group, a fresh Trainer and LightningModule per job), run the way users run scripts.
 
     python tests/scripts/pipeline_checkpoint_run.py --out DIR --devices 4 --pp 2 --jobs JSON   # P=2 x D=2
     python tests/scripts/pipeline_checkpoint_run.py --out DIR --devices 4 --pp 2 --schedule Interleaved1F1B ...
@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_model_state_dict, full_optimizer_state_dict  # noqa: E402
 from lightning_fsdp.checkpoint.routing import parse_state_dict_type  # noqa: E402
-from tests.models import samples  # noqa: E402
 from tests.scripts.pipeline_run import GLOBAL_BATCH, SAMPLES, Module  # noqa: E402
+from tests.toolbox.models import samples  # noqa: E402
 
 STEPS_PER_EPOCH = 2
 

@@ -21,7 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp import FSDPStrategy, pipelined_loss  # noqa: E402
-from tests.models import Block, loss_fn, samples  # noqa: E402
+from tests.toolbox.models import Block, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 8
 SAMPLES = 48

@@ -1,4 +1,5 @@
-"""Fine-tune a pretrained Hugging Face Llama with fsdp_custom, as a user's script would (tests/test_pretrained_load.py).
+"""Fine-tune a pretrained Hugging Face Llama with fsdp_custom, as a user's script would
+(tests/checkpoint/test_pretrained_load.py).
 
 The LightningModule wraps ``LlamaForCausalLM(config)`` built under ``trainer.init_module(empty_init=True)`` (meta
 device: no rank ever holds the full model); ``on_fit_start`` loads ``--pretrained`` (a ``save_pretrained``

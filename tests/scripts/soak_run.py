@@ -1,5 +1,5 @@
-"""Soak run for tests/test_soak.py: a long 2-rank fsdp_custom Lightning fit with periodic checkpoints, optionally
-killed hard in the middle, or resumed from a checkpoint; records what each rank holds every few steps.
+"""Soak run for tests/reliability/test_soak.py: a long 2-rank fsdp_custom Lightning fit with periodic checkpoints,
+optionally killed hard in the middle, or resumed from a checkpoint; records what each rank holds every few steps.
 
 Training: ToyLM (units per Block), SGD with momentum, ``--steps`` optimizer steps (``max_steps``), epochs of
 ``STEPS_PER_EPOCH`` steps over a fixed data set; each epoch visits it in the order of a permutation seeded by the
@@ -53,7 +53,7 @@ import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_model_state_dict, full_optimizer_state_dict  # noqa: E402
 from lightning_fsdp.shutdown import settle_collective_threads  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
+from tests.toolbox.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 6
 STEPS_PER_EPOCH = 12

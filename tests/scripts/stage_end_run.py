@@ -1,7 +1,7 @@
 """What the module holds after ``fit`` under each ``weights_after_stage`` choice, several cases in one launch.
 
-Run by tests/test_stage_end.py on 2 CPU ranks. Every case trains the same ToyLM (plus a buffer) from the same seed
-for 3 SGD-with-momentum steps with a fresh Trainer (the process group stays up between cases), then records, per
+Run by tests/strategy/test_stage_end.py on 2 CPU ranks. Every case trains the same ToyLM (plus a buffer) from the same
+seed for 3 SGD-with-momentum steps with a fresh Trainer (the process group stays up between cases), then records, per
 rank: whether an engine is still attached, the parameters' devices, shapes and values, the buffer's device and
 the ``weights_after_stage`` warnings seen during ``fit``.
 
@@ -36,7 +36,7 @@ from lightning_fsdp.checkpoint.routing import StateDictType  # noqa: E402
 from lightning_fsdp.engine import get_engine  # noqa: E402
 from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
 from lightning_fsdp.stage_end import FREE_MEMORY_VARIABLE  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
+from tests.toolbox.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 
 
 class Module(L.LightningModule):

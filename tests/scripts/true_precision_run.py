@@ -1,6 +1,7 @@
 """Train ToyLM under ``Trainer(precision=...)`` and record the dtypes and bytes of what each rank holds.
 
-Run by tests/test_true_precision.py, with ``--devices 2 --strategy fsdp_custom_blocks`` (the launcher re-runs this
+Run by tests/strategy/test_true_precision.py, with ``--devices 2 --strategy fsdp_custom_blocks`` (the launcher re-runs
+this
 script per rank) or ``--devices 1 --strategy auto`` (plain Lightning on one device: the reference), once per flag of
 ``--precision`` (comma-separated; a fresh Trainer each, the process group stays up). The model is
 built under ``trainer.init_module()``, the data and optimizer are tests/scripts/lightning_parity.py's (SGD with
@@ -23,8 +24,8 @@ from torch.utils.data.distributed import DistributedSampler
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
-from tests.models import Block  # noqa: E402
 from tests.scripts.lightning_parity import GLOBAL_BATCH, SAMPLES, Module, samples  # noqa: E402
+from tests.toolbox.models import Block  # noqa: E402
 
 
 def nbytes(tensors) -> int:

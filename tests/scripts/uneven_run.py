@@ -1,5 +1,5 @@
 """Uneven inputs under Trainer(strategy=FSDPStrategy, devices=2, use_distributed_sampler=False): each rank builds its
-own loaders, with its own number of batches, as a user's script would. Used by tests/test_uneven_batches.py.
+own loaders, with its own number of batches, as a user's script would. Used by tests/reliability/test_uneven_batches.py.
 
 ``--case NAME`` runs one case and lets its exception end the script (the uneven cases: the job must exit non-zero
 within seconds, both ranks naming the rank that ran out). ``--case ok`` runs ``OK_CASES`` in sequence in the same
@@ -30,7 +30,7 @@ import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.even_batches import UnevenBatchesError  # noqa: E402
 from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
+from tests.toolbox.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 
 BATCH = 3  # rows per rank and batch
 TIMEOUT_S = 120  # the process-group timeout: a missed check shows up as the test's own time limit, well before it

@@ -1,5 +1,5 @@
 """Checkpoints from elsewhere, resumed on 2 ranks: a malicious pickle planted in each file of each format, and the
-same checkpoints intact, all in one launch (used by tests/test_untrusted_checkpoints.py).
+same checkpoints intact, all in one launch (used by tests/reliability/test_untrusted_checkpoints.py).
 
 Usage: ``untrusted_run.py --work DIR``. Saves one fitted step in the three formats (``good.ckpt``, ``good_sharded``,
 ``good_local``); rank 0 plants a payload in a copy of each file (:func:`plant_all`, ``PLANTED``); then every rank
@@ -33,7 +33,7 @@ import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.checkpoint.routing import parse_state_dict_type  # noqa: E402
 from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
-from tests.models import Block, ToyLM, batch, loss_fn  # noqa: E402
+from tests.toolbox.models import Block, ToyLM, batch, loss_fn  # noqa: E402
 
 GOOD = {"full": "good.ckpt", "sharded": "good_sharded", "local": "good_local"}
 

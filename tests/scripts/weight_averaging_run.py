@@ -31,7 +31,7 @@ import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
 from lightning_fsdp.weight_averaging import full_tensors, local_tensors  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
+from tests.toolbox.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 6
 SAMPLES = 24  # 4 steps per epoch

@@ -1,0 +1,1 @@
+"""The shared test toolbox: small models, one-device references, launching ranks and scripts, comparing results."""
