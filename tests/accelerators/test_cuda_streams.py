@@ -23,6 +23,7 @@ from lightning_fsdp import MixedPrecision
 from lightning_fsdp.engine import fully_shard
 from lightning_fsdp.engine.streams import CollectiveStreams
 from lightning_fsdp.engine.unit import FlatUnit
+from tests.toolbox.compare import assert_all_close
 from tests.toolbox.distributed import run_distributed
 from tests.toolbox.models import Block, ToyLM, batch, loss_fn
 
@@ -156,10 +157,7 @@ def one_gpu() -> dict[str, Any]:
 
 def _assert_close(result: dict, reference: dict, **tol: float) -> int:
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), **tol)
-    assert result["params"].keys() == reference["params"].keys()
-    for name, value in reference["params"].items():
-        torch.testing.assert_close(result["params"][name], value, **tol, msg=name)
-    return len(reference["params"])
+    return assert_all_close(result["params"], reference["params"], "stream path vs plain", **tol)
 
 
 FP32 = [name for name in CASES if name.startswith(("fp32", "cpu_offload"))]

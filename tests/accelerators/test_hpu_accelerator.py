@@ -4,7 +4,6 @@ import importlib
 import os
 import re
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from accelerators import HPUAccelerator, check_eager_mode, register_hpu_accelerator
 from accelerators.hpu_runtime import is_test_double
 from lightning_fsdp.shutdown import destroy_process_group
-
-FAKES = Path(__file__).resolve().parents[1] / "fakes"
+from tests.toolbox.launch import FAKES
 
 
 def _forget_habana_modules() -> dict:

@@ -3,39 +3,24 @@ an "hccl" backend that is gloo underneath): backend choice, device handling and 
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-from tests.strategy.test_lightning_strategy import one_device_reference
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "scripts" / "lightning_parity.py"
+from tests.toolbox.launch import run_script, with_fakes_on_path
+from tests.toolbox.one_device import lightning_parity_one_device
 
 
 def run_hpu(out: Path, lazy_mode: str, *args: str) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PT_HPU_LAZY_MODE": lazy_mode,
-        "FAKE_HPU_DEVICES": "2",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "fakes")]),
-    }
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out), "--accelerator", "hpu", *args],
-        env=env,
-        cwd=out.parent,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """tests/scripts/lightning_parity.py on ``accelerator="hpu"``, 2 fake Gaudi devices; its completed process."""
+    env = with_fakes_on_path(PT_HPU_LAZY_MODE=lazy_mode, FAKE_HPU_DEVICES="2")
+    argv = ("--out", str(out), "--accelerator", "hpu", *args)
+    return run_script("lightning_parity.py", *argv, env=env, cwd=out.parent, timeout=300, check=False)
 
 
 def test_hpu_strategy_trains_like_one_cpu_process(tmp_path, tmp_path_factory):
-    ref = one_device_reference(tmp_path_factory, "--optimizer", "sgd")
+    ref = lightning_parity_one_device(tmp_path_factory, "--optimizer", "sgd")
     proc = run_hpu(tmp_path / "hpu.pt", "0", "--devices", "2", "--strategy", "fsdp_custom_blocks", "--optimizer", "sgd")
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(tmp_path / "hpu.pt", weights_only=False)

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import benchmarks as benchmark
-from benchmarks import REFERENCE, SCALING_BASELINE, VARIANTS, BenchmarkConfig, run_benchmark
+from benchmarks import SCALING_BASELINE, BenchmarkConfig, run_benchmark
 from benchmarks.__main__ import main, parse_args
 from benchmarks.memory import LiveTensorBytes
 from benchmarks.report import fmt_bytes, markdown, plot
-from benchmarks.variants import parse_variants
+from benchmarks.variants import REFERENCE, VARIANTS, parse_variants
 from lightning_fsdp.demo.data import default_text_path
 from lightning_fsdp.demo.gpt import GPT, GPTConfig
 

@@ -4,33 +4,19 @@ rows. On a GPU machine ``make gpu-check`` runs the same code on CUDA; here CUDA 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from tests.toolbox.launch import clean_env
+from tests.toolbox.launch import run_command
 
 
 def test_gpu_check_dry_run_on_cpu(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.gpu_check",
-            "--device",
-            "cpu",
-            "--tiny",
-            "--out",
-            str(tmp_path),
-        ],
-        env=clean_env(),
+    run_command(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--tiny", "--out", tmp_path],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=240,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "results.json").read_text())
     assert list(report["checks"]) == ["engine", "bf16", "checkpointing", "cpu_offload", "sharded_checkpoint", "streams"]
     assert all(check["status"] == "passed" for check in report["checks"].values()), report["checks"]
@@ -47,12 +33,7 @@ def test_gpu_check_refuses_to_pretend_without_cuda(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here: the refusal cannot be shown")
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path)],
-        env=clean_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = run_command(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--out", tmp_path], cwd=tmp_path, timeout=120, check=False
     )
     assert proc.returncode == 2 and "no CUDA device here" in proc.stdout

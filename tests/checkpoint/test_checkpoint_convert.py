@@ -2,29 +2,25 @@
 file -> sharded directory (fsdp_custom resumes it bit for bit), Lightning's own ``consolidate_checkpoint`` on our
 directories, and the command's errors. Conversion runs in the test process itself: no process group.
 
-"sh_6" (tests/scripts/checkpoint_runs.py) trains 6 steps on 2 ranks and saves a sharded directory at step 3 together
+"sh_6" (tests/checkpoint/checkpoint_runs.py) trains 6 steps on 2 ranks and saves a sharded directory at step 3 together
 with the full state it held then (``saved``).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from torch import nn
 
+from benchmarks.ranks import ROOT
 from lightning_fsdp.checkpoint.common import to_index_keyed
 from lightning_fsdp.checkpoint.convert import convert, load_as_full, main
-from tests.scripts.checkpoint_runs import (
-    ENV,
-    ROOT,
-    Runs,
-    assert_optimizer_equal,
-    assert_tensors_equal,
-)
+from tests.checkpoint.checkpoint_runs import Runs
+from tests.toolbox.compare import assert_optimizer_equal, assert_tensors_equal
+from tests.toolbox.launch import run_command
 from tests.toolbox.models import ToyLM
 
 
@@ -42,7 +38,7 @@ def _full_file(runs: Runs) -> str:
     return out
 
 
-def _reference_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+def unwrapped_model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
     """The unwrapped model with the optimizer configure_optimizers builds (two groups, SGD with momentum)."""
 
     class Wrapped(nn.Module):
@@ -70,7 +66,7 @@ def test_sharded_to_full_is_a_plain_lightning_checkpoint(runs):
     assert [g["params"] for g in state["param_groups"]] == [list(range(7)), list(range(7, 12))]
     assert_optimizer_equal(state, saved["optimizer_states"][0], "converted optim")
     # The unwrapped model and a plain optimizer load it as they are.
-    module, optimizer = _reference_optimizer()
+    module, optimizer = unwrapped_model_and_optimizer()
     module.load_state_dict(ckpt["state_dict"])
     optimizer.load_state_dict(state)
     assert torch.equal(
@@ -79,16 +75,9 @@ def test_sharded_to_full_is_a_plain_lightning_checkpoint(runs):
     )
     # `python -m lightning_fsdp.checkpoint.convert` writes the same checkpoint.
     out = runs.path("cv_module.ckpt")
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning_fsdp.checkpoint.convert", runs.path("sh_3.ckpt"), out],
-        env=ENV,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
+    proc = run_command(
+        [sys.executable, "-m", "lightning_fsdp.checkpoint.convert", runs.path("sh_3.ckpt"), out], cwd=ROOT, timeout=180
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Wrote a full checkpoint" in proc.stdout
     again = torch.load(out, weights_only=False)
     assert_tensors_equal(again["state_dict"], ckpt["state_dict"], "python -m params")
@@ -99,23 +88,10 @@ def test_lightning_consolidate_checkpoint_reads_our_directories(runs):
     full = runs.train("sh_6")
     out = runs.path("cv_lightning.ckpt")
     if not os.path.exists(out):
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "lightning.pytorch.utilities.consolidate_checkpoint",
-                runs.path("sh_3.ckpt"),
-                "--output_file",
-                out,
-            ],
-            env=ENV,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=180,
-            check=False,
+        consolidate = "lightning.pytorch.utilities.consolidate_checkpoint"
+        run_command(
+            [sys.executable, "-m", consolidate, runs.path("sh_3.ckpt"), "--output_file", out], cwd=ROOT, timeout=180
         )
-        assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt = torch.load(out, weights_only=False)
     saved = full["saved"]
     assert ckpt["global_step"] == 3
@@ -127,7 +103,7 @@ def test_lightning_consolidate_checkpoint_reads_our_directories(runs):
     assert_optimizer_equal(to_index_keyed(state), saved["optimizer_states"][0], "consolidated optim")
     # ... which a plain torch optimizer loads as it is (its ids only have to match between state and groups), and
     # which fsdp_custom re-keys when it loads a full file.
-    _module, optimizer = _reference_optimizer()
+    _module, optimizer = unwrapped_model_and_optimizer()
     optimizer.load_state_dict(state)
     for index, param in enumerate(p for g in optimizer.param_groups for p in g["params"]):
         assert torch.equal(

@@ -15,8 +15,6 @@ import os
 import pickle
 import re
 import signal
-import subprocess
-import sys
 import threading
 from concurrent.futures import Future
 
@@ -25,33 +23,11 @@ import torch
 from torch import nn
 
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError, temp_path_for
-from tests.toolbox.launch import in_background
+from tests.toolbox.compare import assert_optimizer_equal, assert_tensors_equal, max_diff
+from tests.toolbox.launch import in_background, run_script
 from tests.toolbox.models import ToyLM
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "tests", "scripts", "checkpoint_run.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-
-
-def _script(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    """Run the script in its own session; on timeout kill the whole group (Lightning's launcher starts rank 1 as a
-    child of rank 0, which ``subprocess.run``'s timeout alone would leave behind, blocked in a collective)."""
-    cmd = [sys.executable, SCRIPT, *args]
-    proc = subprocess.Popen(
-        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{cmd} timed out after {timeout}s:\n{out[-3000:]}\n{err[-6000:]}") from None
-    if proc.returncode != 0:
-        try:  # a rank left behind by a failed rank 0
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+LAUNCH_TIMEOUT_S = 180
 
 
 class Runs:
@@ -112,8 +88,7 @@ class Runs:
             self.run(self.NEEDS[name])
         out = os.path.join(self.dir, f"{name}.pt")
         args = [a.format(dir=self.dir) for a in self.SPECS[name]]
-        proc = _script("--out", out, *args)
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        run_script("checkpoint_run.py", "--out", out, *args, timeout=LAUNCH_TIMEOUT_S)
         return torch.load(out, weights_only=False)
 
     def run(self, name: str) -> dict:
@@ -129,44 +104,18 @@ def runs(tmp_path_factory) -> Runs:
 
 
 # ------------------------------------------------------------------------------------------------ comparisons
-def _assert_tensors_equal(actual: dict, expected: dict, what: str) -> None:
-    assert list(actual) == list(expected), f"{what}: keys differ"
-    for key in expected:
-        a, e = actual[key], expected[key]
-        assert a.shape == e.shape and a.dtype == e.dtype, f"{what}[{key}]: {a.shape}/{a.dtype} vs {e.shape}/{e.dtype}"
-        assert torch.equal(a, e), f"{what}[{key}]: max abs diff {(a - e).abs().max().item()}"
-
-
-def _assert_optimizer_equal(actual: dict, expected: dict, what: str) -> None:
-    assert actual["param_groups"] == expected["param_groups"], f"{what}: param_groups differ"
-    assert sorted(actual["state"]) == sorted(expected["state"]), f"{what}: state indices differ"
-    for index, entry in expected["state"].items():
-        got = actual["state"][index]
-        assert sorted(got) == sorted(entry), f"{what}[{index}]: {sorted(got)} vs {sorted(entry)}"
-        for name, value in entry.items():
-            if torch.is_tensor(value):
-                assert got[name].shape == value.shape, f"{what}[{index}][{name}]: {got[name].shape} vs {value.shape}"
-                assert torch.equal(got[name].cpu(), value), f"{what}[{index}][{name}] differs"
-            else:
-                assert got[name] == value, f"{what}[{index}][{name}]: {got[name]} vs {value}"
-
-
 def _assert_restored(run: dict, ckpt: dict, what: str) -> None:
     """What the resumed run held at on_train_start is exactly the checkpoint's content (atol=0)."""
     start = run["start"]
-    _assert_tensors_equal(start["params"], ckpt["state_dict"], f"{what} params")
+    assert_tensors_equal(start["params"], ckpt["state_dict"], f"{what} params")
     assert len(start["optimizer_states"]) == len(ckpt["optimizer_states"]) == 1
-    _assert_optimizer_equal(start["optimizer_states"][0], ckpt["optimizer_states"][0], f"{what} optimizer")
+    assert_optimizer_equal(start["optimizer_states"][0], ckpt["optimizer_states"][0], f"{what} optimizer")
     assert start["lr_schedulers"] == ckpt["lr_schedulers"]
     assert start["global_step"] == ckpt["global_step"] == 3
 
 
 def _tensors_equal(a: dict, b: dict) -> bool:
     return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in b)
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in b)
 
 
 class _Wrapped(nn.Module):
@@ -186,10 +135,10 @@ def test_resume_parity_sgd_momentum(runs):
     # Steps 4-6 after fit(ckpt_path=...) in fresh processes: same step numbers, losses and lr, bit for bit.
     assert resumed["records"] == full["records"][3:]
     _assert_restored(resumed, ckpt, "fsdp resume")
-    _assert_tensors_equal(resumed["end"]["params"], full["end"]["params"], "final params")
-    _assert_optimizer_equal(resumed["end"]["optimizer_states"][0], full["end"]["optimizer_states"][0], "final optim")
+    assert_tensors_equal(resumed["end"]["params"], full["end"]["params"], "final params")
+    assert_optimizer_equal(resumed["end"]["optimizer_states"][0], full["end"]["optimizer_states"][0], "final optim")
     # validate(ckpt_path=...) after fit loads the model only, into the sharded module.
-    _assert_tensors_equal(resumed["validated"], ckpt["state_dict"], "validate(ckpt_path)")
+    assert_tensors_equal(resumed["validated"], ckpt["state_dict"], "validate(ckpt_path)")
     assert ckpt["state_dict"]["model.emb.weight"].shape == (7, 5)  # full shapes, not shards
     assert not _tensors_equal(ckpt["state_dict"], full["end"]["params"])  # training moved on after the save
 
@@ -203,8 +152,8 @@ def test_resume_parity_adamw_with_scheduler(runs):
     entry = ckpt["optimizer_states"][0]["state"][0]
     assert sorted(entry) == ["exp_avg", "exp_avg_sq", "step"] and float(entry["step"]) == 3.0
     assert ckpt["lr_schedulers"][0]["last_epoch"] == 3 and ckpt["lr_schedulers"][0]["_last_lr"] == [0.005, 0.005]
-    _assert_tensors_equal(resumed["end"]["params"], full["end"]["params"], "final params")
-    _assert_optimizer_equal(resumed["end"]["optimizer_states"][0], full["end"]["optimizer_states"][0], "final optim")
+    assert_tensors_equal(resumed["end"]["params"], full["end"]["params"], "final params")
+    assert_optimizer_equal(resumed["end"]["optimizer_states"][0], full["end"]["optimizer_states"][0], "final optim")
     assert resumed["end"]["lr_schedulers"] == full["end"]["lr_schedulers"]
 
 
@@ -232,8 +181,8 @@ def test_checkpoint_layout_is_plain_lightning(runs):
         assert state["state"][index]["momentum_buffer"].shape == shapes[name].shape, name
     # The checkpoint DDP writes after the same 3 steps has the same layout and (gloo sums of 2 values commute)
     # the same values, bit for bit.
-    _assert_tensors_equal(ours["state_dict"], ddp["state_dict"], "fsdp vs ddp checkpoint params")
-    _assert_optimizer_equal(ours["optimizer_states"][0], ddp["optimizer_states"][0], "fsdp vs ddp checkpoint optim")
+    assert_tensors_equal(ours["state_dict"], ddp["state_dict"], "fsdp vs ddp checkpoint params")
+    assert_optimizer_equal(ours["optimizer_states"][0], ddp["optimizer_states"][0], "fsdp vs ddp checkpoint optim")
 
 
 def test_fsdp_checkpoint_resumes_under_ddp(runs):
@@ -241,7 +190,7 @@ def test_fsdp_checkpoint_resumes_under_ddp(runs):
     assert resumed["strategy"] == "DDPStrategy" and resumed["world_size"] == 2
     _assert_restored(resumed, runs.checkpoint("fsdp_sgd_3"), "ddp resume")
     assert resumed["records"] == full["records"][3:]
-    _assert_tensors_equal(resumed["end"]["params"], full["end"]["params"], "final params")
+    assert_tensors_equal(resumed["end"]["params"], full["end"]["params"], "final params")
 
 
 def test_fsdp_checkpoint_resumes_on_single_device(runs):
@@ -253,7 +202,7 @@ def test_fsdp_checkpoint_resumes_on_single_device(runs):
     assert [r[0] for r in resumed["records"]] == [3, 4, 5]
     for (_, got, _), (_, want, _) in zip(resumed["records"], full["records"][3:]):
         assert abs(got - want) <= 2e-6, (got, want)
-    assert _max_diff(resumed["end"]["params"], full["end"]["params"]) <= 1e-6
+    assert max_diff(resumed["end"]["params"], full["end"]["params"]) <= 1e-6
 
 
 def test_ddp_checkpoint_resumes_under_fsdp(runs):
@@ -262,13 +211,13 @@ def test_ddp_checkpoint_resumes_under_fsdp(runs):
     _assert_restored(resumed, runs.checkpoint("ddp_sgd_3"), "fsdp resume of a ddp checkpoint")
     # DDP's first 3 steps and fsdp_custom's last 3 together equal 6 uninterrupted steps, bit for bit.
     assert ddp["records"] + resumed["records"] == full["records"]
-    _assert_tensors_equal(resumed["end"]["params"], full["end"]["params"], "final params")
-    _assert_optimizer_equal(resumed["end"]["optimizer_states"][0], full["end"]["optimizer_states"][0], "final optim")
+    assert_tensors_equal(resumed["end"]["params"], full["end"]["params"], "final params")
+    assert_optimizer_equal(resumed["end"]["optimizer_states"][0], full["end"]["optimizer_states"][0], "final optim")
     # A checkpoint saved after fit (strategy torn down) holds exactly the trained state.
     final = runs.checkpoint("fsdp_final")
     assert final["global_step"] == 6
-    _assert_tensors_equal(final["state_dict"], resumed["end"]["params"], "after-fit checkpoint params")
-    _assert_optimizer_equal(final["optimizer_states"][0], resumed["end"]["optimizer_states"][0], "after-fit optim")
+    assert_tensors_equal(final["state_dict"], resumed["end"]["params"], "after-fit checkpoint params")
+    assert_optimizer_equal(final["optimizer_states"][0], resumed["end"]["optimizer_states"][0], "after-fit optim")
 
 
 # ------------------------------------------------------------------------------------------ c. crash mid-save
@@ -284,7 +233,8 @@ def _good_checkpoint() -> dict:
 
 def _kill_mid_save(path: str, *extra: str) -> int:
     """Save a 32 MiB checkpoint to ``path`` in a subprocess that SIGKILLs itself once 8 MiB are written; its pid."""
-    proc = _script("--mode", "killsave", "--save", path, "--kill-after", str(8 << 20), *extra, timeout=120)
+    args = ["--mode", "killsave", "--save", path, "--kill-after", str(8 << 20), *extra]
+    proc = run_script("checkpoint_run.py", *args, timeout=120, check=False)
     assert proc.returncode == -signal.SIGKILL, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     found = re.search(r"pid (\d+): killing myself after (\d+) bytes", proc.stdout)
     assert found, proc.stdout
@@ -304,7 +254,7 @@ def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path):
     assert _sha(path) == before  # not a byte changed at the path
     loaded = io.load_checkpoint(path)
     assert loaded["epoch"] == 1 and loaded["global_step"] == 3
-    _assert_tensors_equal(loaded["state_dict"], good["state_dict"], "checkpoint after the killed save")
+    assert_tensors_equal(loaded["state_dict"], good["state_dict"], "checkpoint after the killed save")
     # The kill really happened mid-write: the killed process's temporary file holds a partial, unloadable archive.
     tmp = temp_path_for(path, pid)
     assert os.path.exists(tmp)
@@ -344,7 +294,7 @@ def test_failed_save_removes_temp_file_and_keeps_previous(tmp_path):
     nested = tmp_path / "a" / "b" / "c.ckpt"
     io.save_checkpoint(good, nested)
     assert os.listdir(nested.parent) == ["c.ckpt"]
-    _assert_tensors_equal(io.load_checkpoint(nested)["state_dict"], good["state_dict"], "nested")
+    assert_tensors_equal(io.load_checkpoint(nested)["state_dict"], good["state_dict"], "nested")
 
 
 # ------------------------------------------------------------------------------------------ d. clear load errors

@@ -2,7 +2,7 @@
 to a full file, and errors naming the mismatch (world size, shapes, shard layout) or the damaged file, on every rank.
 
 Lightning-level scenarios run tests/scripts/checkpoint_run.py / checkpoint_cases.py as users run scripts (see
-tests/scripts/checkpoint_runs.py). "lo_6" trains 6 steps and saves a local directory at step 3 together with the full
+tests/checkpoint/checkpoint_runs.py). "lo_6" trains 6 steps and saves a local directory at step 3 together with the full
 state it held then (``saved``).
 """
 
@@ -18,11 +18,8 @@ import torch
 from lightning_fsdp.checkpoint.convert import load_as_full
 from lightning_fsdp.checkpoint.convert import main as convert_main
 from lightning_fsdp.checkpoint.paths import checkpoint_kind
-from tests.scripts.checkpoint_runs import (
-    Runs,
-    assert_optimizer_equal,
-    assert_tensors_equal,
-)
+from tests.checkpoint.checkpoint_runs import Runs
+from tests.toolbox.compare import assert_optimizer_equal, assert_tensors_equal
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 mid-save, ModelCheckpoint and weights-only directories, and load errors raised on every rank.
 
 Lightning-level scenarios run tests/scripts/checkpoint_run.py / checkpoint_cases.py as users run scripts (see
-tests/scripts/checkpoint_runs.py). The uninterrupted run "sh_6" trains 6 steps and saves a sharded directory at the end
-of its first epoch (step 3), together with the full parameters and optimizer state it held at that moment
+tests/checkpoint/checkpoint_runs.py). The uninterrupted run "sh_6" trains 6 steps and saves a sharded directory at the
+end of its first epoch (step 3), together with the full parameters and optimizer state it held at that moment
 (``saved``); everything restored from that directory, at any world size, must equal ``saved`` bit for bit.
 """
 
@@ -23,12 +23,8 @@ from lightning_fsdp.checkpoint.paths import (
     remove_checkpoint_path,
     remove_stale_temps,
 )
-from tests.scripts.checkpoint_runs import (
-    Runs,
-    assert_optimizer_equal,
-    assert_tensors_equal,
-    max_diff,
-)
+from tests.checkpoint.checkpoint_runs import Runs
+from tests.toolbox.compare import assert_optimizer_equal, assert_tensors_equal, max_diff
 
 
 @pytest.fixture(scope="module")
@@ -370,24 +366,9 @@ def test_stale_temp_directories_and_removal(tmp_path):
 def test_zero_dim_parameter_ignored_module_and_buffer_reshard_2_1_2(tmp_path):
     """Engine level, AdamW: a 0-dim parameter (its row on rank 0 only), an ignored module and a buffer survive
     2-way -> 1-way -> 2-way sharded checkpoints exactly (tests/scripts/checkpoint_engine_run.py)."""
-    import sys
+    from tests.toolbox.launch import script_output
 
-    from tests.scripts.checkpoint_runs import ROOT, launch
-
-    out = str(tmp_path / "out.pt")
-    proc = launch(
-        [
-            sys.executable,
-            os.path.join(ROOT, "tests", "scripts", "checkpoint_engine_run.py"),
-            "--out",
-            out,
-            "--dir",
-            str(tmp_path),
-        ],
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = torch.load(out, weights_only=False)
+    results = script_output("checkpoint_engine_run.py", tmp_path / "out.pt", "--dir", tmp_path, timeout=180)
     reference = results["a"]
     assert reference["optimizer"][0]["exp_avg"].shape == ()  # the 0-dim parameter's AdamW state
     for stage in ("b", "c"):  # after loading into 1-way shards, and back into 2-way shards

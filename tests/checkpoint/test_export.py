@@ -19,15 +19,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from benchmarks.ranks import ROOT
 from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError
 from lightning_fsdp.checkpoint.export import export_safetensors, parse_dtype, parse_size
 from lightning_fsdp.checkpoint.local import read_local_checkpoint_full
 from lightning_fsdp.checkpoint.sharded import read_sharded_checkpoint_full, save_sharded_from_full
 from tests.toolbox.distributed import run_distributed
+from tests.toolbox.launch import run_command
 from tests.toolbox.models import Block, ToyLM, batch, loss_fn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 FORMATS = ["full", "sharded", "local"]
 
 
@@ -333,15 +333,7 @@ print(json.dumps({"increase_bytes": meter.stop()["rss"]}))
 
 
 def _peak_increase(mode: str, src: str, out: str) -> int:
-    proc = subprocess.run(
-        [sys.executable, "-c", _MEASURE, mode, src, out],
-        env=ENV,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = run_command([sys.executable, "-c", _MEASURE, mode, src, out], cwd=ROOT, timeout=300)
     return json.loads(proc.stdout.strip().splitlines()[-1])["increase_bytes"]
 
 
@@ -418,9 +410,7 @@ def _command() -> list[str]:
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*_command(), "export", *args], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    return run_command([*_command(), "export", *args], cwd=ROOT, timeout=300, check=False)
 
 
 def test_command_exports_end_to_end(saved, tmp_path):

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -26,14 +23,11 @@ from torch import nn
 from lightning_fsdp.checkpoint.common import CheckpointMismatchError
 from lightning_fsdp.pretrained import load_pretrained
 from tests.toolbox.distributed import run_distributed
-from tests.toolbox.launch import in_background
+from tests.toolbox.launch import in_background, run_script
 from tests.toolbox.models import Block, ToyLM
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "tests", "scripts", "pretrained_run.py")
 
-
-class Net(nn.Module):
+class ToyLMWithExtras(nn.Module):
     """ToyLM as ``lm`` plus a 0-dim parameter and a (persistent) buffer."""
 
     def __init__(self) -> None:
@@ -44,26 +38,27 @@ class Net(nn.Module):
 
 
 class Outer(nn.Module):
-    """``Net`` one level down, so the keys carry a prefix (as a LightningModule's ``self.model`` does)."""
+    """``ToyLMWithExtras`` one level down, so the keys carry a prefix (as a LightningModule's ``self.model`` does)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = Net()
+        self.net = ToyLMWithExtras()
 
 
-def _reference() -> dict[str, torch.Tensor]:
-    """The pretrained values, by ``Net`` key, without the tied duplicate (``lm.head.weight`` is ``lm.emb.weight``)."""
+def pretrained_values() -> dict[str, torch.Tensor]:
+    """The pretrained values, by ``ToyLMWithExtras`` key, without the tied duplicate (``lm.head.weight`` is
+    ``lm.emb.weight``)."""
     torch.manual_seed(0)
-    state = Net().state_dict()
+    state = ToyLMWithExtras().state_dict()
     state.pop("lm.head.weight")
     return {k: v.detach().clone().contiguous() for k, v in state.items()}
 
 
 def write_files(folder: str) -> dict[str, str]:
     """The pretrained model in the layouts the cases load; returns case -> path."""
-    ref = _reference()
+    ref = pretrained_values()
     paths = {}
-    # 1. one file, Net's own names; the tie stored under its first name.
+    # 1. one file, ToyLMWithExtras's own names; the tie stored under its first name.
     paths["single"] = os.path.join(folder, "single.safetensors")
     save_file(ref, paths["single"])
     # 2. two files with an index (a directory as save_pretrained writes it); the tie stored under its second name.
@@ -148,12 +143,16 @@ def _load_cases(rank: int, world_size: int, paths: dict[str, str]) -> dict:
 
     out = {}
     cases = {
-        "single": (Net, lambda m: m, {}),
-        "split": (Net, lambda m: m, {}),
+        "single": (ToyLMWithExtras, lambda m: m, {}),
+        "split": (ToyLMWithExtras, lambda m: m, {}),
         # The sharded root with a prefix and a rename function.
         "renamed": (Outer, lambda m: m, {"prefix": "net.", "rename": lambda n: n.replace("body.", "lm.", 1)}),
         # A submodule of the sharded root (its engine found through the root), with a rename dict.
-        "renamed_dict": (Outer, lambda m: m.net, {"rename": {k.replace("lm.", "body.", 1): k for k in _reference()}}),
+        "renamed_dict": (
+            Outer,
+            lambda m: m.net,
+            {"rename": {k.replace("lm.", "body.", 1): k for k in pretrained_values()}},
+        ),
     }
     for case, (cls, pick, kwargs) in cases.items():
         model, engine = _sharded(cls, seed=100 + rank)
@@ -165,7 +164,7 @@ def _load_cases(rank: int, world_size: int, paths: dict[str, str]) -> dict:
             result = load_pretrained(pick(model), path, **kwargs)
         finally:
             safetensors.safe_open = original
-        net = model if cls is Net else model.net
+        net = model if cls is ToyLMWithExtras else model.net
         full = full_model_state_dict(engine, rank0_only=False)
         rows = {}
         for slot in (s for u in engine.units for s in u.slots):
@@ -187,7 +186,7 @@ def loaded(tmp_path_factory) -> tuple[list[dict], dict[str, str]]:
 
 
 def _expected(paths: dict[str, str], case: str) -> dict[str, torch.Tensor]:
-    """The file's tensors read independently, keyed as in ``Net``."""
+    """The file's tensors read independently, keyed as in ``ToyLMWithExtras``."""
     if case == "split":
         folder = paths["split"]
         state = {}
@@ -202,7 +201,7 @@ def _expected(paths: dict[str, str], case: str) -> dict[str, torch.Tensor]:
 def test_every_tensor_equals_the_file(loaded, case):
     per_rank, paths = loaded
     expected = _expected(paths, case)
-    # Net has 17 state-dict tensors but one tied pair: 16 distinct tensors in the files.
+    # ToyLMWithExtras has 17 state-dict tensors but one tied pair: 16 distinct tensors in the files.
     assert len(expected) == 16
     key_prefix = "net." if case.startswith("renamed") else ""
     for rank, out in enumerate(per_rank):
@@ -248,7 +247,7 @@ def test_each_rank_reads_only_its_rows(loaded, case):
 def _error_cases(rank: int, world_size: int, folder: str) -> dict:
     from lightning_fsdp.checkpoint.full import full_model_state_dict
 
-    ref = _reference()
+    ref = pretrained_values()
     files = {
         "missing": {k: v for k, v in ref.items() if k != "lm.block1.fc1.weight"},
         "unexpected": {**ref, "lm.extra.weight": torch.ones(2, 3)},
@@ -260,7 +259,7 @@ def _error_cases(rank: int, world_size: int, folder: str) -> dict:
         if rank == 0:
             save_file(state, path)
         torch.distributed.barrier()
-        model, engine = _sharded(Net, seed=100 + rank)
+        model, engine = _sharded(ToyLMWithExtras, seed=100 + rank)
         before = full_model_state_dict(engine, rank0_only=False)
         try:
             load_pretrained(model, path)
@@ -282,7 +281,7 @@ def _error_cases(rank: int, world_size: int, folder: str) -> dict:
     if rank == 0:
         save_file(ref, good)
     torch.distributed.barrier()
-    model, engine = _sharded(Net, seed=100 + rank)
+    model, engine = _sharded(ToyLMWithExtras, seed=100 + rank)
     before = full_model_state_dict(engine, rank0_only=False)
     try:
         load_pretrained(model, good if rank == 0 else os.path.join(folder, "nowhere.safetensors"))
@@ -322,7 +321,7 @@ def test_strict_errors_on_every_rank_before_copying(errors, case):
 @pytest.mark.parametrize("case", sorted(ERRORS))
 def test_non_strict_lists_them_and_loads_the_rest(errors, case):
     name, _kind, result = ERRORS[case]
-    ref = _reference()
+    ref = pretrained_values()
     for rank, out in enumerate(errors):
         assert tuple(out[case]["result"]) == result, rank
         after, before = out[case]["after"], out[case]["before"]
@@ -365,11 +364,11 @@ def test_unsharded_module_loads_whole_and_materialises_meta(tmp_path):
 
 def test_dtype_cast_and_skipped_tensors(tmp_path):
     """A bfloat16 file loads into a float32 model (values cast); a rename returning None skips a tensor."""
-    ref = _reference()
+    ref = pretrained_values()
     path = str(tmp_path / "bf16.safetensors")
     save_file({k: v.to(torch.bfloat16) for k, v in ref.items()}, path)
     torch.manual_seed(1)
-    net = Net()
+    net = ToyLMWithExtras()
     result = load_pretrained(net, path, rename=lambda n: None if n == "counts" else n, strict=False)
     assert result == (["counts"], [], [])  # skipped: missing in the model, not unexpected
     state = net.state_dict()
@@ -393,29 +392,6 @@ def test_bad_arguments_name_the_value():
 
 
 # ------------------------------------------------------------------------------------------------ transformers
-def _run_script(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
-    """The Lightning script in its own session; on timeout the whole group is killed (the launcher starts rank 1 as
-    a child of rank 0)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.Popen(
-        [sys.executable, SCRIPT, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"pretrained_run.py timed out:\n{out[-3000:]}\n{err[-6000:]}") from None
-    if proc.returncode != 0:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-    assert proc.returncode == 0, out[-3000:] + err[-6000:]
-    return proc
-
-
 _llama_runs: dict = {}
 
 
@@ -438,7 +414,7 @@ def llama_run(tmp_path_factory, tie: bool) -> dict:
 def _llama_launch(folder: Path) -> dict:
     pretrained = folder / "pretrained"
     checkpoint, out = folder / "trained.ckpt", folder / "out.pt"
-    _run_script("--pretrained", str(pretrained), "--save", str(checkpoint), "--out", str(out))
+    run_script("pretrained_run.py", "--pretrained", pretrained, "--save", checkpoint, "--out", out, timeout=400)
     return {**torch.load(out, weights_only=False), "pretrained": pretrained, "checkpoint": checkpoint}
 
 

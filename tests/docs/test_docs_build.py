@@ -4,14 +4,14 @@ the API reference cannot parse), and the generated pages hold what the manual pr
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from html import unescape
 from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks.ranks import ROOT
+from tests.toolbox.launch import run_command
 
 
 def _text(page: Path) -> str:
@@ -29,25 +29,8 @@ def _nav_pages(nav) -> list[str]:
 
 def test_docs_build_strict(tmp_path):
     site = tmp_path / "site"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mkdocs",
-            "build",
-            "--strict",
-            "--config-file",
-            str(ROOT / "mkdocs.yml"),
-            "--site-dir",
-            str(site),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    mkdocs = [sys.executable, "-m", "mkdocs", "build", "--strict"]
+    proc = run_command([*mkdocs, "--config-file", ROOT / "mkdocs.yml", "--site-dir", site], cwd=ROOT, timeout=120)
     assert "WARNING" not in proc.stderr
 
     # Every page of the nav was rendered.

@@ -12,14 +12,13 @@ import inspect
 import pkgutil
 import re
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 
 import lightning_fsdp
+from benchmarks.ranks import ROOT
 from lightning_fsdp.strategy import FSDPStrategy
 
-ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 RUN_MARK = "<!-- docs-test: run -->"
 
@@ -232,26 +231,19 @@ def test_marked_block_runs(page, line, code, tmp_path, monkeypatch):
 def test_finetune_hf_example_runs_and_exports_trained_weights(tmp_path):
     """examples/finetune_hf.py as the quick start runs it, 2 CPU ranks and 2 steps: it ends with a from_pretrained
     directory holding weights that differ from the pretrained ones it started from."""
-    import subprocess
     import sys
 
     import torch
     from safetensors.torch import load_file
 
-    from tests.toolbox.launch import clean_env, free_port, kill_group
+    from benchmarks.ranks import clean_env, free_port
+    from tests.toolbox.launch import run_command
 
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "examples" / "finetune_hf.py"), "--max-steps", "2", "--out", str(out)]
     env = clean_env(MASTER_PORT=str(free_port()))
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        kill_group(proc.pid)  # nothing of the launch outlives it
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
-    assert "final train_loss" in stdout
+    proc = run_command(cmd, cwd=tmp_path, env=env, timeout=300)
+    assert "final train_loss" in proc.stdout
     exported = load_file(out / "hf" / "model.safetensors")
     initial = load_file(out / "tiny-llama" / "model.safetensors")
     assert sorted(exported) == sorted(initial) and len(initial) > 10

@@ -882,11 +882,14 @@ def _round_trip(
 ) -> _Sharded:
     """Save ``run`` in ``mode`` to real files, load into a freshly sharded copy (other initial values) and check that
     it holds exactly what was saved. Adjusts the reference's per-rank buffers to the format's semantics."""
-    from lightning_fsdp.checkpoint.common import CheckpointRun, load_sharded_model_state_dict
+    from lightning_fsdp.checkpoint.common import (
+        CheckpointRun,
+        load_full_model_state_dict,
+        load_sharded_model_state_dict,
+    )
     from lightning_fsdp.checkpoint.full import (
         full_model_state_dict,
         full_optimizer_state_dict,
-        load_full_model_state_dict,
         load_full_optimizer_state_dict,
     )
     from lightning_fsdp.checkpoint.local import (

@@ -23,7 +23,9 @@ import torch.distributed as dist
 import lightning_fsdp  # noqa: F401  (registers "fsdp_custom")
 from lightning_fsdp import FSDPStrategy
 from tests.toolbox.distributed import run_distributed
-from tests.toolbox.models import Block, ToyLM, batch, loss_fn
+from tests.toolbox.models import Block, ToyLM
+from tests.toolbox.one_device import toy_lm_on_step_batches
+from tests.toolbox.training import sgd_with_momentum, train_on_shares
 
 STEPS = 3
 WORLD = 2
@@ -110,13 +112,8 @@ def _on_mpi_row(rank: int, world_size: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = ToyLM(dim=16)
     engine = fully_shard(model, auto_wrap_policy={Block})
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with torch.autograd.detect_anomaly(check_nan=False):  # the engine's agree() gathers before every collective
-        for step in range(STEPS):
-            x, y = batch(step, size=8)
-            loss_fn(model(x[rank::world_size]), y[rank::world_size]).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        train_on_shares(model, sgd_with_momentum(model.parameters()), STEPS, 8, rank, world_size)
     training = dict(issued)
     with engine.unsharded():
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -144,21 +141,9 @@ def _on_mpi_row(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
-def _one_device() -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    model = ToyLM(dim=16)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        x, y = batch(step, size=8)
-        loss_fn(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
-
-
 def test_mpi_row_on_gloo_trains_like_one_device_and_carries_bfloat16():
     results = run_distributed(_on_mpi_row, WORLD)
-    expected = _one_device()
+    expected = toy_lm_on_step_batches(STEPS, 8, dim=16).parameters()
     compared = 0
     for rank, result in enumerate(results):
         # Training used MPI's forms only: list all-gathers and all-to-all reductions, no broadcast gathers (the

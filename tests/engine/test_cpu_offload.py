@@ -14,9 +14,6 @@ device is present.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,11 +21,11 @@ import torch
 
 from lightning_fsdp.checkpoint.full import full_model_state_dict
 from lightning_fsdp.engine import fully_shard
+from tests.toolbox.compare import assert_all_close
 from tests.toolbox.distributed import run_distributed
+from tests.toolbox.launch import run_script
 from tests.toolbox.models import Block, ToyLM, batch, loss_fn
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "scripts" / "cpu_offload_run.py"
 STEPS = 3
 NUM_PARAMS = 14  # ToyLM's parameters, the tied embedding / head once
 NUM_TRAINABLE = 12  # all but the frozen Linear's weight and bias
@@ -90,10 +87,7 @@ def check_same_training(with_offload: dict, without: dict, atol: float = 0.0) ->
     """Same losses and final parameters; exactly on the CPU, within ``atol`` where kernels may be nondeterministic
     (CUDA's embedding backward). Returns how many state_dict entries were compared."""
     torch.testing.assert_close(torch.tensor(with_offload["losses"]), torch.tensor(without["losses"]), rtol=0, atol=atol)
-    assert sorted(with_offload["params"]) == sorted(without["params"])
-    for name, value in without["params"].items():
-        torch.testing.assert_close(with_offload["params"][name], value, rtol=0, atol=atol, msg=name)
-    return len(without["params"])
+    return assert_all_close(with_offload["params"], without["params"], "with offload vs without", rtol=0, atol=atol)
 
 
 def _trained(embedding: torch.Tensor) -> bool:
@@ -146,27 +140,8 @@ def test_engine_offloads_to_the_host_while_computing_on_cuda():
 # -------------------------------------------------------------------------------------- through the strategy
 def run_strategy(out: Path, devices: int, offload: bool, accelerator: str = "cpu") -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--out",
-            str(out),
-            "--devices",
-            str(devices),
-            "--offload",
-            str(int(offload)),
-            "--accelerator",
-            accelerator,
-        ],
-        env=env,
-        cwd=out,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    args = ["--out", out, "--devices", str(devices), "--offload", str(int(offload)), "--accelerator", accelerator]
+    run_script("cpu_offload_run.py", *args, cwd=out, timeout=300)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
 

@@ -37,7 +37,7 @@ class GatedBlock(nn.Module):
         return out + self.extra(x) if use_extra else out
 
 
-class Net(nn.Module):
+class GatedNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -74,7 +74,7 @@ def _train(rank, world_size, strategy, direct):
 
     if direct:  # every parameter gathered and reduced on its own, in place (4-row layers split evenly)
         FlatUnit.direct_gather_min_numel = 1
-    reference = Net()
+    reference = GatedNet()
     model = copy.deepcopy(reference)
     fully_shard(model, sharding_strategy=strategy, auto_wrap_policy={GatedBlock})
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -114,11 +114,11 @@ def test_parameter_skipped_by_one_rank_trains_like_one_process(strategy, direct)
         for name in ref:
             torch.testing.assert_close(full[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
         # Momentum really moved the parameters that were skipped on even steps (not a vacuous comparison).
-        assert not torch.equal(full["blocks.2.extra.weight"], Net().state_dict()["blocks.2.extra.weight"])
+        assert not torch.equal(full["blocks.2.extra.weight"], GatedNet().state_dict()["blocks.2.extra.weight"])
 
 
 def _skip_a_unit(rank, world_size):
-    model = Net()
+    model = GatedNet()
     fully_shard(model, auto_wrap_policy={GatedBlock})
     try:
         with torch.autograd.set_detect_anomaly(True, check_nan=False):
@@ -138,7 +138,7 @@ def test_unit_run_on_one_rank_only_is_named_on_every_rank():
 
 
 def _nan_gradient(rank, world_size, check_nan):
-    model = Net()
+    model = GatedNet()
     fully_shard(model, auto_wrap_policy={GatedBlock})
     try:
         with torch.autograd.set_detect_anomaly(True, check_nan=check_nan):

@@ -18,8 +18,10 @@ import torch.distributed as dist
 from lightning_fsdp.engine import fully_shard
 from lightning_fsdp.engine.options import ShardingOptions
 from lightning_fsdp.process_groups import node_groups
+from tests.toolbox.compare import assert_all_close
 from tests.toolbox.distributed import run_distributed
 from tests.toolbox.models import Block, ToyLM, batch, loss_fn
+from tests.toolbox.one_device import toy_lm_on_step_batches
 
 STEPS = 3
 MICRO = 3  # microbatches per step: two held before the last (accumulation of held gradients, then the reduction)
@@ -65,29 +67,32 @@ def _reduction_bytes(comms) -> int:
     return sum(c.stats.reduce_scatter_bytes + c.stats.all_reduce_bytes for c in comms or [])
 
 
-def reference(*, freeze_midway=False) -> dict[str, torch.Tensor]:
-    """One process, the whole global batch per step (one backward for all microbatches but the last)."""
+def one_device_freezing_block1_in_the_last_microbatch() -> dict[str, torch.Tensor]:
+    """One process, the whole global batch per step, block1 frozen for the samples of the ranks' last microbatch
+    (one backward for all microbatches but the last, one for the last)."""
     torch.manual_seed(0)
     model = ToyLM()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         x, y = batch(step, size=SIZE)
-        if not freeze_midway:
-            loss_fn(model(x), y).backward()
-        else:
-            # block1 sees the gradient of every microbatch but the last: those samples, weighted as in the step.
-            # On 2 ranks the last microbatch is the last third of every rank's samples.
-            last = torch.zeros(SIZE, dtype=torch.bool)
-            per_rank = SIZE // 2
-            for r in range(2):
-                last[torch.arange(r, SIZE, 2)[per_rank - per_rank // MICRO :]] = True
-            (loss_fn(model(x[~last]), y[~last]) * (~last).sum() / SIZE).backward()
-            model.block1.requires_grad_(False)
-            (loss_fn(model(x[last]), y[last]) * last.sum() / SIZE).backward()
-            model.block1.requires_grad_(True)
+        # block1 sees the gradient of every microbatch but the last: those samples, weighted as in the step.
+        # On 2 ranks the last microbatch is the last third of every rank's samples.
+        last = torch.zeros(SIZE, dtype=torch.bool)
+        per_rank = SIZE // 2
+        for r in range(2):
+            last[torch.arange(r, SIZE, 2)[per_rank - per_rank // MICRO :]] = True
+        (loss_fn(model(x[~last]), y[~last]) * (~last).sum() / SIZE).backward()
+        model.block1.requires_grad_(False)
+        (loss_fn(model(x[last]), y[last]) * last.sum() / SIZE).backward()
+        model.block1.requires_grad_(True)
         optimizer.step()
         optimizer.zero_grad()
     return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def one_device() -> dict[str, torch.Tensor]:
+    """One process, the whole global batch per step (one backward for all microbatches)."""
+    return toy_lm_on_step_batches(STEPS, SIZE).parameters()
 
 
 def full_params(engine) -> dict[str, torch.Tensor]:
@@ -245,22 +250,15 @@ def _gather_bytes(unit: str, n: int) -> int:
     return FLOAT_BYTES * total
 
 
-def _assert_params(got: dict, want: dict, what: str, **tol) -> int:
-    assert sorted(got) == sorted(want), what
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, **(tol or TOL), msg=f"{what} {name}")
-    return len(want)
-
-
 def test_no_sync_accumulation_matches_syncing_every_microbatch_and_one_process(two):
-    want = reference()
+    want = one_device()
     compared = 0
     for rank_result in two:
         for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
             synced = rank_result[(strategy, "sync")]["params"]
             accumulated = rank_result[(strategy, "no_sync")]["params"]
-            compared += _assert_params(accumulated, synced, f"{strategy} no_sync vs sync")
-            compared += _assert_params(accumulated, want, f"{strategy} no_sync vs one process")
+            compared += assert_all_close(accumulated, synced, f"{strategy} no_sync vs sync", **TOL)
+            compared += assert_all_close(accumulated, want, f"{strategy} no_sync vs one process", **TOL)
     assert compared == 2 * 3 * 2 * PARAMS
 
 
@@ -294,16 +292,16 @@ def test_held_gradients_are_full_size_and_an_optimizer_step_refuses_them(two):
 
 
 def test_parameter_frozen_after_its_gradient_was_held_still_gets_it(two):
-    want = reference(freeze_midway=True)
-    plain = reference()
+    want = one_device_freezing_block1_in_the_last_microbatch()
+    plain = one_device()
     # The schedule differs from plain training where it should: block1 misses the last microbatch's gradient.
     assert not torch.allclose(want["block1.fc1.weight"], plain["block1.fc1.weight"])
-    compared = sum(_assert_params(r["freeze_midway"], want, "freeze midway") for r in two)
+    compared = sum(assert_all_close(r["freeze_midway"], want, "freeze midway", **TOL) for r in two)
     assert compared == 2 * PARAMS
 
 
 def test_reshard_after_backward_off_gathers_once_per_step_and_stays_exact(two):
-    want = reference()
+    want = one_device()
     root, block1, block2 = (_gather_bytes(u, 2) for u in ("<root>", "block1", "block2"))
     # Default: every microbatch gathers each unit for forward, and the blocks again for backward (FULL_SHARD), except
     # block2 once the first microbatch has recorded the order: the last unit of the forward stays gathered into its
@@ -321,13 +319,15 @@ def test_reshard_after_backward_off_gathers_once_per_step_and_stays_exact(two):
             # FULL_SHARD backward), never by the next microbatches.
             assert kept["gathered"] == [once] + [later] * (STEPS - 1), strategy
             assert kept["sharded_after_step"] == [True] * STEPS  # the optimizer step freed them
-            compared += _assert_params(kept["params"], default["params"], f"{strategy} kept vs default", rtol=0, atol=0)
-            compared += _assert_params(kept["params"], want, f"{strategy} kept vs one process")
+            compared += assert_all_close(
+                kept["params"], default["params"], f"{strategy} kept vs default", rtol=0, atol=0
+            )
+            compared += assert_all_close(kept["params"], want, f"{strategy} kept vs one process", **TOL)
     assert compared == 2 * 2 * 2 * PARAMS
 
 
 def test_explicit_unshard_holds_the_units_until_the_optimizer_step(two):
-    want = reference()
+    want = one_device()
     units = sum(_gather_bytes(u, 2) for u in ("<root>", "block1", "block2"))
     compared = 0
     for rank_result in two:
@@ -336,7 +336,7 @@ def test_explicit_unshard_holds_the_units_until_the_optimizer_step(two):
         assert explicit["sharded_after_step"] == [True] * STEPS
         assert explicit["waited"] == [True] * STEPS  # the handle's wait() completed every unit's gather
         assert explicit["unshard_then_reshard"] == (True, True)
-        compared += _assert_params(explicit["params"], want, "explicit unshard")
+        compared += assert_all_close(explicit["params"], want, "explicit unshard", **TOL)
     assert compared == 2 * PARAMS
 
 
@@ -432,13 +432,13 @@ def four():
 
 
 def test_no_sync_with_hybrid_sharding(four):
-    want = reference()
+    want = one_device()
     compared = 0
     for rank_result in four:
         synced = rank_result[("HYBRID_SHARD", "sync")]
         accumulated = rank_result[("HYBRID_SHARD", "no_sync")]
-        compared += _assert_params(accumulated["params"], synced["params"], "hybrid no_sync vs sync")
-        compared += _assert_params(accumulated["params"], want, "hybrid no_sync vs one process")
+        compared += assert_all_close(accumulated["params"], synced["params"], "hybrid no_sync vs sync", **TOL)
+        compared += assert_all_close(accumulated["params"], want, "hybrid no_sync vs one process", **TOL)
         # Neither the shard group's reduce-scatter nor the replicas' all-reduce runs before the last microbatch.
         per_microbatch = synced["reduced"][0]
         assert per_microbatch > 0
@@ -447,7 +447,7 @@ def test_no_sync_with_hybrid_sharding(four):
 
 
 def test_reshard_after_forward_int_gathers_backward_within_the_subgroup(four):
-    want = reference()  # one backward per step on 4 ranks: the same global batch
+    want = one_device()  # one backward per step on 4 ranks: the same global batch
     root, block1, block2 = (_gather_bytes(u, 4) for u in ("<root>", "block1", "block2"))
     blocks = block1 + block2
     k = 4 // 2  # shard-group chunks per parameter each rank keeps after forward (1/2 of each block)
@@ -468,12 +468,12 @@ def test_reshard_after_forward_int_gathers_backward_within_the_subgroup(four):
                 assert backward == [0, k * again], how
                 assert FLOAT_BYTES * secondary == k * again  # 1/2 of each block kept between forward and backward
                 assert left == 0  # and used up by backward's unshard
-            compared += _assert_params(hpz["params"], baseline["params"], f"hpz {how} vs True", rtol=0, atol=0)
-            compared += _assert_params(hpz["params"], want, f"hpz {how} vs one process")
+            compared += assert_all_close(hpz["params"], baseline["params"], f"hpz {how} vs True", rtol=0, atol=0)
+            compared += assert_all_close(hpz["params"], want, f"hpz {how} vs one process", **TOL)
         stale = rank_result[("hpz", "stale")]
         assert stale["left"] == [True] * STEPS  # the unused forward did leave secondary shards before each step
         assert stale["used_up"] == [0] * STEPS
-        compared += _assert_params(stale["params"], want, "hpz forward without backward, then a step")
+        compared += assert_all_close(stale["params"], want, "hpz forward without backward, then a step", **TOL)
     assert compared == 4 * (2 * 2 + 1) * PARAMS
 
 

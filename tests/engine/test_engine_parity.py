@@ -54,7 +54,9 @@ def train(model, rank, world_size, optimizer_name, accumulate, clip, engine=None
     return losses
 
 
-def reference(optimizer_name, accumulate, clip):
+def one_device_with_schedule(optimizer_name, accumulate, clip):
+    """One process, the whole global batch: the schedule's optimizer, micro-batches and clipping, as the ranks run
+    it (train() with world size 1)."""
     torch.manual_seed(0)
     model = ToyLM()
     losses = train(model, 0, 1, optimizer_name, accumulate, clip)
@@ -82,7 +84,7 @@ def sharded_cases(rank, world_size, direct_gather_min_numel=None):
 
 @pytest.fixture(scope="module")
 def references():
-    return {(opt, acc, clip): reference(opt, acc, clip) for opt, acc, clip in SCHEDULES}
+    return {(opt, acc, clip): one_device_with_schedule(opt, acc, clip) for opt, acc, clip in SCHEDULES}
 
 
 @pytest.mark.parametrize(

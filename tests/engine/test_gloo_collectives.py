@@ -11,7 +11,8 @@ import torch
 from lightning_fsdp.engine import fully_shard
 from lightning_fsdp.engine.backends import FLAT, TABLE
 from tests.toolbox.distributed import run_distributed
-from tests.toolbox.models import Block, ToyLM, batch, loss_fn
+from tests.toolbox.models import Block, ToyLM
+from tests.toolbox.training import sgd_with_momentum, train_on_shares
 
 STEPS = 3
 
@@ -24,12 +25,7 @@ def _train(rank: int, world_size: int, torch_collectives: bool) -> tuple[dict, t
     used_gloo_forms = comm.forms is TABLE["gloo"]
     if torch_collectives:
         comm.forms = FLAT
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        x, y = batch(step, size=8)
-        loss_fn(model(x[rank::world_size]), y[rank::world_size]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_on_shares(model, sgd_with_momentum(model.parameters()), STEPS, 8, rank, world_size)
     with engine.unsharded():
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
     return params, (comm.stats.all_gather_bytes, comm.stats.reduce_scatter_bytes), used_gloo_forms

@@ -12,6 +12,7 @@ from lightning_fsdp.engine import fully_shard
 from lightning_fsdp.process_groups import node_groups
 from tests.toolbox.distributed import run_distributed
 from tests.toolbox.models import Block, ToyLM, batch, loss_fn
+from tests.toolbox.one_device import toy_lm_on_step_batches
 
 STEPS = 3
 
@@ -48,25 +49,10 @@ def hybrid(rank, world_size):
     return results
 
 
-def reference():
-    torch.manual_seed(0)
-    model = ToyLM()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step, size=8)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss))
-    return losses, model
-
-
 def test_hybrid_matches_unsharded_and_holds_half_per_rank():
     results = run_distributed(hybrid, 4)
-    ref_losses, ref_model = reference()
+    one_device = toy_lm_on_step_batches(STEPS, 8, clip_norm=0.05)
+    ref_losses, ref_model = one_device.losses, one_device.model
     full_bytes = sum(p.numel() * p.element_size() for p in ref_model.parameters())
     row_bytes = sum(p[0].numel() * p.element_size() for p in ref_model.parameters())
     for strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):

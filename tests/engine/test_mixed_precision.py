@@ -21,7 +21,7 @@ from tests.toolbox.models import Block, ToyLM, batch, loss_fn
 STEPS = 4
 
 
-def reference(dtype, split: int):
+def one_device_in_precision(dtype, split: int):
     """Unsharded mixed precision: fp32 master weights, a ``dtype`` compute copy, gradients in ``dtype``.
 
     ``split`` > 1 computes each step's gradient as the mean over ``split`` equal parts of the batch, as ranks do.
@@ -104,9 +104,9 @@ def test_shards_and_their_gradients_stay_full_precision(runs):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_parity_within_measured_tolerance(runs, dtype):
-    whole_losses, whole_params = reference(dtype, split=1)
-    split_losses, split_params = reference(dtype, split=2)
-    fp32_losses, _ = reference(torch.float32, split=1)
+    whole_losses, whole_params = one_device_in_precision(dtype, split=1)
+    split_losses, split_params = one_device_in_precision(dtype, split=2)
+    fp32_losses, _ = one_device_in_precision(torch.float32, split=1)
     # The measured noise of this precision: the same training computed whole vs. split as the ranks split it.
     loss_noise = (whole_losses - split_losses).abs().max().item()
     param_noise = max((whole_params[k] - split_params[k]).abs().max().item() for k in whole_params)
@@ -119,7 +119,7 @@ def test_parity_within_measured_tolerance(runs, dtype):
 
 def test_full_precision_config_is_exact(runs):
     losses, params, *_ = runs[0][(torch.float32, None)]
-    ref_losses, ref_params = reference(torch.float32, split=2)
+    ref_losses, ref_params = one_device_in_precision(torch.float32, split=2)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for key, value in ref_params.items():
         torch.testing.assert_close(params[key], value, rtol=1e-5, atol=1e-6)

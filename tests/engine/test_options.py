@@ -10,6 +10,8 @@ from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.engine import fully_shard
 from tests.toolbox.distributed import run_distributed
 from tests.toolbox.models import Block, ToyLM, batch, loss_fn
+from tests.toolbox.one_device import toy_lm_on_step_batches
+from tests.toolbox.training import sgd_with_momentum, train_on_shares
 
 STEPS = 3
 
@@ -26,7 +28,8 @@ def train(model, rank, world_size, accumulate=2, engine=None):
         optimizer.zero_grad()
 
 
-def reference_params():
+def one_device_in_two_microbatches():
+    """One process, each step's global batch in the two accumulated microbatches train() cuts it into."""
     torch.manual_seed(0)
     model = ToyLM()
     train(model, 0, 1)
@@ -53,7 +56,7 @@ def ignored_case(rank, world_size, kind):
 @pytest.mark.parametrize("kind", ["modules", "states"])
 def test_ignored_parameters_stay_whole_and_train_like_unsharded(kind):
     results = run_distributed(ignored_case, 2, kind)
-    reference = reference_params()
+    reference = one_device_in_two_microbatches()
     full_shapes = {n: tuple(p.shape) for n, p in ToyLM().named_parameters()}
     for whole, shapes, params, _ignored_now in results:
         for name, shape in shapes.items():
@@ -72,12 +75,7 @@ def own_group_case(rank, world_size):
     torch.manual_seed(0)
     model = ToyLM()
     engine = fully_shard(model, auto_wrap_policy={Block}, process_group=groups[rank])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        x, y = batch(step, size=8)
-        loss_fn(model(x[rank::world_size]), y[rank::world_size]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_on_shares(model, sgd_with_momentum(model.parameters()), STEPS, 8, rank, world_size)
     return {k: v.detach().clone() for k, v in model.named_parameters()}, engine.shard_comm.world_size
 
 
@@ -86,14 +84,7 @@ def test_process_group_restricts_sharding_and_reduction_to_that_group():
     for rank, (params, group_size) in enumerate(results):
         assert group_size == 1
         # A rank alone in its group trains on its own data, exactly like one process would.
-        torch.manual_seed(0)
-        model = ToyLM()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        for step in range(STEPS):
-            x, y = batch(step, size=8)
-            loss_fn(model(x[rank::2]), y[rank::2]).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        model = toy_lm_on_step_batches(STEPS, 8, share=(rank, 2)).model
         for name, value in model.named_parameters():
             torch.testing.assert_close(params[name], value.detach(), rtol=1e-5, atol=1e-6)
     assert not torch.equal(results[0][0]["emb.weight"], results[1][0]["emb.weight"])

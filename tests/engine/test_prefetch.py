@@ -73,7 +73,8 @@ def cases(rank, world_size, flip):
     return results
 
 
-def reference(flip):
+def one_device_on_halves(flip):
+    """One process: each step's loss the mean of the two ranks' halves of the batch (their losses kept apart)."""
     torch.manual_seed(0)
     model = Stack(flip)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -90,7 +91,7 @@ def reference(flip):
 
 
 def check(results, flip):
-    ref_losses, ref_params = reference(flip)
+    ref_losses, ref_params = one_device_on_halves(flip)
     baseline = results[0][0]
     for config, (losses, params, peaks, gathers, alive) in zip(CONFIGS, results[0]):
         # Bitwise the run without prefetching, and the unsharded reference within fp32 rounding.

@@ -12,7 +12,6 @@ a model, without processes.
 from __future__ import annotations
 
 import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -24,27 +23,20 @@ from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.options import PipelineOptions
 from lightning_fsdp.pipeline import pipeline_pieces, plan_stages
 from lightning_fsdp.pipeline.split import AbsentPiece, keep_only, meta_copy, stage_view
-from tests.toolbox.launch import ROOT, clean_env, in_background
+from tests.toolbox.launch import in_background, run_script
 
-SCRIPT = ROOT / "tests" / "scripts" / "pipeline_run.py"
 LAUNCH_S = 600  # one launch, next to the others running at once; a guard against a hang, not a measurement
 
 
-def run_script(out: Path, *args: str) -> list[dict]:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out), *args],
-        env=clean_env(),
-        cwd=out.parent,
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_S,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+def run_pipeline(out: Path, *args: str) -> list[dict]:
+    """One launch of tests/scripts/pipeline_run.py: each rank's results (it writes DIR/rank<r>.pt)."""
+    run_script("pipeline_run.py", "--out", out, *args, cwd=out.parent, timeout=LAUNCH_S)
     files = sorted(out.glob("rank*.pt"), key=lambda f: int(f.stem[4:]))
     return [torch.load(f, weights_only=False) for f in files]
 
 
-def reference(launched: dict, *args: str) -> dict:
+def one_device_run(launched: dict, *args: str) -> dict:
+    """The module's one-device run (P=1, D=1) of training flags ``args``."""
     return launched["ref", args].result()
 
 
@@ -63,7 +55,7 @@ CASES = [
 def test_p2_d2_ends_where_one_device_ends(launched, schedule, training, wrap):
     if wrap and schedule == "GPipe":
         pytest.skip("units per block: covered by 1F1B and Interleaved1F1B")
-    ref = reference(launched, *training)
+    ref = one_device_run(launched, *training)
     ranks = launched["p2d2", schedule, training, wrap].result()
     assert len(ranks) == 4
     compared = 0
@@ -98,7 +90,7 @@ COMPOSED = [
 
 @pytest.mark.parametrize("strategy,training,tol", COMPOSED, ids=lambda v: "-".join(v) if isinstance(v, tuple) else "")
 def test_sharding_strategies_checkpointing_and_bf16_compose(launched, strategy, training, tol):
-    ref = reference(launched, *training)
+    ref = one_device_run(launched, *training)
     ranks = launched["composed", strategy, training].result()
     compared = 0
     for got in ranks:
@@ -210,10 +202,10 @@ def _run_stages(model: nn.Module, split: list[str]) -> int:
 
 
 def test_chain_models_pass_the_check():
-    from tests.scripts.pipeline_run import ChainLM
+    from tests.scripts.pipeline_run import chain_lm
 
-    assert _run_stages(ChainLM(), ["blocks.2"]) == 2
-    assert _run_stages(ChainLM(), ["blocks.1", "blocks.2", "blocks.3"]) == 4
+    assert _run_stages(chain_lm(), ["blocks.2"]) == 2
+    assert _run_stages(chain_lm(), ["blocks.1", "blocks.2", "blocks.3"]) == 4
 
 
 @pytest.mark.parametrize(
@@ -332,14 +324,8 @@ FAILING = {
 
 
 def _failing_run(folder: Path, args: tuple[str, ...]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(folder / "x"), *args],
-        env=clean_env(),
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        timeout=240,  # a rank left waiting would show as this timeout
-    )
+    # A rank left waiting would show as the timeout.
+    return run_script("pipeline_run.py", "--out", folder / "x", *args, cwd=folder, timeout=240, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -352,20 +338,20 @@ def launched(tmp_path_factory) -> dict:
                 continue  # skipped by the test
             args = ("--devices", "4", "--pp", "2", "--schedule", schedule, *training, *(["--wrap"] if wrap else []))
             out = tmp_path_factory.mktemp("pp") / "pp"
-            jobs["p2d2", schedule, training, wrap] = partial(run_script, out, *args)
+            jobs["p2d2", schedule, training, wrap] = partial(run_pipeline, out, *args)
     for strategy, training, _ in COMPOSED:
         out = tmp_path_factory.mktemp("pp") / "pp"
         jobs["composed", strategy, training] = partial(
-            run_script, out, "--devices", "4", "--pp", "2", *strategy, *training
+            run_pipeline, out, "--devices", "4", "--pp", "2", *strategy, *training
         )
     for name, args in FAILING.items():
         jobs["fails", name] = partial(_failing_run, tmp_path_factory.mktemp(f"fails_{name}"), args)
     for training in dict.fromkeys([*(t for _, t in CASES), *(t for _, t, _ in COMPOSED)]):
         out = tmp_path_factory.mktemp("ref") / "ref"
-        jobs["ref", training] = partial(_one_reference, out, training)
+        jobs["ref", training] = partial(_one_device_launch, out, training)
     return in_background(jobs)
 
 
-def _one_reference(out: Path, training: tuple[str, ...]) -> dict:
-    (result,) = run_script(out, "--devices", "1", "--pp", "1", *training)
+def _one_device_launch(out: Path, training: tuple[str, ...]) -> dict:
+    (result,) = run_pipeline(out, "--devices", "1", "--pp", "1", *training)
     return result

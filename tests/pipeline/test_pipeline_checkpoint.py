@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 import threading
 from concurrent.futures import Future
@@ -26,12 +25,11 @@ import torch
 
 from lightning_fsdp.checkpoint.common import CheckpointMismatchError
 from lightning_fsdp.checkpoint.convert import convert
-from lightning_fsdp.checkpoint.sharded import read_dcp_metadata, read_sharded_checkpoint_full
+from lightning_fsdp.checkpoint.safe_load import read_dcp_metadata
+from lightning_fsdp.checkpoint.sharded import read_sharded_checkpoint_full
 from lightning_fsdp.pipeline.checkpoint import OptimizerMap, PipelineCheckpoint, _optimizer_map, unsplit_order
-from tests.scripts.checkpoint_runs import launch
-from tests.toolbox.launch import ROOT, in_background
+from tests.toolbox.launch import in_background, run_script
 
-SCRIPT = str(ROOT / "tests" / "scripts" / "pipeline_checkpoint_run.py")
 P2 = ["--devices", "4", "--pp", "2"]
 RTOL, ATOL = 1e-5, 1e-6
 LAUNCH_S = 400  # one launch, next to the others running at once; a guard against a hang, not a measurement
@@ -145,8 +143,7 @@ class Runs:
         with self._prepare_lock:
             self.prepare(name)
         out = self.path(f"out_{name}")
-        proc = launch([sys.executable, SCRIPT, "--out", out, *args, "--jobs", json.dumps(jobs)], timeout=LAUNCH_S)
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        run_script("pipeline_checkpoint_run.py", "--out", out, *args, "--jobs", json.dumps(jobs), timeout=LAUNCH_S)
         files = sorted(os.listdir(out), key=lambda f: int(f[4:-3]))
         return [torch.load(os.path.join(out, f), weights_only=False) for f in files]
 

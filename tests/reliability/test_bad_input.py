@@ -36,12 +36,11 @@ import torch
 from torch import nn
 
 import lightning_fsdp  # noqa: F401  (registers "fsdp_custom")
+from benchmarks.ranks import ROOT, clean_env
 from lightning_fsdp import FSDPStrategy, MixedPrecision
 from lightning_fsdp.engine.options import parse_mixed_precision, parse_module_classes
-from tests.toolbox.launch import ROOT, clean_env, free_port  # noqa: E402
-
-SCRIPT = ROOT / "tests" / "scripts" / "bad_input_run.py"
-from tests.scripts.bad_input_run import LOADS, MISUSE  # noqa: E402
+from tests.scripts.bad_input_run import LOADS, MISUSE
+from tests.toolbox.launch import ranks_like_torchrun
 
 EXAMPLES = ROOT / "examples" / "cli"
 CLI_BASE = ["--config", str(EXAMPLES / "trainer_cpu.yaml"), "--config", str(EXAMPLES / "gpt_tiny_command.yaml")]
@@ -439,39 +438,23 @@ def launch(tmp_path_factory) -> tuple[Path, list[dict], list[tuple]]:
     save time): (the script's work directory, each rank's results, each command's (argv, status, stdout, stderr))."""
     work = tmp_path_factory.mktemp("bad_input")
     commands_dir = tmp_path_factory.mktemp("commands")
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", NODE_RANK="0", LOCAL_RANK=str(rank))
-        log = open(work / f"log.rank{rank}", "w")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(SCRIPT), "--work", str(work)],
-                env=env,
-                cwd=work,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+    with ranks_like_torchrun("bad_input_run.py", "--work", work, world=2, work=work, timeout=240):
+        commands = [
+            (
+                argv,
+                subprocess.Popen(
+                    argv, cwd=commands_dir, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                ),
             )
-        )
-    commands = [
-        (
-            argv,
-            subprocess.Popen(
-                argv, cwd=commands_dir, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            ),
-        )
-        for argv in _real_commands(commands_dir)
-    ]
-    try:
-        finished = [(argv, *_communicate(proc)) for argv, proc in commands]
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs + [proc for _, proc in commands]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    logs = "\n".join((work / f"log.rank{r}").read_text()[-3000:] for r in range(2))
-    assert codes == [0, 0], logs
+            for argv in _real_commands(commands_dir)
+        ]
+        try:
+            finished = [(argv, *_communicate(proc)) for argv, proc in commands]
+        finally:
+            for _, proc in commands:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     return work, [json.loads((work / f"result.rank{r}.json").read_text()) for r in range(2)], finished
 
 

@@ -37,104 +37,21 @@ from __future__ import annotations
 import functools
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.toolbox.launch import ROOT, clean_env, free_port, group_members, in_background, kill_group  # noqa: E402
+from benchmarks.ranks import clean_env, free_port, group_members
+from tests.toolbox.fault_jobs import MARGIN_S, STARTUP_S, Job
+from tests.toolbox.launch import in_background
+from tests.toolbox.one_device import toy_lm_on_samples
 
-SCRIPT = ROOT / "tests" / "scripts" / "fault_run.py"
 TIMEOUT_S = 10  # FSDPStrategy(timeout=...) of every run
-# What may come on top of the fault (or of the timeout, for hangs): Lightning's child-process observer polls every
-# 5 s, the strategy gives rank 1 2 s to end by itself before killing it, then teardown and interpreter exit, on 2
-# shared cores.
-MARGIN_S = 20
-# Before the fault, a guard against a start-up that never finishes, not a measurement: the job fails only if no rank
-# printed progress (a FAULT-RUN line) for this long. Imports alone take a minute on 2 shared cores under load.
-STARTUP_S = 300
 # Jobs running at once. Their waits (one rank importing after another, the timeouts of the hangs) leave the cores
 # mostly idle. What each test times starts at its own fault, but the end of a job is CPU work that a neighbour's
 # start-up competes with: two jobs (at most 8 processes) keep that within MARGIN_S on two shared cores.
 PARALLEL_JOBS = 2
-
-
-class Job:
-    """Processes started in sessions of their own, their output in files; every group killed on ``close``."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.procs: list[subprocess.Popen] = []
-        self.logs: list[Path] = []
-
-    def start(self, args: list[str], env: dict) -> subprocess.Popen:
-        log = self.folder / f"proc{len(self.procs)}.log"
-        with open(log, "wb") as f:  # a file, not a pipe: a process left behind would keep a pipe open
-            proc = subprocess.Popen(
-                [sys.executable, str(SCRIPT), *args],
-                env=env,
-                cwd=self.folder,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self.procs.append(proc)
-        self.logs.append(log)
-        return proc
-
-    def output(self, i: int | None = None) -> str:
-        logs = self.logs if i is None else [self.logs[i]]
-        return "\n".join(log.read_text(errors="replace") for log in logs if log.exists())
-
-    def fault_time(self) -> float | None:
-        found = re.search(r"FAULT-RUN rank=\d event=fault-\w+ pid=\d+ t=([\d.]+)", self.output())
-        return float(found.group(1)) if found else None
-
-    def event_times(self, event: str) -> dict[int, float]:
-        """``{rank: time.time()}`` of each rank's first ``event`` line."""
-        times: dict[int, float] = {}
-        for rank, t in re.findall(rf"FAULT-RUN rank=(\d+) event={event} pid=\d+ t=([\d.]+)", self.output()):
-            times.setdefault(int(rank), float(t))
-        return times
-
-    def last_progress(self) -> float | None:
-        stamps = [float(t) for t in re.findall(r"FAULT-RUN rank=\d+ event=\S+ pid=\d+ t=([\d.]+)", self.output())]
-        return max(stamps, default=None)
-
-    def wait_for_exit(self, proc: subprocess.Popen, budget_s: float) -> float | None:
-        """Wait until ``proc`` ends (returns the time.time() it was seen ended) or the fault + ``budget_s`` passed
-        (None). Before the fault only a start-up that stopped making progress fails (``STARTUP_S``)."""
-        return self.wait_for_exits([proc], budget_s)[0]
-
-    def wait_for_exits(self, procs: list[subprocess.Popen], budget_s: float) -> list[float | None]:
-        """``wait_for_exit`` for several processes at once: when each was seen ended, None for those still running
-        at the fault + ``budget_s``."""
-        started = time.time()
-        ended: list[float | None] = [None] * len(procs)
-        while True:
-            now = time.time()
-            for i, proc in enumerate(procs):
-                if ended[i] is None and proc.poll() is not None:
-                    ended[i] = now
-            if all(t is not None for t in ended):
-                return ended
-            fault = self.fault_time()
-            limit = (fault + budget_s) if fault is not None else (self.last_progress() or started) + STARTUP_S
-            if now > limit:
-                return ended
-            time.sleep(0.1)
-
-    def report(self) -> str:
-        return "\n".join(
-            f"--- process {i} (rc={p.poll()}):\n{self.output(i)[-5000:]}" for i, p in enumerate(self.procs)
-        )
-
-    def close(self) -> None:
-        for proc in self.procs:
-            kill_group(proc.pid)
-        for proc in self.procs:
-            proc.wait()
 
 
 def _fault_args(fault: str, rank: int, where: str, sharding: str = "FULL_SHARD", timeout: int = TIMEOUT_S) -> list[str]:
@@ -340,26 +257,6 @@ LATE_DELAY_S = 20  # the late rank's process starts this long after the others r
 LATE_RANK, HUNG_RANK, RECORD_STEP, LATE_BATCH, LATE_STEPS = 2, 1, 3, 8, 8
 
 
-def _one_device_state(steps: int, global_batch: int, data_steps: int) -> dict:
-    """tests/scripts/fault_run.py's Module on one process after ``steps`` steps: ToyLM (seed 0), SGD with momentum,
-    global batch k = samples [k * B, (k + 1) * B) of the run's ``B * data_steps`` samples, fp32; the
-    LightningModule's state-dict keys."""
-    import torch
-
-    from tests.toolbox.models import ToyLM, loss_fn, samples
-
-    torch.manual_seed(0)
-    model = ToyLM()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    data = samples(global_batch * data_steps)
-    for k in range(steps):
-        x, y = data[k * global_batch : (k + 1) * global_batch]
-        optimizer.zero_grad()
-        loss_fn(model(x), y).backward()
-        optimizer.step()
-    return {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def _late_rank_job(folder: Path) -> dict:
     """The late-rank run of the test below; the asserts here guard the start-up only."""
     job = Job(folder)
@@ -417,7 +314,7 @@ def test_late_rank_joins_then_a_hang_still_ends_in_the_timeout(jobs):
     ``MARGIN_S``."""
     import torch
 
-    expected = _one_device_state(RECORD_STEP, LATE_BATCH, LATE_STEPS)
+    expected = toy_lm_on_samples(RECORD_STEP, LATE_BATCH, LATE_BATCH * LATE_STEPS).lightning_state()
     seen = jobs["late"].result()
     ended, report = seen["ended"], seen["report"]
     survivors = list(ended)
@@ -440,7 +337,7 @@ def test_late_rank_joins_then_a_hang_still_ends_in_the_timeout(jobs):
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
     compared = sum(v.numel() for v in expected.values())
     assert len(expected) >= 12 and compared >= 150, (len(expected), compared)
-    initial = _one_device_state(0, LATE_BATCH, LATE_STEPS)
+    initial = toy_lm_on_samples(0, LATE_BATCH, LATE_BATCH * LATE_STEPS).lightning_state()
     moved = sum(int(not torch.equal(value, initial[key])) for key, value in expected.items())
     assert moved >= 10, moved  # the comparison is of trained values, not of the initialisation
 

@@ -45,9 +45,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.toolbox.launch import ROOT, clean_env, group_members, in_background, kill_group  # noqa: E402
+from benchmarks.ranks import group_members, kill_group
+from tests.toolbox.launch import SCRIPTS, in_background, start_logged
 
-SCRIPT = ROOT / "tests" / "scripts" / "soak_run.py"
+SCRIPT = SCRIPTS / "soak_run.py"
 
 STEPS = int(os.environ.get("LIGHTNING_FSDP_SOAK_STEPS", "64"))
 REFERENCE_MODE = os.environ.get("LIGHTNING_FSDP_SOAK_REFERENCE_MODE", "full")
@@ -82,10 +83,7 @@ def run_soak(folder: Path, name: str, *args: str, expect_kill: bool = False) -> 
         *args,
     ]
     started = time.monotonic()
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            cmd, env=clean_env(), cwd=folder, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    proc = start_logged(cmd, log, cwd=folder)
     try:
         proc.wait(timeout=RUN_TIMEOUT_S)
         deadline = time.monotonic() + 10

@@ -28,11 +28,12 @@ from datetime import timedelta
 import pytest
 
 import lightning_fsdp  # noqa: F401  (registers "fsdp_custom")
+from benchmarks.ranks import ROOT, clean_env, free_port, kill_group
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.rendezvous import backend_names, resolve_timeout
-from tests.toolbox.launch import ROOT, clean_env, free_port, kill_group
+from tests.toolbox.launch import FAKES, SCRIPTS, start_logged
 
-SCRIPT = ROOT / "tests" / "scripts" / "rendezvous_run.py"
+SCRIPT = SCRIPTS / "rendezvous_run.py"
 EXAMPLES = ROOT / "examples" / "cli"
 TIMEOUT_S = 2  # the collective timeout of the 2-rank runs
 LATE_S = 8  # how long after the other rank's arrival the late rank is let go (4 times the timeout)
@@ -145,15 +146,9 @@ def test_a_late_rank_joins_and_the_short_timeout_then_holds(tmp_path):
     def start(backend: str, rank: int, hold: list[str]) -> None:
         log = tmp_path / f"{backend}{rank}.log"
         logs[backend, rank] = log
-        with open(log, "wb") as f:
-            procs[backend, rank] = subprocess.Popen(
-                [sys.executable, str(SCRIPT), "--backend", backend, *args, *hold],
-                env={**envs[backend], "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                cwd=tmp_path,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        env = {**envs[backend], "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        cmd = [sys.executable, SCRIPT, "--backend", backend, *args, *hold]
+        procs[backend, rank] = start_logged(cmd, log, env=env, cwd=tmp_path)
 
     def output(backend: str, rank: int) -> str:
         log = logs.get((backend, rank))
@@ -164,7 +159,7 @@ def test_a_late_rank_joins_and_the_short_timeout_then_holds(tmp_path):
 
     try:
         for backend, (world, late) in cases.items():
-            path = [str(ROOT)] + ([str(ROOT / "tests" / "fakes")] if backend == "hccl" else [])
+            path = [str(ROOT)] + ([str(FAKES)] if backend == "hccl" else [])
             envs[backend] = clean_env(
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), PYTHONPATH=":".join(path)
             )

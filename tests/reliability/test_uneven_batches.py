@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,10 +25,11 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.trainer.states import RunningStage
 
+from benchmarks.ranks import group_members, kill_group
 from lightning_fsdp.even_batches import EvenBatches, UnevenBatchesError
-from tests.toolbox.launch import ROOT, clean_env, group_members, kill_group
+from tests.toolbox.launch import SCRIPTS, start_logged
 
-SCRIPT = ROOT / "tests" / "scripts" / "uneven_run.py"
+SCRIPT = SCRIPTS / "uneven_run.py"
 STARTUP_S = 240  # imports and process-group set-up of 4 jobs at once on 2 loaded cores, before the first loop
 END_S = 30  # from the first loop's start to the job's exit: the check, teardown, interpreter exit (not 30 minutes)
 FAILING = ["train-map", "train-iterable", "val-map"]
@@ -42,15 +42,7 @@ class Job:
     def __init__(self, folder: Path, case: str) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.case, self.out, self.log = case, folder / "result", folder / "output.log"
-        with open(self.log, "wb") as f:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(SCRIPT), "--case", case, "--out", str(self.out)],
-                env=clean_env(),
-                cwd=folder,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self.proc = start_logged([sys.executable, SCRIPT, "--case", case, "--out", self.out], self.log, cwd=folder)
         self.started = time.time()
         self.ended: float | None = None
 

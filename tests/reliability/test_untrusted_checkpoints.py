@@ -22,8 +22,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -45,9 +43,8 @@ from tests.scripts.untrusted_run import (
     markers,
     plant,
 )
-from tests.toolbox.launch import ROOT, clean_env, free_port
+from tests.toolbox.launch import ranks_like_torchrun
 
-SCRIPT = ROOT / "tests" / "scripts" / "untrusted_run.py"
 READERS = ["resume", "convert", "export", "load_as_full"]
 # Files export does not read: it takes the model's tensors alone, so neither meta.pt nor the optimizer's entries. It
 # succeeds there, and nothing runs.
@@ -75,25 +72,9 @@ def launch(tmp_path_factory) -> tuple[Path, dict[str, str], list[dict]]:
     """Run tests/scripts/untrusted_run.py on 2 ranks once: (its work directory, case -> planted file, each rank's
     results)."""
     work = tmp_path_factory.mktemp("untrusted")
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", NODE_RANK="0", LOCAL_RANK=str(rank))
-        log = open(work / f"log.rank{rank}", "w")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(SCRIPT), "--work", str(work)], env=env, cwd=work, stdout=log, stderr=log
-            )
-        )
-    try:
-        codes = [p.wait(timeout=240) for p in procs]  # a rank left waiting would time out (60 s) before this
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    logs = "\n".join((work / f"log.rank{r}").read_text()[-3000:] for r in range(2))
-    assert codes == [0, 0], logs
+    # A rank left waiting would time out (60 s) before the 240 s.
+    with ranks_like_torchrun("untrusted_run.py", "--work", work, world=2, work=work, timeout=240):
+        pass
     planted = {case: _planted_file(work, case) for case in PLANTED}
     return work, planted, [json.loads((work / f"result.rank{r}.json").read_text()) for r in range(2)]
 

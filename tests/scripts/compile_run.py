@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy, pipelined_loss  # noqa: E402
 from lightning_fsdp.engine import get_engine  # noqa: E402
+from tests.toolbox.models import ChainLM  # noqa: E402
 
 VOCAB, DIM, HIDDEN, LENGTH = 11, 8, 16, 5
 GLOBAL_BATCH = 4
@@ -78,24 +79,10 @@ class Block(nn.Module):
         return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
 
 
-class TinyGPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.emb(ids)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
-
-
-def initial_model() -> TinyGPT:
+def initial_model() -> ChainLM:
+    """The tiny GPT-like model of every scenario, from seed 0: an embedding, three Blocks, a norm and a head."""
     torch.manual_seed(0)
-    return TinyGPT()
+    return ChainLM(VOCAB, DIM, lambda: [Block() for _ in range(3)])
 
 
 def dataset() -> TensorDataset:
@@ -108,7 +95,7 @@ def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def compile_blocks(model: TinyGPT, how: str, backend: str) -> None:
+def compile_blocks(model: ChainLM, how: str, backend: str) -> None:
     for index, block in enumerate(model.blocks):
         if how == "per_block":
             model.blocks[index] = torch.compile(block, backend=backend, fullgraph=True)

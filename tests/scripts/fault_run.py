@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy, pipelined_loss  # noqa: E402
 from lightning_fsdp.pipeline import AbsentPiece  # noqa: E402
-from tests.scripts.pipeline_run import ChainLM  # noqa: E402
+from tests.scripts.pipeline_run import chain_lm  # noqa: E402
 from tests.toolbox.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 6
@@ -111,7 +111,7 @@ class PipelinedModule(L.LightningModule):
         super().__init__()
         self.args = args
         torch.manual_seed(0)
-        self.model = ChainLM()
+        self.model = chain_lm()
 
     def _faulty(self) -> bool:
         return self.global_rank == self.args.fault_rank and self.global_step == self.args.fault_step

@@ -30,8 +30,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from benchmarks.ranks import ROOT  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WALKTHROUGH = os.path.join(ROOT, "docs", "pretrained.md")
 
 

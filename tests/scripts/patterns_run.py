@@ -85,7 +85,7 @@ PATTERNS = [
 
 
 # ------------------------------------------------------------------------------------------------ models
-class Net(nn.Module):
+class ReversibleBlocksNet(nn.Module):
     """Embedding, three residual Blocks (one unit each under auto_wrap_policy={Block}), a head; the blocks can run in
     reverse order (the result differs, the same in every process)."""
 
@@ -103,12 +103,12 @@ class Net(nn.Module):
 
 
 class Base(L.LightningModule):
-    """What most patterns share: the Net, SGD with momentum, losses averaged over all ranks per step."""
+    """What most patterns share: the ReversibleBlocksNet, SGD with momentum, losses averaged over all ranks per step."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = Net()
+        self.net = ReversibleBlocksNet()
         self.step_losses: list = []
         self.val_losses: list = []
         self.probes: list = []
@@ -428,7 +428,7 @@ class LoRA(Base):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = Net(block=LoRABlock)
+        self.net = ReversibleBlocksNet(block=LoRABlock)
 
     def configure_optimizers(self):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR, momentum=0.9)

@@ -39,10 +39,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from benchmarks.memory import _c10_report_flag, _quiet_stderr  # noqa: E402
+from benchmarks.memory import c10_report_flag, quiet_stderr  # noqa: E402
 
 # Count every allocation from here on, on every thread (see benchmarks/memory.py).
-_FLAG = _c10_report_flag()
+_FLAG = c10_report_flag()
 if _FLAG is not None:
     _FLAG.value = True
 
@@ -118,7 +118,7 @@ def allocator_live_bytes() -> int:
 
     if _FLAG is None:
         return -1
-    with _quiet_stderr():
+    with quiet_stderr():
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             probe = torch.empty(8)
             del probe

@@ -24,8 +24,8 @@ from torch.utils.data.distributed import DistributedSampler
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
-from tests.scripts.lightning_parity import GLOBAL_BATCH, SAMPLES, Module, samples  # noqa: E402
-from tests.toolbox.models import Block  # noqa: E402
+from tests.scripts.lightning_parity import GLOBAL_BATCH, SAMPLES, Module  # noqa: E402
+from tests.toolbox.models import Block, samples  # noqa: E402
 
 
 def nbytes(tensors) -> int:

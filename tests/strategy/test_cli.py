@@ -11,8 +11,6 @@ from __future__ import annotations
 import csv
 import functools
 import importlib.util
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -20,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.ranks import ROOT
 from lightning_fsdp import cli as fsdp_cli
 from lightning_fsdp.demo.gpt import Block, CausalSelfAttention, GPTConfig
 from lightning_fsdp.demo.module import GPTLightningModule
 from lightning_fsdp.engine.options import MixedPrecision
 from lightning_fsdp.estimate import estimate_memory
-from tests.toolbox.launch import in_background
+from tests.toolbox.launch import in_background, run_command
 
-ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "cli"
 TRAIN = EXAMPLES / "train.py"
 TRAINER = str(EXAMPLES / "trainer_cpu.yaml")
@@ -132,18 +130,8 @@ def test_command_offers_convert_only_when_the_converter_exists(capsys, monkeypat
 
 
 def test_activation_checkpointing_policy_from_yaml(capsys, monkeypatch, tmp_path):
-    first = _print_config(
-        capsys,
-        monkeypatch,
-        "script",
-        "fit",
-        "--config",
-        TRAINER,
-        "--config",
-        GPT_SCRIPT,
-        "--config",
-        ACTIVATION_CHECKPOINTING,
-    )
+    configs = ["--config", TRAINER, "--config", GPT_SCRIPT, "--config", ACTIVATION_CHECKPOINTING]
+    first = _print_config(capsys, monkeypatch, "script", "fit", *configs)
     saved = tmp_path / "config.yaml"
     saved.write_text(first)
     assert _print_config(capsys, monkeypatch, "script", "fit", "--config", str(saved)) == first
@@ -157,16 +145,7 @@ def test_activation_checkpointing_policy_from_yaml(capsys, monkeypatch, tmp_path
         GPTLightningModule,
         CharDataModule,
         run=False,
-        args=[
-            "--config",
-            TRAINER,
-            "--config",
-            GPT_SCRIPT,
-            "--config",
-            ACTIVATION_CHECKPOINTING,
-            "--trainer.logger",
-            "false",
-        ],
+        args=[*configs, "--trainer.logger", "false"],
     )
     policy = built.trainer.strategy.activation_checkpointing_policy
     with torch.device("meta"):
@@ -177,11 +156,7 @@ def test_activation_checkpointing_policy_from_yaml(capsys, monkeypatch, tmp_path
 
 # ---------------------------------------------------------------------------------------------- training runs
 def _run(args: list[str], cwd: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240, check=False
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_command([sys.executable, *args], cwd=cwd, timeout=240)
 
 
 def _metrics(run_dir: Path) -> list[dict[str, str]]:

@@ -8,34 +8,12 @@ at a time (tests/toolbox/launch.py's ``in_background``), and each test waits for
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.toolbox.compare import assert_all_close
 from tests.toolbox.launch import in_background
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "scripts" / "lightning_parity.py"
-LAUNCH_TIMEOUT_S = 600  # one launch, sharing the cores with the others running at once; a guard, not a measurement
-
-
-def run_script(out: Path, *args: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out), *args],
-        env=env,
-        cwd=out.parent,
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT_S,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return torch.load(out, weights_only=False)
-
+from tests.toolbox.one_device import lightning_parity_run
 
 ACCUMULATION = ("--optimizer", "sgd", "--accumulate", "2")
 
@@ -53,7 +31,7 @@ def runs(tmp_path_factory) -> dict:
 
     def add(key: tuple, *args: str) -> None:
         out = folder / f"run{len(jobs)}.pt"
-        jobs[key] = lambda: run_script(out, *args)
+        jobs[key] = lambda: lightning_parity_run(out, *args)
 
     # The two-rank runs first: each takes longer than a one-process reference.
     for devices, strategy, training in CASES:
@@ -65,37 +43,20 @@ def runs(tmp_path_factory) -> dict:
     return in_background(jobs)
 
 
-def reference(runs: dict, *args: str) -> dict:
+def one_device_run(runs: dict, *args: str) -> dict:
+    """The module's one-device run (``strategy="auto"``) of training flags ``args``."""
     return runs["ref", args].result()
-
-
-_one_device: dict[tuple[str, ...], dict] = {}
-
-
-def one_device_reference(tmp_path_factory, *args: str) -> dict:
-    """The one-process run of ``args`` for other test modules (once per session for each ``args``)."""
-    if args not in _one_device:
-        out = tmp_path_factory.mktemp("ref") / "ref.pt"
-        _one_device[args] = run_script(out, "--devices", "1", "--strategy", "auto", *args)
-    return _one_device[args]
 
 
 def test_deferred_gradient_sync_under_accumulation(runs):
     # sync_gradients_while_accumulating=False: the accumulating batch reduces nothing, the next one reduces the sum.
-    ref = reference(runs, *ACCUMULATION)
+    ref = one_device_run(runs, *ACCUMULATION)
     every = runs["fsdp_custom_blocks", ACCUMULATION].result()
     deferred = runs["fsdp_custom_deferred_sync", ACCUMULATION].result()
-    assert got_all_close(deferred["state"], ref["state"]) == len(ref["state"]) > 0
+    assert assert_all_close(deferred["state"], ref["state"], "deferred sync") == len(ref["state"]) > 0
     torch.testing.assert_close(torch.tensor(deferred["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
     # 6 training batches, 3 optimizer steps: 3 of the 6 backwards reduce. Validation/test/predict reduce nothing.
     assert every["reduce_scatter_calls"] == 2 * deferred["reduce_scatter_calls"] > 0
-
-
-def got_all_close(got: dict, ref: dict) -> int:
-    assert got.keys() == ref.keys()
-    for key, value in ref.items():
-        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
-    return len(ref)
 
 
 CASES = [
@@ -113,7 +74,7 @@ CASES = [
     "devices,strategy,training", CASES, ids=lambda v: "-".join(v) if isinstance(v, tuple) else str(v)
 )
 def test_fit_validate_test_predict_match_single_device(runs, devices, strategy, training):
-    ref = reference(runs, *training)
+    ref = one_device_run(runs, *training)
     got = runs[_strategy_label(devices, strategy), training].result()
 
     assert got["names"] == ref["names"]  # named_parameters() keeps the unwrapped model's names
@@ -138,5 +99,5 @@ def test_fit_validate_test_predict_match_single_device(runs, devices, strategy, 
 
 def test_training_changed_the_model(runs):
     # Guards the parity test above against a run where nothing trains: the loss must fall.
-    ref = reference(runs, "--optimizer", "sgd")
+    ref = one_device_run(runs, "--optimizer", "sgd")
     assert ref["losses"][-1] < ref["losses"][0] - 0.3

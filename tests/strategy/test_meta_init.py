@@ -10,11 +10,6 @@ process, and a parameter nothing initialises, refused on every rank before any s
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -28,9 +23,7 @@ from lightning_fsdp.engine.meta_init import (
     uninitialised_names,
 )
 from lightning_fsdp.pretrained import load_pretrained
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "tests", "scripts", "meta_init_run.py")
+from tests.toolbox.launch import rank_outputs, run_script
 
 
 # ------------------------------------------------------------------------------------------------ engine level
@@ -56,7 +49,7 @@ class Rotary(nn.Module):
         return x + self.inv_freq.repeat(2)
 
 
-class Net(nn.Module):
+class RotaryScaleNet(nn.Module):
     def __init__(self, dim: int = 4) -> None:
         super().__init__()
         self.inp = nn.Linear(dim, dim)
@@ -99,12 +92,12 @@ def test_parameters_on_meta_keeps_buffers_real_and_ties():
 
 def _values(dim: int = 4) -> dict[str, torch.Tensor]:
     torch.manual_seed(1)
-    return {k: torch.randn_like(v) for k, v in Net(dim).state_dict().items()}
+    return {k: torch.randn_like(v) for k, v in RotaryScaleNet(dim).state_dict().items()}
 
 
 def test_parameter_nothing_initialises_is_refused_until_loaded(tmp_path):
     with parameters_on_meta():
-        model = Net()
+        model = RotaryScaleNet()
     engine = fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     # The Linears initialised themselves (reset_parameters); Scale could not; the rotary buffer was computed.
@@ -126,7 +119,7 @@ def test_parameter_nothing_initialises_is_refused_until_loaded(tmp_path):
     save_file(values, tmp_path / "net.safetensors")
     load_pretrained(model, tmp_path / "net.safetensors")
     assert uninitialised_names(model) == []
-    reference = Net()
+    reference = RotaryScaleNet()
     reference.load_state_dict(values)
     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
     optimizer.step()
@@ -140,14 +133,14 @@ def test_a_loaded_checkpoint_initialises_what_it_fills():
     from lightning_fsdp.pipeline.role import PipelineRole
 
     with parameters_on_meta():
-        model = Net()
+        model = RotaryScaleNet()
     engine = fully_shard(model)
     assert uninitialised_names(model) == ["scale.weight"]
     values = _values()
     no_pipeline = PipelineRole(PipelineOptions.parse(1, "1F1B", None, None, None, "model"))
     routing.load_model_state(engine, {"state_dict": values}, strict=True, pipeline=no_pipeline)
     assert uninitialised_names(model) == []
-    reference = Net()
+    reference = RotaryScaleNet()
     reference.load_state_dict(values)
     x = torch.randn(3, 4)
     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
@@ -210,7 +203,7 @@ ALL = ["inp.weight", "inp.bias", "rotary.inv_freq", "scale.weight", "out.weight"
 def test_what_param_init_fn_or_reset_parameters_wrote_is_initialised(init_fn, built_under, expected):
     context = torch.device("meta") if built_under == "meta_device" else parameters_on_meta()
     with context:
-        model = Net()
+        model = RotaryScaleNet()
     fully_shard(model, param_init_fn=init_fn)
     assert sorted(uninitialised_names(model)) == sorted(expected)
     if expected:
@@ -235,26 +228,9 @@ def meta_init_run(tmp_path_factory) -> dict:
         tiny_llama(tie=True).save_pretrained(folder / "tied")
         tiny_llama(tie=False).save_pretrained(folder / "untied")
         out = folder / "out.pt"
-        cmd = [sys.executable, SCRIPT, "--pretrained-tied", str(folder / "tied"), "--pretrained-untied"]
-        cmd += [str(folder / "untied"), "--out", str(out)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-        proc = subprocess.Popen(
-            cmd, env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True,
-        )  # fmt: skip
-        try:
-            stdout, stderr = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            raise AssertionError(f"meta_init_run.py timed out:\n{stdout[-3000:]}\n{stderr[-6000:]}") from None
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # nothing of the launch outlives it
-            except OSError:
-                pass
-        assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
-        ranks = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]
+        args = ["--pretrained-tied", folder / "tied", "--pretrained-untied", folder / "untied", "--out", out]
+        run_script("meta_init_run.py", *args, cwd=folder, timeout=300)
+        ranks = rank_outputs(out, 2)
         _launch.update({case: [ranks[0][case], ranks[1][case]] for case in ranks[0]})
         _launch["folder"] = folder
     return _launch

@@ -8,9 +8,6 @@ processes, under FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, with a CSVLogger.
 from __future__ import annotations
 
 import csv
-import os
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -24,12 +21,8 @@ from lightning_fsdp.demo.gpt import Block
 from lightning_fsdp.demo.module import GPTLightningModule
 from lightning_fsdp.estimate import MemoryEstimate, estimate_memory
 from lightning_fsdp.monitor import QUANTITIES, ShardingMonitor
-from tests.toolbox.launch import in_background
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "scripts" / "monitor_run.py"
-sys.path.insert(0, str(SCRIPT.parent))
-from monitor_run import MODEL, STEPS  # noqa: E402
+from tests.scripts.monitor_run import MODEL, STEPS
+from tests.toolbox.launch import in_background, run_script
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 # Estimate component -> the monitor's metric that measures it.
@@ -64,19 +57,15 @@ def logged(launches) -> dict[str, list[dict[str, str]]]:
 
 def _gpt_launch(out: Path) -> dict[str, list[dict[str, str]]]:
     """metrics.csv rows per strategy, from one 2-process launch."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out), "--devices", "2", "--strategies", *STRATEGIES],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return _logged_rows("monitor_run.py", out, STRATEGIES, "--devices", "2")
+
+
+def _logged_rows(script: str, out: Path, strategies, *args: str) -> dict[str, list[dict[str, str]]]:
+    """One launch of ``script`` logging each of ``strategies`` into ``out/<strategy>/metrics.csv``: the rows that
+    carry the monitor's metrics, per strategy."""
+    run_script(script, "--out", out, *args, "--strategies", *strategies, cwd=out, timeout=240)
     rows = {}
-    for strategy in STRATEGIES:
+    for strategy in strategies:
         with open(out / strategy / "metrics.csv") as f:
             rows[strategy] = [row for row in csv.DictReader(f) if row.get("fsdp/rank0/param_bytes")]
     return rows
@@ -279,8 +268,6 @@ def test_monitor_warns_and_logs_nothing_without_the_fsdp_strategy(tmp_path):
 # From the second step on, FULL_SHARD does not gather b (4 floats per rank) again for its backward (see below).
 LATER_STEPS_LESS = {"FULL_SHARD": {"all_gather_bytes": 16}}
 
-TINY_SCRIPT = ROOT / "tests" / "scripts" / "monitor_tiny_run.py"
-
 # tests/scripts/monitor_tiny_run.py: a = Linear(4, 3), b = Linear(3, 2), each its own unit (the root owns nothing),
 # 2 ranks, float32 (4 bytes), SGD with momentum (one buffer per parameter, the shard's size). Chunking rule: a
 # parameter of d0 rows gives each rank c = ceil(d0 / 2) rows, rank 1 the rest; collectives carry c rows per rank.
@@ -301,20 +288,17 @@ TINY_SCRIPT = ROOT / "tests" / "scripts" / "monitor_tiny_run.py"
 #   step) stays gathered into its backward, which comes next (112 - 4 floats = 96 B); SHARD_GRAD_OP once (56 B);
 # - reduce-scatter input: 2 ranks x (padded floats + one used-flag per parameter): a 2 x (10 + 2), b 2 x (4 + 2)
 #   = 36 floats = 144 B; NO_SHARD all-reduces the gradients plus the flags: 23 + 4 floats = 108 B.
+TINY_OWN_ROWS = {"param_bytes": (56, 36), "grad_bytes": (56, 36), "optimizer_state_bytes": (56, 36)}
 TINY_EXPECTED = {
     "FULL_SHARD": {
-        "param_bytes": (56, 36),
-        "grad_bytes": (56, 36),
-        "optimizer_state_bytes": (56, 36),
+        **TINY_OWN_ROWS,
         "gathered_peak_bytes": (80, 80),
         "all_gather_bytes": (112, 112),
         "reduce_scatter_bytes": (144, 144),
         "all_reduce_bytes": (0, 0),
     },
     "SHARD_GRAD_OP": {
-        "param_bytes": (56, 36),
-        "grad_bytes": (56, 36),
-        "optimizer_state_bytes": (56, 36),
+        **TINY_OWN_ROWS,
         "gathered_peak_bytes": (112, 112),
         "all_gather_bytes": (56, 56),
         "reduce_scatter_bytes": (144, 144),
@@ -338,22 +322,7 @@ def tiny_logged(launches) -> dict[str, list[dict[str, str]]]:
 
 
 def _tiny_launch(out: Path) -> dict[str, list[dict[str, str]]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(TINY_SCRIPT), "--out", str(out), "--strategies", *TINY_EXPECTED],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rows = {}
-    for strategy in TINY_EXPECTED:
-        with open(out / strategy / "metrics.csv") as f:
-            rows[strategy] = [row for row in csv.DictReader(f) if row.get("fsdp/rank0/param_bytes")]
-    return rows
+    return _logged_rows("monitor_tiny_run.py", out, TINY_EXPECTED)
 
 
 def test_monitor_logs_the_hand_computed_bytes_of_a_tiny_model(tiny_logged):

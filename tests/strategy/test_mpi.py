@@ -31,12 +31,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.reliability.test_faults import MARGIN_S, Job
+from benchmarks.ranks import ROOT, clean_env
 from tests.scripts.mpi_run import GLOBAL_BATCH
-from tests.toolbox.launch import ROOT, clean_env
-from tests.toolbox.models import ToyLM, loss_fn, samples
+from tests.toolbox.fault_jobs import MARGIN_S, Job
+from tests.toolbox.launch import SCRIPTS
+from tests.toolbox.one_device import toy_lm_on_samples
 
-SCRIPT = ROOT / "tests" / "scripts" / "mpi_run.py"
 MPI_SITE = ROOT / ".venv" / "mpi-site"  # where `make setup` installs mpi4py
 TIMEOUT_S = 10  # FSDPStrategy(timeout=...) of both runs
 STEPS, RECORD_STEP, FAULT_STEP = 6, 3, 4
@@ -65,7 +65,7 @@ pytestmark = [
 
 
 class MpiJob(Job):
-    """tests/reliability/test_faults.py's Job, started through mpirun; closing kills every process of mpirun's
+    """A fault job (tests/toolbox/fault_jobs.py) started through mpirun; closing kills every process of mpirun's
     session."""
 
     def start_mpi(self, ranks: int, args: list[str], module_runner: bool) -> subprocess.Popen:
@@ -89,17 +89,10 @@ class MpiJob(Job):
             str(ranks),
             sys.executable,
             *runner,
-            str(SCRIPT),
+            SCRIPTS / "mpi_run.py",
             *args,
         ]
-        log = self.folder / f"proc{len(self.procs)}.log"
-        with open(log, "wb") as f:
-            proc = subprocess.Popen(
-                command, env=env, cwd=self.folder, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self.procs.append(proc)
-        self.logs.append(log)
-        return proc
+        return self.start_command(command, env)
 
     def rank_pids(self) -> dict[int, int]:
         found = re.findall(r"FAULT-RUN rank=(\d+) event=fit-start pid=(\d+)", self.output())
@@ -143,16 +136,7 @@ def job(tmp_path):
 
 def one_device(steps: int) -> dict[str, torch.Tensor]:
     """One process, no Lightning: ToyLM, SGD with momentum, the script's global batches, ``steps`` steps."""
-    torch.manual_seed(0)
-    model = ToyLM()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x_all, y_all = samples(GLOBAL_BATCH * STEPS).tensors
-    for step in range(steps):
-        rows = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
-        optimizer.zero_grad()
-        loss_fn(model(x_all[rows]), y_all[rows]).backward()
-        optimizer.step()
-    return {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    return toy_lm_on_samples(steps, GLOBAL_BATCH, GLOBAL_BATCH * STEPS).lightning_state()
 
 
 def check_parity(record: dict) -> None:

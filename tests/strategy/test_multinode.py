@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,30 +30,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.toolbox.launch import _LAUNCHER_VARIABLES, in_background
-from tests.toolbox.models import ToyLM, loss_fn, samples
+from benchmarks.ranks import clean_env, free_port
+from tests.toolbox.launch import SCRIPTS, in_background, start_logged
+from tests.toolbox.models import ToyLM
+from tests.toolbox.one_device import toy_lm_on_samples
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "scripts" / "multinode_run.py"
+SCRIPT = SCRIPTS / "multinode_run.py"
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
 TIMEOUT_S = 240
-
-
-def _env() -> dict:
-    """This environment without any launcher's variables (pytest itself may run under SLURM or torchrun)."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))
-    }
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -115,12 +99,7 @@ def _run_together(folder: Path, commands: list[tuple[list[str], dict]], what: st
         for i, (cmd, env) in enumerate(commands):
             log = folder / f"proc{i}.log"
             logs.append(log)
-            with open(log, "wb") as f:
-                procs.append(
-                    subprocess.Popen(
-                        cmd, env=env, cwd=folder, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-                    )
-                )
+            procs.append(start_logged(cmd, log, env=env, cwd=folder))
         deadline = time.monotonic() + TIMEOUT_S
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
@@ -153,7 +132,7 @@ def _script_args(out: Path, sharding: str, layout: str = "default") -> list[str]
 def launch_two_nodes(folder: Path, sharding: str) -> dict:
     """One torchrun per simulated node, started together, joined by a c10d rendezvous; returns rank 0's record."""
     out = folder / "result.pt"
-    port = _free_port()
+    port = free_port()
     run_id = f"multinode-{uuid.uuid4().hex[:12]}"
     commands = []
     for node_rank in range(NODES):
@@ -179,7 +158,7 @@ def launch_two_nodes(folder: Path, sharding: str) -> dict:
             "0",
             *_script_args(out, sharding),
         ]
-        commands.append((cmd, _env()))
+        commands.append((cmd, clean_env()))
     _run_together(folder, commands, f"torchrun: {sharding} on {NODES} nodes x {PER_NODE}")
     return torch.load(out, weights_only=False)
 
@@ -195,12 +174,12 @@ def launch_as_slurm_tasks(folder: Path, sharding: str, layout: str = "default") 
         "SLURM_NNODES": str(NODES),
         "SLURM_NODELIST": "127.0.0.1",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
     }
     commands = []
     for rank in range(WORLD):
         env = {
-            **_env(),
+            **clean_env(),
             **common,
             "SLURM_PROCID": str(rank),
             "SLURM_LOCALID": str(rank % PER_NODE),
@@ -212,29 +191,17 @@ def launch_as_slurm_tasks(folder: Path, sharding: str, layout: str = "default") 
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def one_device() -> dict:
     """One process, no Lightning, no sharding: the same model, optimizer and global batches as the script.
 
     Bit for bit what the script's ``--reference`` run (Lightning, one device, ``strategy="auto"``) gives, without
-    starting a Lightning process.
+    starting a Lightning process. Keys as the LightningModule names them (the script's module holds the model as
+    ``self.model``).
     """
     from tests.scripts.multinode_run import GLOBAL_BATCH, SAMPLES, STEPS
 
-    torch.manual_seed(0)
-    model = ToyLM()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    data = samples(SAMPLES)
-    losses = []
-    for step in range(STEPS):
-        rows = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
-        x, y = (t[rows] for t in data.tensors)
-        optimizer.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    # Keys as the LightningModule names them (the script's module holds the model as `self.model`).
-    return {"losses": losses, "state": {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}}
+    run = toy_lm_on_samples(STEPS, GLOBAL_BATCH, SAMPLES)
+    return {"losses": run.losses, "state": run.lightning_state()}
 
 
 def _model_params() -> list[torch.Tensor]:
@@ -297,9 +264,9 @@ def launched(tmp_path_factory) -> dict:
     )
 
 
-def test_hybrid_shard_two_nodes(launched, reference):
+def test_hybrid_shard_two_nodes(launched, one_device):
     result = launched["torchrun hybrid"].result()
-    check_parity(result, reference)
+    check_parity(result, one_device)
     check_bytes(result, shard_size=PER_NODE)
     full = result["full_param_bytes"]
     one_row_each = sum(p[0].numel() * p.element_size() for p in _model_params())
@@ -309,17 +276,17 @@ def test_hybrid_shard_two_nodes(launched, reference):
     assert per_rank[:PER_NODE] == per_rank[PER_NODE:], per_rank
 
 
-def test_full_shard_two_nodes(launched, reference):
+def test_full_shard_two_nodes(launched, one_device):
     result = launched["torchrun full"].result()
-    check_parity(result, reference)
+    check_parity(result, one_device)
     check_bytes(result, shard_size=WORLD)
 
 
-def test_hybrid_shard_under_slurm_environment_with_user_groups(launched, reference):
+def test_hybrid_shard_under_slurm_environment_with_user_groups(launched, one_device):
     # No SLURM here: the tasks get the variables srun would give them, so Lightning's SLURMEnvironment is used. The
     # groups come from the user this time: process_group=callable returning (shard_group, replicate_group).
     result = launched["slurm groups"].result()
-    check_parity(result, reference, environment="SLURMEnvironment")
+    check_parity(result, one_device, environment="SLURMEnvironment")
     check_bytes(result, shard_size=PER_NODE)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import lightning as L
 import lightning.fabric.utilities.imports as fabric_imports
@@ -21,11 +20,11 @@ from lightning.pytorch.trainer.connectors import accelerator_connector
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_fsdp  # noqa: F401  registers "fsdp_custom"
+from benchmarks.ranks import ROOT
 from lightning_fsdp import launcher as launcher_module
 from lightning_fsdp.launcher import FSDPMultiProcessingLauncher, choose_launcher
 from lightning_fsdp.strategy import FSDPStrategy
 
-ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "examples" / "notebook.ipynb"
 
 

@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.ranks import kill_group
 from tests.scripts.patterns_run import CLIP, OPTIONS, PATTERNS
-from tests.toolbox.launch import ROOT, clean_env, in_background, kill_group
+from tests.toolbox.launch import SCRIPTS, in_background, start_logged
 
-SCRIPT = ROOT / "tests" / "scripts" / "patterns_run.py"
+SCRIPT = SCRIPTS / "patterns_run.py"
 RTOL, ATOL = 1e-5, 1e-6
 LAUNCH_TIMEOUT_S = 400  # one launch of the script (its own watchdog stops a hung pattern after 90 s)
 SIDE_BUDGET_S = 500  # all launches of one side, reruns after a hung pattern included
@@ -45,18 +46,15 @@ REFUSAL_WORDS = {
 # ------------------------------------------------------------------------------------------------ running
 def _launch(devices: int, names: list[str], out: Path, timeout: float) -> tuple[int | None, str]:
     log_path = out.with_suffix(".log")
-    argv = [sys.executable, str(SCRIPT), "--devices", str(devices), "--out", str(out), "--patterns", ",".join(names)]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            argv, env=clean_env(), cwd=out.parent, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            kill_group(proc.pid)  # the rank it started, if still there
-            proc.wait()
+    argv = [sys.executable, SCRIPT, "--devices", str(devices), "--out", out, "--patterns", ",".join(names)]
+    proc = start_logged(argv, log_path, cwd=out.parent)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        kill_group(proc.pid)  # the rank it started, if still there
+        proc.wait()
     return rc, log_path.read_text(errors="replace")
 
 

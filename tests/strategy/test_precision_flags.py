@@ -5,14 +5,15 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import lightning_fsdp  # noqa: F401
 from lightning_fsdp import FSDPStrategy, MixedPrecision
 from lightning_fsdp.engine import fully_shard
-from lightning_fsdp.precision import FSDPPrecision, ShardedGradScaler
-from tests.strategy.test_lightning_strategy import one_device_reference, run_script
+from lightning_fsdp.precision import FSDPPrecision
 from tests.toolbox.distributed import run_distributed
 from tests.toolbox.models import Block, ToyLM, batch, loss_fn
+from tests.toolbox.one_device import lightning_parity_one_device, lightning_parity_run
 
 
 @pytest.mark.parametrize(
@@ -52,9 +53,9 @@ def test_unknown_flag_lists_choices():
 
 
 def test_bf16_mixed_trains_within_the_precision_error(tmp_path, tmp_path_factory):
-    fp32 = one_device_reference(tmp_path_factory, "--optimizer", "sgd")
-    single_bf16 = one_device_reference(tmp_path_factory, "--optimizer", "sgd", "--precision", "bf16-mixed")
-    got = run_script(
+    fp32 = lightning_parity_one_device(tmp_path_factory, "--optimizer", "sgd")
+    single_bf16 = lightning_parity_one_device(tmp_path_factory, "--optimizer", "sgd", "--precision", "bf16-mixed")
+    got = lightning_parity_run(
         tmp_path / "bf16.pt",
         "--devices",
         "2",
@@ -65,7 +66,9 @@ def test_bf16_mixed_trains_within_the_precision_error(tmp_path, tmp_path_factory
         "--precision",
         "bf16-mixed",
     )
-    full = run_script(tmp_path / "fp32.pt", "--devices", "2", "--strategy", "fsdp_custom_blocks", "--optimizer", "sgd")
+    full = lightning_parity_run(
+        tmp_path / "fp32.pt", "--devices", "2", "--strategy", "fsdp_custom_blocks", "--optimizer", "sgd"
+    )
     # Tolerance measured from Lightning's own single-device bf16-mixed run against fp32.
     precision_error = (torch.tensor(single_bf16["losses"]) - torch.tensor(fp32["losses"])).abs().max().item()
     assert precision_error > 0

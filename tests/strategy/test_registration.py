@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.toolbox.launch import ROOT, clean_env, kill_group
+from benchmarks.ranks import ROOT, clean_env, kill_group
 
 REGISTERED = """
 from lightning.pytorch.accelerators import AcceleratorRegistry

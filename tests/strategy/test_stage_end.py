@@ -6,20 +6,15 @@ tests/scripts/stage_end_run.py (every case trains the same model, so the weights
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from benchmarks.ranks import clean_env
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.stage_end import FREE_MEMORY_VARIABLE, free_host_memory
-from tests.toolbox.models import ToyLM, loss_fn, samples
+from tests.toolbox.launch import rank_outputs, run_script
+from tests.toolbox.one_device import toy_lm_on_samples
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "tests", "scripts", "stage_end_run.py")
 # ToyLM's named parameters (the tied head once).
 PARAMETERS = 14
 
@@ -64,30 +59,10 @@ def stage_end_run(tmp_path_factory) -> dict:
     if not _launch:
         folder = tmp_path_factory.mktemp("stage_end")
         out = folder / "out.pt"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+        env = clean_env()
         env.pop(FREE_MEMORY_VARIABLE, None)
-        proc = subprocess.Popen(
-            [sys.executable, SCRIPT, "--out", str(out)],
-            env=env,
-            cwd=folder,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            stdout, stderr = proc.communicate(timeout=400)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            raise AssertionError(f"stage_end_run.py timed out:\n{stdout[-3000:]}\n{stderr[-6000:]}") from None
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # nothing of the launch outlives it
-            except OSError:
-                pass
-        assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
-        ranks = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]
+        run_script("stage_end_run.py", "--out", out, env=env, cwd=folder, timeout=400)
+        ranks = rank_outputs(out, 2)
         _launch.update({case: [ranks[0][case], ranks[1][case]] for case in ranks[0]})
     return _launch
 
@@ -142,19 +117,12 @@ def test_sharded_keeps_the_engine_and_later_stages_work(tmp_path_factory):
 
 def one_device() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(weights, momentum buffers) of the script's training on one device: the same seed and model, 3 steps of SGD
-    with momentum on the global batch (the 2 ranks' DistributedSampler shares of samples 6s .. 6s+5 at step s)."""
-    torch.manual_seed(0)
-    model = ToyLM()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    data = samples(24)
-    for step in range(3):
-        x, y = data[6 * step : 6 * step + 6]
-        optimizer.zero_grad()
-        loss_fn(model(x) + torch.full((5,), 0.5).sum(), y).backward()
-        optimizer.step()
-    names = {id(p): f"model.{n}" for n, p in model.named_parameters()}
-    weights = {names[id(p)]: p.detach().clone() for p in model.parameters()}
-    return weights, {names[id(p)]: state["momentum_buffer"] for p, state in optimizer.state.items()}
+    with momentum on the global batch (the 2 ranks' DistributedSampler shares of samples 6s .. 6s+5 at step s), the
+    module's buffer (0.5 five times) summed into the output."""
+    run = toy_lm_on_samples(3, 6, 24, forward=lambda model, x: model(x) + torch.full((5,), 0.5).sum())
+    names = {id(p): f"model.{n}" for n, p in run.model.named_parameters()}
+    weights = {names[id(p)]: p.detach().clone() for p in run.model.parameters()}
+    return weights, {names[id(p)]: state["momentum_buffer"] for p, state in run.optimizer.state.items()}
 
 
 def test_checkpoints_load_back_after_the_stage_ended(tmp_path_factory):

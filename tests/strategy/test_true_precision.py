@@ -7,17 +7,13 @@ CPU ranks, and once on one device with plain Lightning (``strategy="auto"``) on 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from lightning_fsdp.precision import FSDPPrecision
+from tests.toolbox.launch import rank_outputs, run_script
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "scripts" / "true_precision_run.py"
 # bfloat16 keeps 8 significant bits: one unit in the last place is 2**-7 of a value in [1, 2). Sharded and
 # single-device runs round differently (each rank's half-batch loss and gradient, the reduction), so they may
 # differ by a few such units; 4 of them, relative to the largest magnitude compared, is the bound.
@@ -28,19 +24,9 @@ TOLERANCE_ULPS = 4
 def run(tmp_path: Path, name: str, devices: int, strategy: str, precisions: str) -> list[dict]:
     """One launch of the script, every flag of ``precisions`` in it: [rank 0's {flag: result}, rank 1's, ...]."""
     out = tmp_path / name
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--devices", str(devices), "--strategy", strategy]
-    proc = subprocess.run(
-        [*cmd, "--precision", precisions],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        start_new_session=True,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(devices)]
+    args = ["--out", out, "--devices", str(devices), "--strategy", strategy, "--precision", precisions]
+    run_script("true_precision_run.py", *args, cwd=tmp_path, timeout=300)
+    return rank_outputs(out, devices)
 
 
 _launches: dict = {}

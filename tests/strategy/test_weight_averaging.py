@@ -9,43 +9,19 @@ on one device.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from functools import partial
 
 import pytest
 import torch
 
-from tests.toolbox.launch import ROOT, clean_env, in_background
-
-SCRIPT = ROOT / "tests" / "scripts" / "weight_averaging_run.py"
-TOL = {"rtol": 1e-5, "atol": 1e-6}
+from tests.toolbox.compare import assert_all_close
+from tests.toolbox.launch import in_background, script_output
 
 
 def _launch(folder, devices: int) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
-    out = folder / "out.pt"
-    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--dir", str(folder), "--devices", str(devices)]
-    # Its own session, so that the rank Lightning's launcher starts is killed with it on a timeout.
-    proc = subprocess.Popen(
-        cmd,
-        env=clean_env(),
-        cwd=folder,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"{cmd} timed out:\n{stdout[-3000:]}\n{stderr[-6000:]}") from None
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
-    return torch.load(out, weights_only=False)
+    args = ["--dir", folder, "--devices", str(devices)]
+    return script_output("weight_averaging_run.py", folder / "out.pt", *args, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -57,17 +33,9 @@ def runs(tmp_path_factory):
     return running["ref"].result(), running["got"].result()
 
 
-def _compare(got: dict, ref: dict, what: str) -> int:
-    assert got.keys() == ref.keys(), what
-    for key, value in ref.items():
-        assert tuple(got[key].shape) == tuple(value.shape), (what, key)  # full shapes, not one rank's rows
-        torch.testing.assert_close(got[key], value, **TOL, msg=f"{what}: {key}")
-    return len(ref)
-
-
 def _check_run(got: dict, ref: dict, case: str) -> int:
-    count = _compare(got["state"], ref["state"], f"{case} final weights")
-    count += _compare(got["average"], ref["average"], f"{case} average")
+    count = assert_all_close(got["state"], ref["state"], f"{case} final weights")
+    count += assert_all_close(got["average"], ref["average"], f"{case} average")
     # The average is kept sharded: each rank holds its rows of it, like the model's own parameters.
     assert got["average_shapes"] == got["local_shapes"], case
     assert got["average_shapes"] != ref["average_shapes"], case
@@ -103,19 +71,21 @@ def test_full_checkpoint_holds_the_complete_average(runs):
     swa, ref_swa = files["swa"], ref_files["swa"]
     key = "StochasticWeightAveraging"
     assert swa["callbacks"][key]["n_averaged"] == ref_swa["callbacks"][key]["n_averaged"] == 2
-    count += _compare(
+    count += assert_all_close(
         swa["callbacks"][key]["average_model_state"],
         ref_swa["callbacks"][key]["average_model_state"],
         "SWA checkpoint average",
     )
-    count += _compare(swa["state_dict"], ref_swa["state_dict"], "SWA checkpoint model")
+    count += assert_all_close(swa["state_dict"], ref_swa["state_dict"], "SWA checkpoint model")
     ema, ref_ema = files["ema"], ref_files["ema"]
     # WeightAveraging keeps the average in state_dict and the trained weights in current_model_state.
-    count += _compare(ema["state_dict"], ref_ema["state_dict"], "EMA checkpoint average")
-    count += _compare(ema["current_model_state"], ref_ema["current_model_state"], "EMA checkpoint current model")
+    count += assert_all_close(ema["state_dict"], ref_ema["state_dict"], "EMA checkpoint average")
+    count += assert_all_close(
+        ema["current_model_state"], ref_ema["current_model_state"], "EMA checkpoint current model"
+    )
     assert int(ema["averaging_state"]["n_averaged"]) == int(ref_ema["averaging_state"]["n_averaged"]) == 4
     user, ref_user = files["user"]["callbacks"]["UserEMA"]["ema"], ref_files["user"]["callbacks"]["UserEMA"]["ema"]
-    count += _compare(dict(enumerate(user)), dict(enumerate(ref_user)), "hand-written EMA checkpoint")
+    count += assert_all_close(dict(enumerate(user)), dict(enumerate(ref_user)), "hand-written EMA checkpoint")
     assert count > 0
     # The averages really differ from the weights they were saved beside (the comparison is not vacuous).
     average = ref_swa["callbacks"][key]["average_model_state"]
@@ -132,7 +102,7 @@ def test_resuming_from_a_full_checkpoint_matches_single_device(runs):
     assert count > 0
     # On one device, resuming ends exactly where the uninterrupted run ends.
     for case in ("swa", "ema"):
-        _compare(ref[f"{case}_resume"]["state"], ref[case]["state"], f"{case} resumed vs uninterrupted")
+        assert_all_close(ref[f"{case}_resume"]["state"], ref[case]["state"], f"{case} resumed vs uninterrupted")
 
 
 def test_local_and_sharded_checkpoints_keep_the_average(runs):
@@ -140,7 +110,7 @@ def test_local_and_sharded_checkpoints_keep_the_average(runs):
     # Local format, SWA: the callback state (in meta.pt) holds the full average; resuming matches one device.
     meta = got["files"]["swa_local_meta"]
     key = "StochasticWeightAveraging"
-    count = _compare(
+    count = assert_all_close(
         meta["callbacks"][key]["average_model_state"],
         ref["files"]["swa"]["callbacks"][key]["average_model_state"],
         "local meta.pt average",
@@ -149,7 +119,9 @@ def test_local_and_sharded_checkpoints_keep_the_average(runs):
     count += _check_run(got["swa_local_resume"], ref["swa_resume"], "swa_local_resume")
     # Sharded format, EMA: the average is the DCP model state, the current weights go whole into meta.pt.
     meta = got["files"]["ema_sharded_meta"]
-    count += _compare(meta["current_model_state"], ref["files"]["ema"]["current_model_state"], "sharded meta.pt model")
+    count += assert_all_close(
+        meta["current_model_state"], ref["files"]["ema"]["current_model_state"], "sharded meta.pt model"
+    )
     count += _check_run(got["ema_sharded_resume"], ref["ema_resume"], "ema_sharded_resume")
     assert count > 0
 

@@ -1,6 +1,12 @@
-"""Tiny models for the tests: uneven shapes, a tied weight, a parameter with fewer rows than ranks, a frozen layer."""
+"""Tiny models for the tests and the global batches they train on.
+
+``ToyLM``: uneven shapes, a tied weight, a parameter with fewer rows than ranks, a frozen layer. ``ChainLM``: a
+forward that is a chain over its pieces, which pipeline stages cut between blocks.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,6 +43,24 @@ class ToyLM(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.emb(ids) + self.tiny
         h = self.block2(self.frozen(self.block1(h)))
+        return self.head(self.norm(h))
+
+
+class ChainLM(nn.Module):
+    """Embedding, the blocks ``blocks()`` builds, a norm and a head. The blocks are built after the embedding, so
+    that from one seed every piece gets the values it had when each script defined the model itself."""
+
+    def __init__(self, vocab: int, dim: int, blocks: Callable[[], list[nn.Module]]) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(blocks())
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
         return self.head(self.norm(h))
 
 

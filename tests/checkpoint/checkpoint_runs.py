@@ -2,11 +2,11 @@
 
 Every run is a user-style launch of tests/scripts/checkpoint_run.py (training scenarios, rank 0's results) or
 tests/scripts/checkpoint_cases.py (several load scenarios in one process group, every rank's outcome), in its own
-session, killed as a group if it outlives its timeout or fails. Runs write into one temporary folder per pytest
-process, removed at exit. Every training run sees the same global batches (6 samples per step, 3 steps per epoch), so
-a resumed run's steps 4-6 are comparable bit for bit with the uninterrupted run's. A test module can ``prefetch`` the
-training runs it will ask for: they start in the background, a few at a time (tests/toolbox/launch.py's
-``in_background``), each after the run it needs; ``train`` then waits for them.
+session, killed as a group when it ends or outlives its timeout (tests/toolbox/launch.py). Runs write into one
+temporary folder per pytest process, removed at exit. Every training run sees the same global batches (6 samples per
+step, 3 steps per epoch), so a resumed run's steps 4-6 are comparable bit for bit with the uninterrupted run's. A test
+module can ``prefetch`` the training runs it will ask for: they start in the background, a few at a time
+(tests/toolbox/launch.py's ``in_background``), each after the run it needs; ``train`` then waits for them.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import atexit
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,32 +24,11 @@ from typing import Any
 
 import torch
 
-from tests.toolbox.launch import in_background
+from tests.toolbox.launch import SCRIPTS, in_background, rank_outputs, run_command
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RUN = os.path.join(ROOT, "tests", "scripts", "checkpoint_run.py")
-CASES = os.path.join(ROOT, "tests", "scripts", "checkpoint_cases.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-
-
-def launch(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own session; on timeout or failure kill the whole group (Lightning's launcher starts the
-    other ranks as children of rank 0, which would otherwise be left behind, blocked in a collective)."""
-    proc = subprocess.Popen(
-        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{cmd} timed out after {timeout}s:\n{out[-3000:]}\n{err[-6000:]}") from None
-    if proc.returncode != 0:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+RUN = SCRIPTS / "checkpoint_run.py"
+CASES = SCRIPTS / "checkpoint_cases.py"
+LAUNCH_TIMEOUT_S = 240
 
 
 TRAIN = {
@@ -187,7 +164,9 @@ class Runs:
                 self.train(NEEDS[name])
             out = self.path(f"{name}.pt")
             args = [a.format(dir=self.dir) for a in TRAIN[name]]
-            proc = launch([sys.executable, RUN, "--out", out, "--epochs", "2", *args])
+            proc = run_command(
+                [sys.executable, RUN, "--out", out, "--epochs", "2", *args], timeout=LAUNCH_TIMEOUT_S, check=False
+            )
             if name in EXPECTED_TO_DIE:
                 assert proc.returncode != 0, f"{name} was expected to die:\n{proc.stdout[-3000:]}"
                 self.results[name] = proc
@@ -200,36 +179,11 @@ class Runs:
         """Every rank's outcome of each case (see tests/scripts/checkpoint_cases.py)."""
         if name not in self.results:
             out = self.path(name)
-            proc = launch(
-                [sys.executable, CASES, "--out", out, "--devices", str(devices), "--cases", json.dumps(cases)]
+            proc = run_command(
+                [sys.executable, CASES, "--out", out, "--devices", str(devices), "--cases", json.dumps(cases)],
+                timeout=LAUNCH_TIMEOUT_S,
+                check=False,
             )
             assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-            self.results[name] = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(devices)]
+            self.results[name] = rank_outputs(out, devices)
         return self.results[name]
-
-
-# ------------------------------------------------------------------------------------------------ comparisons
-def assert_tensors_equal(actual: dict, expected: dict, what: str) -> None:
-    assert list(actual) == list(expected), f"{what}: keys differ: {list(actual)} vs {list(expected)}"
-    for key, e in expected.items():
-        a = actual[key]
-        assert a.shape == e.shape and a.dtype == e.dtype, f"{what}[{key}]: {a.shape}/{a.dtype} vs {e.shape}/{e.dtype}"
-        assert torch.equal(a.cpu(), e), f"{what}[{key}]: max abs diff {(a.cpu() - e).abs().max().item()}"
-
-
-def assert_optimizer_equal(actual: dict, expected: dict, what: str) -> None:
-    assert actual["param_groups"] == expected["param_groups"], f"{what}: param_groups differ"
-    assert sorted(actual["state"]) == sorted(expected["state"]), f"{what}: state indices differ"
-    for index, entry in expected["state"].items():
-        got = actual["state"][index]
-        assert sorted(got) == sorted(entry), f"{what}[{index}]: {sorted(got)} vs {sorted(entry)}"
-        for name, value in entry.items():
-            if torch.is_tensor(value):
-                assert got[name].shape == value.shape, f"{what}[{index}][{name}]: {got[name].shape} vs {value.shape}"
-                assert torch.equal(got[name].cpu(), value), f"{what}[{index}][{name}] differs"
-            else:
-                assert got[name] == value, f"{what}[{index}][{name}]: {got[name]} vs {value}"
-
-
-def max_diff(a: dict, b: dict) -> float:
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in b)
