@@ -90,11 +90,6 @@ def one_device_freezing_block1_in_the_last_microbatch() -> dict[str, torch.Tenso
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def one_device() -> dict[str, torch.Tensor]:
-    """One process, the whole global batch per step (one backward for all microbatches)."""
-    return toy_lm_on_step_batches(STEPS, SIZE).parameters()
-
-
 def full_params(engine) -> dict[str, torch.Tensor]:
     with engine.unsharded():
         return {k: v.detach().clone() for k, v in engine.root.named_parameters()}
@@ -251,7 +246,7 @@ def _gather_bytes(unit: str, n: int) -> int:
 
 
 def test_no_sync_accumulation_matches_syncing_every_microbatch_and_one_process(two):
-    want = one_device()
+    want = toy_lm_on_step_batches(STEPS, SIZE).parameters()
     compared = 0
     for rank_result in two:
         for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
@@ -293,7 +288,7 @@ def test_held_gradients_are_full_size_and_an_optimizer_step_refuses_them(two):
 
 def test_parameter_frozen_after_its_gradient_was_held_still_gets_it(two):
     want = one_device_freezing_block1_in_the_last_microbatch()
-    plain = one_device()
+    plain = toy_lm_on_step_batches(STEPS, SIZE).parameters()
     # The schedule differs from plain training where it should: block1 misses the last microbatch's gradient.
     assert not torch.allclose(want["block1.fc1.weight"], plain["block1.fc1.weight"])
     compared = sum(assert_all_close(r["freeze_midway"], want, "freeze midway", **TOL) for r in two)
@@ -301,7 +296,7 @@ def test_parameter_frozen_after_its_gradient_was_held_still_gets_it(two):
 
 
 def test_reshard_after_backward_off_gathers_once_per_step_and_stays_exact(two):
-    want = one_device()
+    want = toy_lm_on_step_batches(STEPS, SIZE).parameters()
     root, block1, block2 = (_gather_bytes(u, 2) for u in ("<root>", "block1", "block2"))
     # Default: every microbatch gathers each unit for forward, and the blocks again for backward (FULL_SHARD), except
     # block2 once the first microbatch has recorded the order: the last unit of the forward stays gathered into its
@@ -327,7 +322,7 @@ def test_reshard_after_backward_off_gathers_once_per_step_and_stays_exact(two):
 
 
 def test_explicit_unshard_holds_the_units_until_the_optimizer_step(two):
-    want = one_device()
+    want = toy_lm_on_step_batches(STEPS, SIZE).parameters()
     units = sum(_gather_bytes(u, 2) for u in ("<root>", "block1", "block2"))
     compared = 0
     for rank_result in two:
@@ -432,7 +427,7 @@ def four():
 
 
 def test_no_sync_with_hybrid_sharding(four):
-    want = one_device()
+    want = toy_lm_on_step_batches(STEPS, SIZE).parameters()
     compared = 0
     for rank_result in four:
         synced = rank_result[("HYBRID_SHARD", "sync")]
@@ -447,7 +442,7 @@ def test_no_sync_with_hybrid_sharding(four):
 
 
 def test_reshard_after_forward_int_gathers_backward_within_the_subgroup(four):
-    want = one_device()  # one backward per step on 4 ranks: the same global batch
+    want = toy_lm_on_step_batches(STEPS, SIZE).parameters()  # one backward per step on 4 ranks: the same global batch
     root, block1, block2 = (_gather_bytes(u, 4) for u in ("<root>", "block1", "block2"))
     blocks = block1 + block2
     k = 4 // 2  # shard-group chunks per parameter each rank keeps after forward (1/2 of each block)

@@ -35,11 +35,6 @@ def run_pipeline(out: Path, *args: str) -> list[dict]:
     return [torch.load(f, weights_only=False) for f in files]
 
 
-def one_device_run(launched: dict, *args: str) -> dict:
-    """The module's one-device run (P=1, D=1) of training flags ``args``."""
-    return launched["ref", args].result()
-
-
 CASES = [
     # (schedule, training flags): each schedule with SGD+momentum (a wrong gradient scale shows) and clipping by the
     # global norm (binding: the unclipped gradient norm is larger), accumulation and AdamW across the cases.
@@ -55,7 +50,7 @@ CASES = [
 def test_p2_d2_ends_where_one_device_ends(launched, schedule, training, wrap):
     if wrap and schedule == "GPipe":
         pytest.skip("units per block: covered by 1F1B and Interleaved1F1B")
-    ref = one_device_run(launched, *training)
+    ref = launched["ref", training].result()
     ranks = launched["p2d2", schedule, training, wrap].result()
     assert len(ranks) == 4
     compared = 0
@@ -90,7 +85,7 @@ COMPOSED = [
 
 @pytest.mark.parametrize("strategy,training,tol", COMPOSED, ids=lambda v: "-".join(v) if isinstance(v, tuple) else "")
 def test_sharding_strategies_checkpointing_and_bf16_compose(launched, strategy, training, tol):
-    ref = one_device_run(launched, *training)
+    ref = launched["ref", training].result()
     ranks = launched["composed", strategy, training].result()
     compared = 0
     for got in ranks:

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy, pipelined_loss  # noqa: E402
 from lightning_fsdp.engine import get_engine  # noqa: E402
+from tests.toolbox.lightning_scripts import quiet_trainer  # noqa: E402
 from tests.toolbox.models import ChainLM  # noqa: E402
 
 VOCAB, DIM, HIDDEN, LENGTH = 11, 8, 16, 5
@@ -139,16 +140,12 @@ def run(name: str, devices: int) -> dict:
         options = {**options, "activation_checkpointing_policy": {Block}}
     if backend == "hpu_backend":
         import habana_frameworks.torch  # noqa: F401  registers "hpu_backend", as a Gaudi user's script does
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="hpu" if name.startswith("hpu_") else "cpu",
         devices=devices,
         strategy=FSDPStrategy(auto_wrap_policy={Block}, **options),
         max_steps=STEPS,
         precision=precision,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
     )
     pipelined = options.get("pipeline_parallel_size", 1) > 1

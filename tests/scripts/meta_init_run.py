@@ -67,8 +67,8 @@ def main() -> None:
 
     from lightning_fsdp import FSDPStrategy, load_pretrained
     from lightning_fsdp.engine.meta_init import parameters_on_meta, uninitialised_names
-    from lightning_fsdp.shutdown import destroy_process_group
     from tests.scripts.pretrained_run import VOCAB, fixed_batch
+    from tests.toolbox.lightning_scripts import quiet_trainer, save_rank_results
 
     torch.set_num_threads(1)
 
@@ -120,15 +120,11 @@ def main() -> None:
                 param.zero_()
 
     def trainer_for(param_init_fn) -> L.Trainer:
-        return L.Trainer(
+        return quiet_trainer(
             accelerator="cpu",
             devices=2,
             strategy=FSDPStrategy(auto_wrap_policy={LlamaDecoderLayer}, param_init_fn=param_init_fn),
             max_steps=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
 
     cases = {
@@ -179,10 +175,7 @@ def main() -> None:
             "global_step": trainer.global_step,
             "training_steps": module.training_steps,
         }
-    torch.save(results, f"{args.out}.rank{rank}")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # rank 0 exits (stopping the ranks it launched) once every rank has written
-        destroy_process_group()
+    save_rank_results(results, args.out, rank)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from lightning_fsdp.checkpoint.full import full_model_state_dict  # noqa: E402
 from lightning_fsdp.engine import get_engine  # noqa: E402
 from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
 from tests.scripts.pretrained_run import tiny_llama  # noqa: E402
+from tests.toolbox.lightning_scripts import quiet_trainer  # noqa: E402
 from tests.toolbox.models import VOCAB, Block, loss_fn, samples  # noqa: E402
 
 DIM = 5
@@ -600,14 +601,10 @@ class Runner:
             strategy = "auto"
         settings = dict(max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0)
         settings.update(kwargs)
-        trainer = L.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=self.devices,
             strategy=strategy,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             use_distributed_sampler=False,
             callbacks=list(callbacks),
             **settings,

@@ -34,6 +34,7 @@ from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_model_state_dict, full_optimizer_state_dict  # noqa: E402
 from lightning_fsdp.checkpoint.routing import parse_state_dict_type  # noqa: E402
 from tests.scripts.pipeline_run import GLOBAL_BATCH, SAMPLES, Module  # noqa: E402
+from tests.toolbox.lightning_scripts import quiet_trainer  # noqa: E402
 from tests.toolbox.models import samples  # noqa: E402
 
 STEPS_PER_EPOCH = 2
@@ -120,16 +121,12 @@ def main() -> None:
         else:
             strategy = "ddp" if args.strategy == "ddp" else "auto"
         record = Record(job)
-        trainer = L.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=args.devices,
             strategy=strategy,
             max_epochs=job.get("epochs", 2),
             limit_train_batches=STEPS_PER_EPOCH,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             num_sanity_val_steps=0,
             use_distributed_sampler=False,
             callbacks=[record],

@@ -20,6 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp import FSDPStrategy, pipelined_loss  # noqa: E402
+from tests.toolbox.lightning_scripts import quiet_trainer  # noqa: E402
 from tests.toolbox.models import Block, ChainLM, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 8
@@ -95,7 +96,7 @@ def main() -> None:
             activation_checkpointing_policy={Block} if args.checkpointing else None,
         )
     clip = {"gradient_clip_val": args.clip, "gradient_clip_algorithm": "norm"} if args.clip else {}
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,
@@ -103,10 +104,6 @@ def main() -> None:
         limit_train_batches=4,
         limit_val_batches=2,
         accumulate_grad_batches=args.accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         precision=args.precision,

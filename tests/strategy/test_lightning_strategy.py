@@ -43,14 +43,9 @@ def runs(tmp_path_factory) -> dict:
     return in_background(jobs)
 
 
-def one_device_run(runs: dict, *args: str) -> dict:
-    """The module's one-device run (``strategy="auto"``) of training flags ``args``."""
-    return runs["ref", args].result()
-
-
 def test_deferred_gradient_sync_under_accumulation(runs):
     # sync_gradients_while_accumulating=False: the accumulating batch reduces nothing, the next one reduces the sum.
-    ref = one_device_run(runs, *ACCUMULATION)
+    ref = runs["ref", ACCUMULATION].result()
     every = runs["fsdp_custom_blocks", ACCUMULATION].result()
     deferred = runs["fsdp_custom_deferred_sync", ACCUMULATION].result()
     assert assert_all_close(deferred["state"], ref["state"], "deferred sync") == len(ref["state"]) > 0
@@ -74,7 +69,7 @@ CASES = [
     "devices,strategy,training", CASES, ids=lambda v: "-".join(v) if isinstance(v, tuple) else str(v)
 )
 def test_fit_validate_test_predict_match_single_device(runs, devices, strategy, training):
-    ref = one_device_run(runs, *training)
+    ref = runs["ref", training].result()
     got = runs[_strategy_label(devices, strategy), training].result()
 
     assert got["names"] == ref["names"]  # named_parameters() keeps the unwrapped model's names
@@ -99,5 +94,5 @@ def test_fit_validate_test_predict_match_single_device(runs, devices, strategy, 
 
 def test_training_changed_the_model(runs):
     # Guards the parity test above against a run where nothing trains: the loss must fall.
-    ref = one_device_run(runs, "--optimizer", "sgd")
+    ref = runs["ref", ("--optimizer", "sgd")].result()
     assert ref["losses"][-1] < ref["losses"][0] - 0.3

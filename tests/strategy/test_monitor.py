@@ -23,6 +23,7 @@ from lightning_fsdp.estimate import MemoryEstimate, estimate_memory
 from lightning_fsdp.monitor import QUANTITIES, ShardingMonitor
 from tests.scripts.monitor_run import MODEL, STEPS
 from tests.toolbox.launch import in_background, run_script
+from tests.toolbox.lightning_scripts import quiet_trainer
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 # Estimate component -> the monitor's metric that measures it.
@@ -248,16 +249,12 @@ def test_monitor_warns_and_logs_nothing_without_the_fsdp_strategy(tmp_path):
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)), batch_size=2)
     monitor = ShardingMonitor(log_every_n_steps=1)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=1,
         max_steps=2,
         callbacks=[monitor],
         default_root_dir=tmp_path,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     with pytest.warns(UserWarning, match="ShardingMonitor needs the fsdp_custom strategy"):
         trainer.fit(Tiny(), data)

@@ -134,19 +134,14 @@ def job(tmp_path):
     j.close()
 
 
-def one_device(steps: int) -> dict[str, torch.Tensor]:
-    """One process, no Lightning: ToyLM, SGD with momentum, the script's global batches, ``steps`` steps."""
-    return toy_lm_on_samples(steps, GLOBAL_BATCH, GLOBAL_BATCH * STEPS).lightning_state()
-
-
 def check_parity(record: dict) -> None:
-    expected = one_device(RECORD_STEP)
+    expected = toy_lm_on_samples(RECORD_STEP, GLOBAL_BATCH, GLOBAL_BATCH * STEPS).lightning_state()
     assert sorted(record["state"]) == sorted(expected)
     for key, value in expected.items():
         torch.testing.assert_close(record["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     compared = sum(v.numel() for v in expected.values())
     assert len(expected) >= 14 and compared >= 150, (len(expected), compared)
-    initial = one_device(0)
+    initial = toy_lm_on_samples(0, GLOBAL_BATCH, GLOBAL_BATCH * STEPS).lightning_state()
     moved = sum(int(not torch.equal(value, initial[key])) for key, value in expected.items())
     assert moved >= 12, moved  # trained values, not the initialisation (the frozen layer's 2 stay)
 

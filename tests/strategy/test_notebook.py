@@ -24,6 +24,7 @@ from benchmarks.ranks import ROOT
 from lightning_fsdp import launcher as launcher_module
 from lightning_fsdp.launcher import FSDPMultiProcessingLauncher, choose_launcher
 from lightning_fsdp.strategy import FSDPStrategy
+from tests.toolbox.lightning_scripts import quiet_trainer
 
 NOTEBOOK = ROOT / "examples" / "notebook.ipynb"
 
@@ -127,15 +128,11 @@ def test_forked_ranks_send_the_full_trained_weights_back(monkeypatch):
     model = _Linear()
     before = model.net.weight.detach().clone()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 5)), batch_size=2)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy="fsdp_custom_fork",
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(model, data)
     assert isinstance(trainer.strategy.launcher, FSDPMultiProcessingLauncher)

@@ -115,7 +115,7 @@ def test_sharded_keeps_the_engine_and_later_stages_work(tmp_path_factory):
     assert not torch.equal(full[0]["second_fit"]["values"]["model.tiny"], full[0]["values"]["model.tiny"])
 
 
-def one_device() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def one_device_weights_and_momentum() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(weights, momentum buffers) of the script's training on one device: the same seed and model, 3 steps of SGD
     with momentum on the global batch (the 2 ranks' DistributedSampler shares of samples 6s .. 6s+5 at step s), the
     module's buffer (0.5 five times) summed into the output."""
@@ -129,7 +129,7 @@ def test_checkpoints_load_back_after_the_stage_ended(tmp_path_factory):
     # Saved after fit with weights_after_stage="full", then loaded into overwritten weights: each format gives back
     # the weights the module held after fit, which are one device's, and one device's full-size momentum.
     run = stage_end_run(tmp_path_factory)
-    weights, momentum_one_device = one_device()
+    weights, momentum_one_device = one_device_weights_and_momentum()
     compared = 0
     for rank, result in enumerate(run["full"]):
         shapes = result["shapes"]

@@ -6,13 +6,15 @@ Imports Lightning: the scripts import it, and the tests only through a script th
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import lightning as L
 import torch
 
+from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.shutdown import destroy_process_group
-from tests.toolbox.models import ToyLM, loss_fn
+from tests.toolbox.models import Block, ToyLM, loss_fn
 from tests.toolbox.training import sgd_with_momentum
 
 # No logger, checkpoint callback, progress bar or model summary: a script's output is its traceback, if any.
@@ -27,6 +29,22 @@ QUIET = {
 def quiet_trainer(**options: Any) -> L.Trainer:
     """``L.Trainer(**options)`` with :data:`QUIET`'s settings where ``options`` do not say otherwise."""
     return L.Trainer(**{**QUIET, **options})
+
+
+def one_step_trainer(**strategy_options: Any) -> L.Trainer:
+    """2 CPU ranks, one training step, ToyLM's Blocks as units, a 60 s collective timeout, one batch of each of
+    validation, test and predict: the Trainer of the scripts that check what a call or a load does on every rank."""
+    strategy = FSDPStrategy(auto_wrap_policy={Block}, timeout=timedelta(seconds=60), **strategy_options)
+    return quiet_trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=1,
+        num_sanity_val_steps=0,
+        limit_val_batches=1,
+        limit_test_batches=1,
+        limit_predict_batches=1,
+    )
 
 
 class ToyLMModule(L.LightningModule):
