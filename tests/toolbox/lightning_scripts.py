@@ -64,7 +64,7 @@ class ToyLMModule(L.LightningModule):
         return sgd_with_momentum(self.parameters())
 
 
-def save_rank_results(results: Any, out: str, rank: int) -> None:
+def save_rank_results(results: object, out: str, rank: int) -> None:
     """This rank's ``results`` in ``{out}.rank{rank}``; then, in a process group, every rank waits for the others
     before the group ends: rank 0 exits (stopping the ranks it launched) once every rank has written."""
     torch.save(results, f"{out}.rank{rank}")
