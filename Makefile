@@ -19,7 +19,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $@
 
-# tests/test_mpi.py launches with mpirun, which needs OpenMPI and mpi4py (the `mpi` extra). Best effort: OpenMPI from
+# tests/strategy/test_mpi.py launches with mpirun, which needs OpenMPI and mpi4py (the `mpi` extra). Best effort: OpenMPI from
 # apt-get where we are root, otherwise the reason is printed and those tests skip with it. mpi4py goes into a folder
 # of its own that only those launches put on their path: in the venv, Lightning's MPIEnvironment.detect would start
 # MPI in every Trainer of the suite, and fail them all on a machine without an MPI library.
@@ -34,9 +34,9 @@ $(MPI_SITE)/.installed: | $(BIN)/.installed
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "Installing OpenMPI ($(MPI_PACKAGES)) for the mpirun tests"; \
 	    $(APT_INSTALL) >/dev/null 2>&1 || { apt-get update -qq && $(APT_INSTALL) >/dev/null; } \
-	      || echo "OpenMPI could not be installed: tests/test_mpi.py will be skipped"; \
+	      || echo "OpenMPI could not be installed: tests/strategy/test_mpi.py will be skipped"; \
 	  else \
-	    echo "No mpirun, and no apt-get as root to install OpenMPI: tests/test_mpi.py will be skipped"; \
+	    echo "No mpirun, and no apt-get as root to install OpenMPI: tests/strategy/test_mpi.py will be skipped"; \
 	  fi; \
 	fi
 	@if command -v mpirun >/dev/null 2>&1; then \

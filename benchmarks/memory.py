@@ -89,7 +89,7 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 
 @contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
+def quiet_stderr() -> Iterator[None]:
     """Silence the profiler's start/stop chatter, which it prints to fd 2 from C++."""
     try:
         saved = os.dup(2)
@@ -105,7 +105,7 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def _c10_report_flag() -> Any:
+def c10_report_flag() -> Any:
     """c10's ``FLAGS_caffe2_report_cpu_memory_usage`` as a ctypes bool, or None where it cannot be reached."""
     import ctypes
     import sys
@@ -148,13 +148,13 @@ class LiveTensorBytes:
     def __enter__(self) -> LiveTensorBytes:
         from torch.profiler import ProfilerActivity, profile
 
-        self._flag = _c10_report_flag()
+        self._flag = c10_report_flag()
         if self._flag is not None:
             self._flag_was = self._flag.value
             self._flag.value = True
             self.all_threads = True
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with _quiet_stderr():
+        with quiet_stderr():
             self._profile.__enter__()
         return self
 
@@ -167,7 +167,7 @@ class LiveTensorBytes:
     def __exit__(self, *exc: Any) -> None:
         # Frees are only recorded while profiling: collect garbage (engines hold reference cycles) before stopping.
         gc.collect()
-        with _quiet_stderr():
+        with quiet_stderr():
             self._profile.__exit__(*exc)
         if self._flag is not None:
             self._flag.value = self._flag_was

@@ -2,7 +2,7 @@
 
 A Trainer run inside the test process sets ``MASTER_ADDR`` / ``MASTER_PORT`` in ``os.environ`` (Lightning's
 ``_init_dist_connection``) and leaves them there. Launches that copy ``os.environ`` would then all ask Lightning's
-launcher for that one port, and launches started at once (``tests/processes.py in_background``) would meet in each
+launcher for that one port, and launches started at once (``tests/toolbox/launch.py in_background``) would meet in each
 other's store. So the variables are removed before the session (pytest itself may run under a launcher) and put
 back to that clean state after every test.
 """

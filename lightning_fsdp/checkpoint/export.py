@@ -276,7 +276,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim`` (None elsewhere), which hands memory freed by the last read back to the operating
     system: glibc raises its mmap threshold after a large block is freed, so the next tensor-sized blocks (the tensor
     being read, DCP's temporary copy of each chunk) come from the heap, where freed memory stays resident; without
-    this an export's resident set grows by several tensors (tests/test_export.py measures it)."""
+    this an export's resident set grows by several tensors (tests/checkpoint/test_export.py measures it)."""
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -7,7 +7,7 @@ ends with an event the compute stream waits for. Handles are waited for inside t
 block that stream, not the host. The caching allocator reuses a block on its own stream only, hence full buffers on
 the compute stream and ``record_stream`` on gradients. Unlike FSDP2: the all-gather stream waits for compute at every
 unshard, no copy-in stream, one reduction in flight. Everything goes through ``CollectiveStreams`` so that
-tests/test_streams.py checks the protocol on CPU."""
+tests/engine/test_streams.py checks the protocol on CPU."""
 
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import sys
-from datetime import timedelta
 
 import lightning as L
 import torch
@@ -25,8 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401
-from lightning_fsdp import FSDPStrategy  # noqa: E402
-from tests.models import Block, ToyLM, batch, loss_fn  # noqa: E402
+from tests.toolbox.lightning_scripts import one_step_trainer  # noqa: E402
+from tests.toolbox.models import ToyLM, batch, loss_fn  # noqa: E402
 
 MISUSE = ["frozen_fit", "frozen_eval", "foreign_optimizer"]
 
@@ -98,31 +97,13 @@ class Module(L.LightningModule):
         return torch.optim.SGD([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=0.1, momentum=0.9)
 
 
-def make_trainer(**kwargs) -> L.Trainer:
-    strategy = FSDPStrategy(auto_wrap_policy={Block}, timeout=timedelta(seconds=60), **kwargs)
-    return L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=1,
-        limit_test_batches=1,
-        limit_predict_batches=1,
-    )
-
-
 def loader() -> DataLoader:
     x, y = batch(0, size=8)
     return DataLoader(TensorDataset(x, y), batch_size=2)
 
 
 def misuse(name: str) -> tuple[int, dict]:
-    trainer = make_trainer()
+    trainer = one_step_trainer()
     module = Module(frozen=name.startswith("frozen"), foreign=name == "foreign_optimizer")
     try:
         if name == "frozen_eval":
@@ -137,7 +118,7 @@ def misuse(name: str) -> tuple[int, dict]:
 
 def save_good(work: str) -> int:
     """One fitted step, saved in all three formats."""
-    trainer = make_trainer()
+    trainer = one_step_trainer()
     trainer.fit(Module(), loader())
     trainer.save_checkpoint(os.path.join(work, "good.ckpt"))
     for kind in ("sharded", "local"):
@@ -199,7 +180,7 @@ def damage(work: str) -> None:
 
 def load_case(work: str, name: str) -> tuple[int, dict]:
     path, options = LOADS[name]
-    trainer = make_trainer()
+    trainer = one_step_trainer()
     with trainer.init_module():
         module = Module(**options)
     try:

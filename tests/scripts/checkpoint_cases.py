@@ -37,7 +37,8 @@ def main() -> None:
         full_model_state_dict,
         full_optimizer_state_dict,
     )
-    from tests.models import Block, ToyLM, batch, loss_fn
+    from tests.toolbox.lightning_scripts import quiet_trainer
+    from tests.toolbox.models import Block, ToyLM, batch, loss_fn
 
     class Module(L.LightningModule):
         def __init__(self, dim: int, extra: bool, strict: bool) -> None:
@@ -76,17 +77,13 @@ def main() -> None:
     x, y = batch(0, size=12)
     for case in json.loads(args.cases):
         callback = Restored()
-        trainer = L.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=args.devices,
             strategy=FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy=case.get("sharding", "FULL_SHARD")),
             max_epochs=2,
             limit_train_batches=1,
             limit_val_batches=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             num_sanity_val_steps=0,
             callbacks=[callback],
         )

@@ -1,4 +1,4 @@
-"""Full-checkpoint scenarios for tests/test_checkpoint_full.py, run the way users run scripts.
+"""Full-checkpoint scenarios for tests/checkpoint/test_checkpoint_full.py, run the way users run scripts.
 
 ``--mode train``: train ToyLM with Lightning for ``--epochs`` epochs of 3 steps (global batch 6 on every strategy),
 optionally resuming with ``fit(ckpt_path=--resume)`` and saving with ``trainer.save_checkpoint`` after fit
@@ -120,7 +120,8 @@ def train(args) -> None:
     import lightning_fsdp  # noqa: F401  registers "fsdp_custom"
     from lightning_fsdp import FSDPStrategy
     from lightning_fsdp.checkpoint.full import full_model_state_dict, full_optimizer_state_dict
-    from tests.models import Block, ToyLM, loss_fn, samples
+    from tests.toolbox.lightning_scripts import quiet_trainer
+    from tests.toolbox.models import Block, ToyLM, loss_fn, samples
 
     class Module(L.LightningModule):
         def __init__(self, optimizer: str) -> None:
@@ -209,17 +210,14 @@ def train(args) -> None:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         callbacks.append(ModelCheckpoint(dirpath=args.model_checkpoint, save_top_k=1, save_last=True))
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,
         max_epochs=args.epochs,
         limit_train_batches=STEPS_PER_EPOCH,
         limit_val_batches=1,
-        logger=False,
         enable_checkpointing=bool(args.model_checkpoint),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         callbacks=callbacks,

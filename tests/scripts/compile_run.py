@@ -1,7 +1,8 @@
 """torch.compile under fsdp_custom, the ways users compile, all in one launch (compiled runs start slowly).
 
 Run as a user's script: ``--devices 2`` (Lightning's launcher re-runs it per rank); ``hpu_per_block`` needs the
-Gaudi test double on the path (``PYTHONPATH=tests/fakes``, ``PT_HPU_LAZY_MODE=0``), as tests/test_compile.py runs
+Gaudi test double on the path (``PYTHONPATH=tests/fakes``, ``PT_HPU_LAZY_MODE=0``), as tests/strategy/test_compile.py
+runs
 it. Every scenario trains the same tiny GPT-like model for ``STEPS`` optimizer steps (SGD with momentum) on the same
 global batches as the one-device reference the test computes in eager mode (rank r takes samples r, r+N, ...). Each
 rank writes ``{scenario: result}`` to ``--out.rank<r>``: the final full weights, per-step global losses, and
@@ -27,6 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy, pipelined_loss  # noqa: E402
 from lightning_fsdp.engine import get_engine  # noqa: E402
+from tests.toolbox.lightning_scripts import quiet_trainer  # noqa: E402
+from tests.toolbox.models import ChainLM  # noqa: E402
 
 VOCAB, DIM, HIDDEN, LENGTH = 11, 8, 16, 5
 GLOBAL_BATCH = 4
@@ -77,24 +80,10 @@ class Block(nn.Module):
         return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
 
 
-class TinyGPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.emb(ids)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
-
-
-def initial_model() -> TinyGPT:
+def initial_model() -> ChainLM:
+    """The tiny GPT-like model of every scenario, from seed 0: an embedding, three Blocks, a norm and a head."""
     torch.manual_seed(0)
-    return TinyGPT()
+    return ChainLM(VOCAB, DIM, lambda: [Block() for _ in range(3)])
 
 
 def dataset() -> TensorDataset:
@@ -107,7 +96,7 @@ def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def compile_blocks(model: TinyGPT, how: str, backend: str) -> None:
+def compile_blocks(model: ChainLM, how: str, backend: str) -> None:
     for index, block in enumerate(model.blocks):
         if how == "per_block":
             model.blocks[index] = torch.compile(block, backend=backend, fullgraph=True)
@@ -151,16 +140,12 @@ def run(name: str, devices: int) -> dict:
         options = {**options, "activation_checkpointing_policy": {Block}}
     if backend == "hpu_backend":
         import habana_frameworks.torch  # noqa: F401  registers "hpu_backend", as a Gaudi user's script does
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="hpu" if name.startswith("hpu_") else "cpu",
         devices=devices,
         strategy=FSDPStrategy(auto_wrap_policy={Block}, **options),
         max_steps=STEPS,
         precision=precision,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
     )
     pipelined = options.get("pipeline_parallel_size", 1) > 1

@@ -11,24 +11,22 @@ import argparse
 import os
 import sys
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp import FSDPStrategy  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
+from tests.toolbox.lightning_scripts import ToyLMModule, quiet_trainer  # noqa: E402
+from tests.toolbox.models import Block, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 4
 SAMPLES = 16
 
 
-class Module(L.LightningModule):
+class Module(ToyLMModule):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.model = ToyLM()
         self.step_losses: list[float] = []
         self.placement: dict[str, dict[str, str]] = {}
 
@@ -52,9 +50,6 @@ class Module(L.LightningModule):
             for name, p in self.named_parameters()
         }
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -65,15 +60,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     strategy = FSDPStrategy(auto_wrap_policy={Block}, cpu_offload=bool(args.offload))
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator=args.accelerator,
         devices=args.devices,
         strategy=strategy,
         max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
     )
     module = Module()

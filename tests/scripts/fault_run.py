@@ -1,7 +1,7 @@
 """A 2-rank fsdp_custom Lightning run in which one rank fails in the middle of a training step.
 
-Used by tests/test_faults.py. The run trains ToyLM (units per Block) with ``FSDPStrategy(timeout=--timeout s)``;
-at global step ``--fault-step`` the rank ``--fault-rank`` does ``--fault``:
+Used by tests/reliability/test_faults.py. The run trains ToyLM (units per Block) with ``FSDPStrategy(timeout=--timeout
+s)``; at global step ``--fault-step`` the rank ``--fault-rank`` does ``--fault``:
 
 - ``raise``: raises ``RuntimeError("injected fault ...")``;
 - ``exit``: ``os._exit(13)`` (no Python cleanup, no exception handling);
@@ -47,8 +47,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy, pipelined_loss  # noqa: E402
 from lightning_fsdp.pipeline import AbsentPiece  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
-from tests.scripts.pipeline_run import ChainLM  # noqa: E402
+from tests.scripts.pipeline_run import chain_lm  # noqa: E402
+from tests.toolbox.lightning_scripts import ToyLMModule, quiet_trainer  # noqa: E402
+from tests.toolbox.models import Block, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 6
 
@@ -72,12 +73,10 @@ def inject(fault: str, rank: int, step: int) -> None:
     raise ValueError(fault)
 
 
-class Module(L.LightningModule):
+class Module(ToyLMModule):
     def __init__(self, args) -> None:
         super().__init__()
         self.args = args
-        torch.manual_seed(0)
-        self.model = ToyLM()
 
     def training_step(self, b, i):
         args = self.args
@@ -99,9 +98,6 @@ class Module(L.LightningModule):
             logits.register_hook(hook)
         return loss_fn(logits, y)
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
 
 class PipelinedModule(L.LightningModule):
     """ChainLM cut into 2 stages over 4 ranks (``--pp 2``): the fault happens on one stage's rank, at the start of
@@ -111,7 +107,7 @@ class PipelinedModule(L.LightningModule):
         super().__init__()
         self.args = args
         torch.manual_seed(0)
-        self.model = ChainLM()
+        self.model = chain_lm()
 
     def _faulty(self) -> bool:
         return self.global_rank == self.args.fault_rank and self.global_step == self.args.fault_step
@@ -184,15 +180,11 @@ def main() -> None:
     callbacks = [Started()]
     if args.record_step is not None:
         callbacks.append(Record(args.record_step, args.out))
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=args.devices or 2 * args.pp,
         strategy=strategy,
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         callbacks=callbacks,

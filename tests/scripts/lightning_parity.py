@@ -17,7 +17,8 @@ from torch.utils.data.distributed import DistributedSampler
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
+from tests.toolbox.lightning_scripts import quiet_trainer  # noqa: E402
+from tests.toolbox.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 6
 SAMPLES = 48
@@ -101,10 +102,11 @@ def main() -> None:
     elif strategy == "fsdp_custom_checkpointed":
         # Class paths, as a YAML config would give them.
         strategy = FSDPStrategy(
-            auto_wrap_policy={"tests.models.Block"}, activation_checkpointing_policy={"tests.models.Block"}
+            auto_wrap_policy={"tests.toolbox.models.Block"},
+            activation_checkpointing_policy={"tests.toolbox.models.Block"},
         )
     clip = {} if args.clip == "none" else {"gradient_clip_val": 0.05, "gradient_clip_algorithm": args.clip}
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator=args.accelerator,
         devices=args.devices,
         strategy=strategy,
@@ -114,10 +116,6 @@ def main() -> None:
         limit_test_batches=2,
         limit_predict_batches=2,
         accumulate_grad_batches=args.accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         precision=args.precision,

@@ -1,7 +1,7 @@
 """Meta-device initialisation of a pretrained Llama under fsdp_custom, several cases in one launch.
 
-Run by tests/test_meta_init.py. Every case builds its model under ``trainer.init_module(empty_init=True)`` on 2 CPU
-ranks, with a fresh Trainer (the process group stays up between cases):
+Run by tests/strategy/test_meta_init.py. Every case builds its model under ``trainer.init_module(empty_init=True)`` on
+2 CPU ranks, with a fresh Trainer (the process group stays up between cases):
 
 - ``walkthrough``: the code block of docs/pretrained.md's walk-through, run as written except for the pretrained
   path (``--pretrained-tied``) and ``max_steps`` (2), in the working directory the test gives the launch.
@@ -30,8 +30,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from benchmarks.ranks import ROOT  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WALKTHROUGH = os.path.join(ROOT, "docs", "pretrained.md")
 
 
@@ -67,8 +67,8 @@ def main() -> None:
 
     from lightning_fsdp import FSDPStrategy, load_pretrained
     from lightning_fsdp.engine.meta_init import parameters_on_meta, uninitialised_names
-    from lightning_fsdp.shutdown import destroy_process_group
     from tests.scripts.pretrained_run import VOCAB, fixed_batch
+    from tests.toolbox.lightning_scripts import quiet_trainer, save_rank_results
 
     torch.set_num_threads(1)
 
@@ -120,15 +120,11 @@ def main() -> None:
                 param.zero_()
 
     def trainer_for(param_init_fn) -> L.Trainer:
-        return L.Trainer(
+        return quiet_trainer(
             accelerator="cpu",
             devices=2,
             strategy=FSDPStrategy(auto_wrap_policy={LlamaDecoderLayer}, param_init_fn=param_init_fn),
             max_steps=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
 
     cases = {
@@ -179,10 +175,7 @@ def main() -> None:
             "global_step": trainer.global_step,
             "training_steps": module.training_steps,
         }
-    torch.save(results, f"{args.out}.rank{rank}")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # rank 0 exits (stopping the ranks it launched) once every rank has written
-        destroy_process_group()
+    save_rank_results(results, args.out, rank)
 
 
 if __name__ == "__main__":

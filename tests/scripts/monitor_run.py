@@ -21,8 +21,9 @@ from lightning_fsdp.demo.data import CharDataModule  # noqa: E402
 from lightning_fsdp.demo.gpt import Block  # noqa: E402
 from lightning_fsdp.demo.module import GPTLightningModule  # noqa: E402
 from lightning_fsdp.monitor import ShardingMonitor  # noqa: E402
+from tests.toolbox.lightning_scripts import quiet_trainer  # noqa: E402
 
-# Shared with tests/test_monitor.py, which estimates the same model.
+# Shared with tests/strategy/test_monitor.py, which estimates the same model.
 MODEL = {"vocab_size": 65, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}
 STEPS = 3
 
@@ -36,7 +37,7 @@ def main() -> None:
     for sharding in args.strategies:
         L.seed_everything(0, verbose=False)
         data = CharDataModule(block_size=32, batch_size=4, train_samples=4 * args.devices * STEPS, seed=0)
-        trainer = L.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=args.devices,
             strategy=FSDPStrategy(sharding_strategy=sharding, auto_wrap_policy={Block}),
@@ -45,9 +46,6 @@ def main() -> None:
             logger=CSVLogger(os.path.join(args.out, sharding), name="", version=""),
             log_every_n_steps=1,
             callbacks=[ShardingMonitor()],
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         trainer.fit(GPTLightningModule(**MODEL), datamodule=data)
 

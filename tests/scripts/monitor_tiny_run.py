@@ -3,7 +3,8 @@
     python tests/scripts/monitor_tiny_run.py --out DIR --strategies FULL_SHARD SHARD_GRAD_OP NO_SHARD
 
 Two CPU processes (Lightning's launcher re-runs this script for rank 1), each nn.Linear its own unit, SGD with
-momentum; each strategy logs to DIR/<strategy>/metrics.csv. tests/test_monitor.py holds the hand-computed bytes.
+momentum; each strategy logs to DIR/<strategy>/metrics.csv. tests/strategy/test_monitor.py holds the hand-computed
+bytes.
 """
 
 import argparse
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.monitor import ShardingMonitor  # noqa: E402
+from tests.toolbox.lightning_scripts import quiet_trainer  # noqa: E402
 
 STEPS = 2
 BATCH = 2  # per rank
@@ -49,7 +51,7 @@ def main() -> None:
     for sharding in args.strategies:
         L.seed_everything(0, verbose=False)
         data = TensorDataset(torch.randn(2 * BATCH * STEPS, 4), torch.randn(2 * BATCH * STEPS, 2))
-        trainer = L.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=2,
             strategy=FSDPStrategy(sharding_strategy=sharding, auto_wrap_policy={nn.Linear}),
@@ -57,9 +59,6 @@ def main() -> None:
             logger=CSVLogger(os.path.join(args.out, sharding), name="", version=""),
             log_every_n_steps=1,
             callbacks=[ShardingMonitor()],
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         trainer.fit(TwoLinears(), DataLoader(data, batch_size=BATCH))
 

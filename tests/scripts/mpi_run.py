@@ -32,27 +32,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_model_state_dict  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 from tests.scripts.fault_run import inject, say  # noqa: E402
+from tests.toolbox.lightning_scripts import ToyLMModule, quiet_trainer  # noqa: E402
+from tests.toolbox.models import Block, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 8  # divisible by 2 and by 4 ranks
 
 
-class Module(L.LightningModule):
+class Module(ToyLMModule):
     def __init__(self, args) -> None:
         super().__init__()
         self.args = args
-        torch.manual_seed(0)
-        self.model = ToyLM()
 
     def training_step(self, b, i):
         if self.global_rank == self.args.fault_rank and self.global_step == self.args.fault_step:
             inject(self.args.fault, self.global_rank, self.global_step)
         x, y = b
         return loss_fn(self.model(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
 class Record(L.Callback):
@@ -117,16 +113,12 @@ def main() -> None:
     strategy = FSDPStrategy(
         sharding_strategy=args.sharding, auto_wrap_policy={Block}, timeout=timedelta(seconds=args.timeout)
     )
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=args.devices,
         num_nodes=args.nodes,
         strategy=strategy,
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         callbacks=[Record(args.record_step, args.out)],

@@ -16,7 +16,6 @@ import argparse
 import os
 import sys
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
@@ -25,18 +24,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_model_state_dict  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
+from tests.toolbox.lightning_scripts import ToyLMModule, quiet_trainer  # noqa: E402
+from tests.toolbox.models import Block, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 8  # divisible by 4 ranks (2 nodes x 2 processes) and by 2
 STEPS = 4
 SAMPLES = GLOBAL_BATCH * STEPS
 
 
-class Module(L.LightningModule):
+class Module(ToyLMModule):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.model = ToyLM()
         self.step_losses: list[float] = []
 
     def training_step(self, b, i):
@@ -45,9 +43,6 @@ class Module(L.LightningModule):
         # Every rank has the same number of tokens, so the mean of the ranks' means is the global batch's mean.
         self.step_losses.append(self.all_gather(loss.detach()).mean().item())
         return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
 def node_groups(nodes: int, devices: int):
@@ -98,14 +93,10 @@ def main() -> None:
     else:
         strategy = FSDPStrategy(sharding_strategy=args.sharding, auto_wrap_policy={Block}, **layout(args))
         hardware = {"accelerator": "cpu", "devices": args.devices, "num_nodes": args.nodes, "strategy": strategy}
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         **hardware,
         max_steps=STEPS,
         max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
     )

@@ -39,8 +39,9 @@ from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_model_state_dict  # noqa: E402
 from lightning_fsdp.engine import get_engine  # noqa: E402
 from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
-from tests.models import VOCAB, Block, loss_fn, samples  # noqa: E402
 from tests.scripts.pretrained_run import tiny_llama  # noqa: E402
+from tests.toolbox.lightning_scripts import quiet_trainer  # noqa: E402
+from tests.toolbox.models import VOCAB, Block, loss_fn, samples  # noqa: E402
 
 DIM = 5
 GLOBAL_BATCH = 6
@@ -85,7 +86,7 @@ PATTERNS = [
 
 
 # ------------------------------------------------------------------------------------------------ models
-class Net(nn.Module):
+class ReversibleBlocksNet(nn.Module):
     """Embedding, three residual Blocks (one unit each under auto_wrap_policy={Block}), a head; the blocks can run in
     reverse order (the result differs, the same in every process)."""
 
@@ -103,12 +104,12 @@ class Net(nn.Module):
 
 
 class Base(L.LightningModule):
-    """What most patterns share: the Net, SGD with momentum, losses averaged over all ranks per step."""
+    """What most patterns share: the ReversibleBlocksNet, SGD with momentum, losses averaged over all ranks per step."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = Net()
+        self.net = ReversibleBlocksNet()
         self.step_losses: list = []
         self.val_losses: list = []
         self.probes: list = []
@@ -428,7 +429,7 @@ class LoRA(Base):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = Net(block=LoRABlock)
+        self.net = ReversibleBlocksNet(block=LoRABlock)
 
     def configure_optimizers(self):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR, momentum=0.9)
@@ -600,14 +601,10 @@ class Runner:
             strategy = "auto"
         settings = dict(max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0)
         settings.update(kwargs)
-        trainer = L.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=self.devices,
             strategy=strategy,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             use_distributed_sampler=False,
             callbacks=list(callbacks),
             **settings,

@@ -1,5 +1,5 @@
-"""Checkpoints across pipeline layouts, for tests/test_pipeline_checkpoint.py: several jobs per launch (one process
-group, a fresh Trainer and LightningModule per job), run the way users run scripts.
+"""Checkpoints across pipeline layouts, for tests/pipeline/test_pipeline_checkpoint.py: several jobs per launch (one
+process group, a fresh Trainer and LightningModule per job), run the way users run scripts.
 
     python tests/scripts/pipeline_checkpoint_run.py --out DIR --devices 4 --pp 2 --jobs JSON   # P=2 x D=2
     python tests/scripts/pipeline_checkpoint_run.py --out DIR --devices 4 --pp 2 --schedule Interleaved1F1B ...
@@ -33,8 +33,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_model_state_dict, full_optimizer_state_dict  # noqa: E402
 from lightning_fsdp.checkpoint.routing import parse_state_dict_type  # noqa: E402
-from tests.models import samples  # noqa: E402
 from tests.scripts.pipeline_run import GLOBAL_BATCH, SAMPLES, Module  # noqa: E402
+from tests.toolbox.lightning_scripts import quiet_trainer  # noqa: E402
+from tests.toolbox.models import samples  # noqa: E402
 
 STEPS_PER_EPOCH = 2
 
@@ -120,16 +121,12 @@ def main() -> None:
         else:
             strategy = "ddp" if args.strategy == "ddp" else "auto"
         record = Record(job)
-        trainer = L.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=args.devices,
             strategy=strategy,
             max_epochs=job.get("epochs", 2),
             limit_train_batches=STEPS_PER_EPOCH,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             num_sanity_val_steps=0,
             use_distributed_sampler=False,
             callbacks=[record],

@@ -15,41 +15,29 @@ import sys
 
 import lightning as L
 import torch
-from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp import FSDPStrategy, pipelined_loss  # noqa: E402
-from tests.models import Block, loss_fn, samples  # noqa: E402
+from tests.toolbox.lightning_scripts import quiet_trainer  # noqa: E402
+from tests.toolbox.models import Block, ChainLM, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 8
 SAMPLES = 48
 VOCAB, DIM = 7, 6
 
 
-class ChainLM(nn.Module):
-    """Embedding, four blocks, a norm and a head: a forward that is a chain over its pieces."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([Block(DIM, 5), Block(DIM, 4), Block(DIM, 6), Block(DIM, 3)])
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.emb(ids)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
+def chain_lm() -> ChainLM:
+    """Embedding, four blocks of different widths, a norm and a head."""
+    return ChainLM(VOCAB, DIM, lambda: [Block(DIM, 5), Block(DIM, 4), Block(DIM, 6), Block(DIM, 3)])
 
 
 class Module(L.LightningModule):
     def __init__(self, optimizer: str) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.model = ChainLM()
+        self.model = chain_lm()
         self.optimizer_name = optimizer
         self.direct = False
         self.step_losses: list[float] = []
@@ -108,7 +96,7 @@ def main() -> None:
             activation_checkpointing_policy={Block} if args.checkpointing else None,
         )
     clip = {"gradient_clip_val": args.clip, "gradient_clip_algorithm": "norm"} if args.clip else {}
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,
@@ -116,10 +104,6 @@ def main() -> None:
         limit_train_batches=4,
         limit_val_batches=2,
         accumulate_grad_batches=args.accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         precision=args.precision,

@@ -1,4 +1,5 @@
-"""Fine-tune a pretrained Hugging Face Llama with fsdp_custom, as a user's script would (tests/test_pretrained_load.py).
+"""Fine-tune a pretrained Hugging Face Llama with fsdp_custom, as a user's script would
+(tests/checkpoint/test_pretrained_load.py).
 
 The LightningModule wraps ``LlamaForCausalLM(config)`` built under ``trainer.init_module(empty_init=True)`` (meta
 device: no rank ever holds the full model); ``on_fit_start`` loads ``--pretrained`` (a ``save_pretrained``
@@ -61,6 +62,7 @@ def main() -> None:
 
     from lightning_fsdp import FSDPStrategy
     from lightning_fsdp.pretrained import load_pretrained
+    from tests.toolbox.lightning_scripts import quiet_trainer
 
     torch.set_num_threads(1)
 
@@ -107,15 +109,11 @@ def main() -> None:
     module = None  # built below, after the Trainer whose strategy calls back into it
 
     strategy = FSDPStrategy(auto_wrap_policy={LlamaDecoderLayer}, param_init_fn=lambda m: module.init_meta_module(m))
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
     )
     with trainer.init_module(empty_init=True):

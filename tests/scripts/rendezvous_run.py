@@ -1,8 +1,8 @@
 """One rank of a start-up through ``lightning_fsdp.rendezvous.init_default_group``, started torchrun style
 (``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` in the environment; the test starts one rank late).
 
-Used by tests/test_startup_timeout.py. ``--hold FILE``: the rank imports everything, prints ``holding``, and calls
-``init_default_group`` only once FILE exists (the test creates it to make this rank late). Each rank prints
+Used by tests/reliability/test_startup_timeout.py. ``--hold FILE``: the rank imports everything, prints ``holding``,
+and calls ``init_default_group`` only once FILE exists (the test creates it to make this rank late). Each rank prints
 ``RENDEZVOUS rank=R key=value`` lines (flushed):
 
 - ``init-start`` / ``joined``: ``time.time()`` when it called ``init_default_group`` and when that returned;

@@ -1,5 +1,5 @@
-"""Soak run for tests/test_soak.py: a long 2-rank fsdp_custom Lightning fit with periodic checkpoints, optionally
-killed hard in the middle, or resumed from a checkpoint; records what each rank holds every few steps.
+"""Soak run for tests/reliability/test_soak.py: a long 2-rank fsdp_custom Lightning fit with periodic checkpoints,
+optionally killed hard in the middle, or resumed from a checkpoint; records what each rank holds every few steps.
 
 Training: ToyLM (units per Block), SGD with momentum, ``--steps`` optimizer steps (``max_steps``), epochs of
 ``STEPS_PER_EPOCH`` steps over a fixed data set; each epoch visits it in the order of a permutation seeded by the
@@ -39,10 +39,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from benchmarks.memory import _c10_report_flag, _quiet_stderr  # noqa: E402
+from benchmarks.memory import c10_report_flag, quiet_stderr  # noqa: E402
 
 # Count every allocation from here on, on every thread (see benchmarks/memory.py).
-_FLAG = _c10_report_flag()
+_FLAG = c10_report_flag()
 if _FLAG is not None:
     _FLAG.value = True
 
@@ -53,7 +53,8 @@ import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_model_state_dict, full_optimizer_state_dict  # noqa: E402
 from lightning_fsdp.shutdown import settle_collective_threads  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
+from tests.toolbox.lightning_scripts import ToyLMModule, quiet_trainer  # noqa: E402
+from tests.toolbox.models import Block, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 6
 STEPS_PER_EPOCH = 12
@@ -94,11 +95,9 @@ class ResumableLoader:
         self._resume_at = state["served"]
 
 
-class Module(L.LightningModule):
+class Module(ToyLMModule):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.model = ToyLM()
         self.losses: dict[int, float] = {}  # global step -> this rank's loss
 
     def training_step(self, b, i):
@@ -118,7 +117,7 @@ def allocator_live_bytes() -> int:
 
     if _FLAG is None:
         return -1
-    with _quiet_stderr():
+    with quiet_stderr():
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             probe = torch.empty(8)
             del probe
@@ -246,16 +245,13 @@ def main() -> None:
                 save_last=False,
             )
         )
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=FSDPStrategy(auto_wrap_policy={Block}, state_dict_type=args.state_dict_type),
         max_steps=args.steps,
         max_epochs=-1,
-        logger=False,
         enable_checkpointing=bool(args.ckpt_dir),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,

@@ -1,7 +1,7 @@
 """What the module holds after ``fit`` under each ``weights_after_stage`` choice, several cases in one launch.
 
-Run by tests/test_stage_end.py on 2 CPU ranks. Every case trains the same ToyLM (plus a buffer) from the same seed
-for 3 SGD-with-momentum steps with a fresh Trainer (the process group stays up between cases), then records, per
+Run by tests/strategy/test_stage_end.py on 2 CPU ranks. Every case trains the same ToyLM (plus a buffer) from the same
+seed for 3 SGD-with-momentum steps with a fresh Trainer (the process group stays up between cases), then records, per
 rank: whether an engine is still attached, the parameters' devices, shapes and values, the buffer's device and
 the ``weights_after_stage`` warnings seen during ``fit``.
 
@@ -34,17 +34,15 @@ from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_model_state_dict  # noqa: E402
 from lightning_fsdp.checkpoint.routing import StateDictType  # noqa: E402
 from lightning_fsdp.engine import get_engine  # noqa: E402
-from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
 from lightning_fsdp.stage_end import FREE_MEMORY_VARIABLE  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
+from tests.toolbox.lightning_scripts import ToyLMModule, quiet_trainer, save_rank_results  # noqa: E402
+from tests.toolbox.models import Block, loss_fn, samples  # noqa: E402
 
 
-class Module(L.LightningModule):
+class Module(ToyLMModule):
     def __init__(self, fail: bool = False) -> None:
         super().__init__()
         self.fail = fail
-        torch.manual_seed(0)
-        self.model = ToyLM()
         self.register_buffer("offset", torch.full((5,), 0.5))
 
     def training_step(self, batch, _index):
@@ -57,21 +55,14 @@ class Module(L.LightningModule):
         x, y = batch
         self.log("val_loss", loss_fn(self.model(x), y), sync_dist=True)
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
 
 def trainer_for(choice: str | None) -> L.Trainer:
     options = {} if choice is None else {"weights_after_stage": choice}
-    return L.Trainer(
+    return quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=FSDPStrategy(auto_wrap_policy={Block}, **options),
         max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
     )
@@ -170,10 +161,7 @@ def main() -> None:
             except ValueError as exc:
                 result["validate_error"] = str(exc)
         results[name] = result
-    torch.save(results, f"{args.out}.rank{rank}")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # rank 0 exits (stopping the ranks it launched) once every rank has written
-        destroy_process_group()
+    save_rank_results(results, args.out, rank)
 
 
 if __name__ == "__main__":

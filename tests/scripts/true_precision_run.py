@@ -1,6 +1,7 @@
 """Train ToyLM under ``Trainer(precision=...)`` and record the dtypes and bytes of what each rank holds.
 
-Run by tests/test_true_precision.py, with ``--devices 2 --strategy fsdp_custom_blocks`` (the launcher re-runs this
+Run by tests/strategy/test_true_precision.py, with ``--devices 2 --strategy fsdp_custom_blocks`` (the launcher re-runs
+this
 script per rank) or ``--devices 1 --strategy auto`` (plain Lightning on one device: the reference), once per flag of
 ``--precision`` (comma-separated; a fresh Trainer each, the process group stays up). The model is
 built under ``trainer.init_module()``, the data and optimizer are tests/scripts/lightning_parity.py's (SGD with
@@ -15,16 +16,15 @@ import argparse
 import os
 import sys
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp import FSDPStrategy  # noqa: E402
-from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
-from tests.models import Block  # noqa: E402
-from tests.scripts.lightning_parity import GLOBAL_BATCH, SAMPLES, Module, samples  # noqa: E402
+from tests.scripts.lightning_parity import GLOBAL_BATCH, SAMPLES, Module  # noqa: E402
+from tests.toolbox.lightning_scripts import quiet_trainer, save_rank_results  # noqa: E402
+from tests.toolbox.models import Block, samples  # noqa: E402
 
 
 def nbytes(tensors) -> int:
@@ -54,16 +54,12 @@ class Recorded(Module):
 
 def train(devices: int, strategy_name: str, precision: str) -> tuple[dict, int]:
     strategy = FSDPStrategy(auto_wrap_policy={Block}) if strategy_name == "fsdp_custom_blocks" else strategy_name
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
         max_epochs=1,
         limit_train_batches=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
         precision=precision,
     )
@@ -88,10 +84,7 @@ def main() -> None:
     results, rank = {}, 0
     for precision in args.precision.split(","):
         results[precision], rank = train(args.devices, args.strategy, precision)
-    torch.save(results, f"{args.out}.rank{rank}")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # rank 0 exits (stopping the ranks it launched) once every rank has written
-        destroy_process_group()
+    save_rank_results(results, args.out, rank)
 
 
 if __name__ == "__main__":

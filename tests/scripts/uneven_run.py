@@ -1,5 +1,5 @@
 """Uneven inputs under Trainer(strategy=FSDPStrategy, devices=2, use_distributed_sampler=False): each rank builds its
-own loaders, with its own number of batches, as a user's script would. Used by tests/test_uneven_batches.py.
+own loaders, with its own number of batches, as a user's script would. Used by tests/reliability/test_uneven_batches.py.
 
 ``--case NAME`` runs one case and lets its exception end the script (the uneven cases: the job must exit non-zero
 within seconds, both ranks naming the rank that ran out). ``--case ok`` runs ``OK_CASES`` in sequence in the same
@@ -30,7 +30,8 @@ import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.even_batches import UnevenBatchesError  # noqa: E402
 from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
+from tests.toolbox.lightning_scripts import ToyLMModule, quiet_trainer  # noqa: E402
+from tests.toolbox.models import Block, loss_fn, samples  # noqa: E402
 
 BATCH = 3  # rows per rank and batch
 TIMEOUT_S = 120  # the process-group timeout: a missed check shows up as the test's own time limit, well before it
@@ -62,11 +63,9 @@ def loader(kind: str, counts: str, rank: int) -> DataLoader:
     return DataLoader(TensorDataset(x[: BATCH * count], y[: BATCH * count]), batch_size=BATCH)
 
 
-class Module(L.LightningModule):
+class Module(ToyLMModule):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.model = ToyLM()
         self.batches = {"train": 0, "val": 0, "test": 0, "predict": 0}
 
     def training_step(self, b, i):
@@ -153,15 +152,11 @@ STARTED = Started()
 def trainer_for(sharding: str = "FULL_SHARD", **kwargs) -> L.Trainer:
     kwargs = {"max_epochs": 1, "num_sanity_val_steps": 0, **kwargs}
     strategy = FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy=sharding, timeout=timedelta(seconds=TIMEOUT_S))
-    return L.Trainer(
+    return quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
         use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[STARTED],
         **kwargs,
     )

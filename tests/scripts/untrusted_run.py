@@ -1,5 +1,5 @@
 """Checkpoints from elsewhere, resumed on 2 ranks: a malicious pickle planted in each file of each format, and the
-same checkpoints intact, all in one launch (used by tests/test_untrusted_checkpoints.py).
+same checkpoints intact, all in one launch (used by tests/reliability/test_untrusted_checkpoints.py).
 
 Usage: ``untrusted_run.py --work DIR``. Saves one fitted step in the three formats (``good.ckpt``, ``good_sharded``,
 ``good_local``); rank 0 plants a payload in a copy of each file (:func:`plant_all`, ``PLANTED``); then every rank
@@ -21,7 +21,6 @@ import pickle
 import shlex
 import shutil
 import sys
-from datetime import timedelta
 
 import lightning as L
 import torch
@@ -30,10 +29,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
-from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.checkpoint.routing import parse_state_dict_type  # noqa: E402
 from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
-from tests.models import Block, ToyLM, batch, loss_fn  # noqa: E402
+from tests.toolbox.lightning_scripts import ToyLMModule, one_step_trainer  # noqa: E402
+from tests.toolbox.models import batch, loss_fn  # noqa: E402
 
 GOOD = {"full": "good.ckpt", "sharded": "good_sharded", "local": "good_local"}
 
@@ -183,11 +182,9 @@ def plant_all(work: str) -> dict[str, str]:
 
 
 # ===================================================================================================== the run
-class Module(L.LightningModule):
+class Module(ToyLMModule):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.model = ToyLM()
         self.steps_run = 0  # 0 after a resume that loaded the saved step (max_steps=1 is then reached)
 
     def training_step(self, b, i):
@@ -198,21 +195,6 @@ class Module(L.LightningModule):
         decay = [p for p in self.parameters() if p.dim() > 1]
         rest = [p for p in self.parameters() if p.dim() <= 1]
         return torch.optim.SGD([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=0.1, momentum=0.9)
-
-
-def make_trainer() -> L.Trainer:
-    strategy = FSDPStrategy(auto_wrap_policy={Block}, timeout=timedelta(seconds=60))
-    return L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
 
 
 def loader() -> DataLoader:
@@ -227,7 +209,7 @@ def local_sum(module: L.LightningModule) -> float:
 
 def save_good(work: str) -> tuple[int, float]:
     """One fitted step, saved in all three formats; (rank, this rank's parameter sum at the save)."""
-    trainer = make_trainer()
+    trainer = one_step_trainer()
     module = Module()
     trainer.fit(module, loader())
     trainer.save_checkpoint(os.path.join(work, GOOD["full"]))
@@ -239,7 +221,7 @@ def save_good(work: str) -> tuple[int, float]:
 
 def resume(work: str, name: str) -> dict:
     path, weights_only = RESUMES[name]
-    trainer = make_trainer()
+    trainer = one_step_trainer()
     module = Module()
     kwargs = {} if weights_only == "unset" else {"weights_only": weights_only}
     before = markers(work)

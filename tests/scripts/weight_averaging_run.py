@@ -31,17 +31,16 @@ import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.shutdown import destroy_process_group  # noqa: E402
 from lightning_fsdp.weight_averaging import full_tensors, local_tensors  # noqa: E402
-from tests.models import Block, ToyLM, loss_fn, samples  # noqa: E402
+from tests.toolbox.lightning_scripts import ToyLMModule, quiet_trainer  # noqa: E402
+from tests.toolbox.models import Block, loss_fn, samples  # noqa: E402
 
 GLOBAL_BATCH = 6
 SAMPLES = 24  # 4 steps per epoch
 
 
-class Module(L.LightningModule):
+class Module(ToyLMModule):
     def __init__(self, scheduler: bool = False) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.model = ToyLM()
         self.scheduler = scheduler
 
     def training_step(self, b, i):
@@ -148,16 +147,12 @@ def main() -> None:
         strategy = FSDPStrategy(auto_wrap_policy={Block}, state_dict_type=state_dict_type) if sharded else "auto"
         probe = Probe()
         callbacks = [*callbacks, probe]
-        trainer = L.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=args.devices,
             strategy=strategy,
             max_epochs=epochs,
             limit_val_batches=1 if val else 0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             num_sanity_val_steps=0,
             use_distributed_sampler=False,
             callbacks=callbacks,

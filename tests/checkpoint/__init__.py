@@ -1,0 +1,1 @@
+"""Tests of checkpoints: full, sharded and local formats, conversion, export to safetensors, pretrained loading."""

@@ -1,0 +1,121 @@
+"""Prefetching changes when gathers are issued, never the result: parity, the in-flight limit, and a model whose
+execution order changes between steps."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_fsdp.engine import fully_shard
+from tests.toolbox.distributed import run_distributed
+from tests.toolbox.models import Block, batch, loss_fn
+
+STEPS = 4
+CONFIGS = [
+    dict(forward_prefetch=False, backward_prefetch=None),
+    dict(forward_prefetch=True, backward_prefetch="BACKWARD_PRE"),
+    dict(forward_prefetch=False, backward_prefetch="BACKWARD_POST"),
+    dict(forward_prefetch=True, backward_prefetch="BACKWARD_PRE", limit_all_gathers=False),
+]
+
+
+class Stack(nn.Module):
+    """Four blocks; with ``flip`` the blocks run in reverse order on odd steps (the same on every rank)."""
+
+    def __init__(self, flip: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 8)
+        self.blocks = nn.ModuleList(Block(8, 12) for _ in range(4))
+        self.head = nn.Linear(8, 7)
+        self.flip = flip
+        self.step = 0
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        blocks = list(self.blocks)
+        if self.flip and self.step % 2:
+            blocks.reverse()
+        for block in blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def train(model, rank, world_size, engine=None):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, peaks, gathers = [], [], []
+    for step in range(STEPS):
+        model.step = step
+        if engine is not None:
+            engine.shard_comm.stats.reset()
+        x, y = batch(step, size=8)
+        loss = loss_fn(model(x[rank::world_size]), y[rank::world_size])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+        if engine is not None:
+            peaks.append(engine.shard_comm.stats.peak_gathered_units)
+            gathers.append(engine.shard_comm.stats.all_gather_calls)
+    return torch.stack(losses), peaks, gathers
+
+
+def cases(rank, world_size, flip):
+    results = []
+    for config in CONFIGS:
+        torch.manual_seed(0)
+        model = Stack(flip)
+        engine = fully_shard(model, auto_wrap_policy={Block}, **config)
+        losses, peaks, gathers = train(model, rank, world_size, engine)
+        with engine.unsharded():
+            params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        alive = sum(u.full_flat.untyped_storage().nbytes() for u in engine.units)
+        results.append((losses, params, peaks, gathers, alive))
+    return results
+
+
+def one_device_on_halves(flip):
+    """One process: each step's loss the mean of the two ranks' halves of the batch (their losses kept apart)."""
+    torch.manual_seed(0)
+    model = Stack(flip)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        model.step = step
+        x, y = batch(step, size=8)
+        halves = [loss_fn(model(x[r::2]), y[r::2]) for r in range(2)]
+        (sum(halves) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(torch.stack([h.detach() for h in halves]))
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def check(results, flip):
+    ref_losses, ref_params = one_device_on_halves(flip)
+    baseline = results[0][0]
+    for config, (losses, params, peaks, gathers, alive) in zip(CONFIGS, results[0]):
+        # Bitwise the run without prefetching, and the unsharded reference within fp32 rounding.
+        torch.testing.assert_close(losses, baseline[0], rtol=0, atol=0, msg=str(config))
+        for key in params:
+            assert torch.equal(params[key], baseline[1][key]), (config, key)
+            torch.testing.assert_close(params[key], ref_params[key], rtol=1e-5, atol=1e-6)
+        for step, loss in enumerate(losses):
+            torch.testing.assert_close(loss, ref_losses[step][0], rtol=1e-5, atol=1e-6)
+        assert alive == 0  # nothing prefetched is left allocated after a step
+        if config.get("limit_all_gathers", True):
+            assert max(peaks) <= 2, (config, peaks)
+        if not flip:
+            assert gathers[1:] == baseline[3][1:]  # a static order wastes no gather
+    return results
+
+
+def test_prefetch_keeps_parity_and_the_in_flight_limit():
+    results = check(run_distributed(cases, 2, False), flip=False)
+    peaks = {str(c): max(r[2]) for c, r in zip(CONFIGS, results[0])}
+    assert peaks[str(CONFIGS[0])] == 1  # FULL_SHARD without prefetch: one block at a time
+    assert peaks[str(CONFIGS[1])] == 2  # prefetching keeps the next block in flight
+    assert peaks[str(CONFIGS[3])] >= 2
+
+
+def test_changing_execution_order_still_trains_correctly():
+    check(run_distributed(cases, 2, True), flip=True)

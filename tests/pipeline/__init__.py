@@ -1,0 +1,1 @@
+"""Tests of pipeline parallelism composed with sharding, and its checkpoints across pipeline layouts."""
