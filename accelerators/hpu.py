@@ -1,5 +1,6 @@
 """Lightning accelerator for Intel Gaudi (HPU) devices, importable on machines without Gaudi software, and its
-registration under the name ``"hpu"`` in Lightning's registry."""
+registration under the name ``"hpu"`` in Lightning's registry, with the ``hpu`` device runtime (``HPURuntime``) in
+lightning-fsdp's (lightning_fsdp/engine/devices.py)."""
 
 import logging
 from typing import Any
@@ -11,7 +12,16 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from .hpu_runtime import _require_hpu_module, check_eager_mode, hpu_device_count, hpu_memory_stats, is_hpu_available
+from lightning_fsdp.engine.devices import register_device_runtime
+
+from .hpu_runtime import (
+    HPURuntime,
+    _require_hpu_module,
+    check_eager_mode,
+    hpu_device_count,
+    hpu_memory_stats,
+    is_hpu_available,
+)
 
 __all__ = ["HPUAccelerator", "register_hpu_accelerator"]
 
@@ -168,5 +178,7 @@ def register_hpu_accelerator(registry: _AcceleratorRegistry | None = None) -> bo
 
 
 # Importing the accelerator registers it: lightning_fsdp's registration relies on this, as it may run while this
-# module is still being imported (lightning_fsdp/registration.py, `_register`).
+# module is still being imported (lightning_fsdp/registration.py, `_register`). The device runtime is registered
+# whichever package's accelerator holds the name "hpu": the strategy asks it about every hpu device.
 register_hpu_accelerator()
+register_device_runtime(HPURuntime())

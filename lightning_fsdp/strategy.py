@@ -30,7 +30,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from accelerators.hpu_runtime import check_eager_mode, compute_device, register_hccl_backend
 from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
 from lightning_fsdp.checkpoint.routing import CheckpointHooks, parse_state_dict_type
 from lightning_fsdp.collective import Collective, all_reduce_tensor
@@ -43,6 +42,7 @@ from lightning_fsdp.engine import (
     fully_shard,
     get_engine,
 )
+from lightning_fsdp.engine.devices import DeviceRuntime, device_runtime
 from lightning_fsdp.engine.options import check_flag
 from lightning_fsdp.engine.sharding import has_meta_tensors
 from lightning_fsdp.even_batches import EvenBatches
@@ -68,8 +68,6 @@ from lightning_fsdp.stage_end import StageEnd, check_reusable
 from lightning_fsdp.weight_averaging import shard_averaged_models
 
 log = logging.getLogger(__name__)
-
-_BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "hpu": "hccl"}
 
 
 class FSDPStrategy(CheckpointHooks, ParallelStrategy):
@@ -204,10 +202,15 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         return self.parallel_devices[self.local_rank]
 
     @property
+    def device_runtime(self) -> DeviceRuntime:
+        """What the strategy asks about this rank's device (backend, compute device, start-up): engine/devices.py."""
+        return device_runtime(self.device)
+
+    @property
     @override
     def root_device(self) -> torch.device:
         # Where this rank's tensors live: the device itself, except under the Gaudi test double (see accelerators/).
-        return compute_device(self.device)
+        return self.device_runtime.compute_device(self.device)
 
     @property
     def num_processes(self) -> int:
@@ -256,10 +259,8 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         check_launch_size(self.cluster_environment, self.num_nodes, self.num_processes)
         assert self.accelerator is not None
         self.accelerator.setup_device(self.device)
-        if self.device.type == "hpu":
-            # Before any collective: FSDP cannot run in lazy mode, and HCCL registers itself on import.
-            check_eager_mode()
-            register_hccl_backend()
+        # Before any collective (on Gaudi: the eager-mode check, and HCCL registers itself on import).
+        self.device_runtime.before_process_group()
         self.setup_distributed()
 
     def setup_distributed(self) -> None:
@@ -267,7 +268,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type == "cuda" else None
+        device_id = self.root_device if self.device_runtime.binds_device_id else None
         # The rendezvous within startup_timeout, every later collective within timeout (rendezvous.py).
         init_default_group(
             self.cluster_environment, self._process_group_backend, self._timeout, self._startup_timeout, device_id
@@ -276,7 +277,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         settle_at_exit()
 
     def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or _BACKEND_FOR_DEVICE.get(self.device.type, "gloo")
+        return self._process_group_backend or self.device_runtime.process_group_backend
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
