@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from functools import cached_property
@@ -19,19 +19,31 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
+from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
-from lightning_fsdp.checkpoint.routing import CheckpointHooks, parse_state_dict_type
+from lightning_fsdp.checkpoint.common import CheckpointFormat, CheckpointRun
+from lightning_fsdp.checkpoint.routing import (
+    format_for_saving,
+    load_model_state,
+    load_optimizer_states,
+    parse_state_dict_type,
+    read_checkpoint,
+    remove_checkpoint_at,
+    save_checkpoint_as,
+    unwrapped_optimizer,
+    with_atomic_default,
+)
 from lightning_fsdp.collective import Collective, all_reduce_tensor
 from lightning_fsdp.engine import (
     MixedPrecision,
@@ -65,12 +77,12 @@ from lightning_fsdp.registration import register_strategies
 from lightning_fsdp.rendezvous import check_launch_size, check_timeout, init_default_group
 from lightning_fsdp.shutdown import settle_at_exit
 from lightning_fsdp.stage_end import StageEnd, check_reusable
-from lightning_fsdp.weight_averaging import shard_averaged_models
+from lightning_fsdp.weight_averaging import gather_averages_for_save, shard_averaged_models, slice_loaded_averages
 
 log = logging.getLogger(__name__)
 
 
-class FSDPStrategy(CheckpointHooks, ParallelStrategy):
+class FSDPStrategy(ParallelStrategy):
     """Fully Sharded Data Parallel training with this project's own sharding engine.
 
     Works on CPU (gloo), CUDA (NCCL) and HPU (HCCL). Every option is a keyword argument, described with its default
@@ -234,7 +246,10 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
     @override
     def precision_plugin(self) -> FSDPPrecision:
         plugin = self._precision_plugin
-        return plugin if plugin is not None else FSDPPrecision()
+        if plugin is None:
+            return FSDPPrecision()
+        assert isinstance(plugin, FSDPPrecision)  # the setter converts every plugin
+        return plugin
 
     @precision_plugin.setter
     @override
@@ -283,7 +298,8 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        # As Lightning's DDPStrategy: the rank is an attribute kept on the function object, absent from its stub.
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @contextmanager
     @override
@@ -301,7 +317,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
-        assert self.lightning_module is not None
+        assert self.lightning_module is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._check_device_id()
@@ -381,35 +397,42 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         if self.sharding_strategy is not ShardingStrategy.NO_SHARD:
             self._even_batches.loop_started(self._trainer())
 
+    def _connected(self) -> tuple[nn.Module, pl.LightningModule]:
+        """The model (as wrapped by the precision plugin) and the LightningModule, connected by the Trainer."""
+        assert self.model is not None and self.lightning_module is not None
+        return self.model, self.lightning_module
+
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        trainer, module = self._trainer(), self.lightning_module
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        trainer, (model, module) = self._trainer(), self._connected()
         self._even_batches.before_step(trainer)
         # Through the LightningModule's __call__, so that the root unit's hooks see the step.
         with self._pipeline_role.training_step(trainer, module), self.precision_plugin.train_step_context():
-            out = self._forward_redirection(self.model, module, "training_step", *args, **kwargs)
+            out = self._forward_redirection(model, module, "training_step", *args, **kwargs)
         self._even_batches.after_step(trainer)  # manual optimization: its optimizer steps are known now
         return out
 
     @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         return self._evaluation_step("validation_step", self.precision_plugin.val_step_context(), args, kwargs)
 
     @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         return self._evaluation_step("test_step", self.precision_plugin.test_step_context(), args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context(), args, kwargs)
 
-    def _evaluation_step(self, name: str, context: AbstractContextManager, args: tuple, kwargs: dict) -> Any:
+    def _evaluation_step(
+        self, name: str, context: AbstractContextManager[object], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> STEP_OUTPUT:
         self._even_batches.before_step(self._trainer())
         with context:
-            return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
+            return self._forward_redirection(*self._connected(), name, *args, **kwargs)
 
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized():
             torch.distributed.barrier()
 
@@ -420,7 +443,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline_role.backward_ran(closure_loss):  # inside pipelined_loss: only Lightning's hooks remain
-            module = self.lightning_module
+            _, module = self._connected()
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
             self._pipeline_role.restore_gradients()
             return self.precision_plugin.post_backward(closure_loss, module)
@@ -444,6 +467,72 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         return all_reduce_tensor(tensor, group, reduce_op)
+
+    # Checkpoints: each method routed to one format object (lightning_fsdp/checkpoint/routing.py).
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        # Set lazily, not in __init__, so a user's plugins=[SomeCheckpointIO()] takes precedence without a conflict.
+        self._checkpoint_io = with_atomic_default(self._checkpoint_io)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Checkpoints hold full tensors; they can only be split into shards once the model is sharded.
+        return True
+
+    @property
+    def _checkpoint_format(self) -> CheckpointFormat:
+        return format_for_saving(self.state_dict_type)
+
+    def _sharded(self) -> ShardingEngine:
+        assert self.engine is not None, "the model is sharded in setup"
+        return self.engine
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self._pipeline_role.model_state_dict(self._checkpoint_format, self._sharded())
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        load_model_state(self._sharded(), checkpoint, strict, self._pipeline_role)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        optimizer = unwrapped_optimizer(optimizer)
+        return self._pipeline_role.optimizer_state(self._checkpoint_format, self._sharded(), optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        optimizers = [unwrapped_optimizer(o) for o in self.optimizers]
+        load_optimizer_states(self._sharded(), checkpoint["optimizer_states"], optimizers, self._pipeline_role)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        gather_averages_for_save(self, checkpoint)  # SWA / EMA averages: full tensors, not rank 0's rows only
+        run = CheckpointRun(self.engine, self.optimizers, self.checkpoint_io)
+        save_checkpoint_as(self._checkpoint_format, checkpoint, filepath, storage_options, run, self._pipeline_role)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read rank 0's ``checkpoint_path`` on every rank, in the format on disk (optimizer state when fitting)."""
+        trainer = self._trainer()
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        optimizers = [unwrapped_optimizer(o) for o in self.optimizers] if fitting else None
+        run = CheckpointRun(self.engine, optimizers, self.checkpoint_io)
+        checkpoint = read_checkpoint(checkpoint_path, run, self._pipeline_role, weights_only)
+        return slice_loaded_averages(self, checkpoint)  # each rank's rows of the SWA / EMA averages
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            remove_checkpoint_at(filepath, self.checkpoint_io)
 
     @classmethod
     @override
