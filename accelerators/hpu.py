@@ -97,7 +97,7 @@ class HPUAccelerator(Accelerator):
         accelerator_registry.register(cls.name(), cls, description=cls.__name__)
 
 
-def _normalize_devices(devices: Any) -> int | list[int]:
+def _normalize_devices(devices: object) -> int | list[int]:
     """Check the form of ``devices`` without looking at hardware: returns -1 (all), a count N > 0, or an index list."""
     invalid = ValueError(f"Invalid HPU `devices={devices!r}`. Valid values are {_VALID_DEVICES}.")
     # bool is a subclass of int, and `devices=True` is almost certainly a mistake rather than "1 device".
@@ -130,7 +130,7 @@ def _normalize_devices(devices: Any) -> int | list[int]:
     raise invalid
 
 
-def _parse_hpu_indices(devices: Any) -> list[int]:
+def _parse_hpu_indices(devices: object) -> list[int]:
     spec = _normalize_devices(devices)
     _require_hpu_module(requested=devices)
     count = hpu_device_count()

@@ -6,7 +6,6 @@ back to another device. ``HPURuntime``: what the strategy and the engine ask abo
 import importlib
 import os
 from types import ModuleType
-from typing import Any
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -42,7 +41,7 @@ def _import_hpu_module() -> ModuleType | None:
         return None
 
 
-def _require_hpu_module(*, requested: Any = None) -> ModuleType:
+def _require_hpu_module(*, requested: object = None) -> ModuleType:
     """Return ``habana_frameworks.torch.hpu`` or raise a clear error saying how to get it or avoid it."""
     module = _import_hpu_module()
     if module is None:
@@ -68,7 +67,7 @@ def hpu_device_count() -> int:
     return int(module.device_count())
 
 
-def hpu_memory_stats(device: torch.device | str | int | None = None) -> dict[str, Any]:
+def hpu_memory_stats(device: torch.device | str | int | None = None) -> dict[str, object]:
     """Memory statistics of one HPU, the bridge's own keys (``InUse``, ``MaxInUse``, ...); ``{}`` when unavailable."""
     module = _import_hpu_module()
     if module is None:

@@ -4,7 +4,7 @@ are the engine's accounting and the process figure RSS."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
 import torch
@@ -99,7 +99,7 @@ class ShardingMonitor(pl.Callback):
         self._restore.clear()
 
     def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
     ) -> None:
         engine = self._engine
         if engine is None:
@@ -114,7 +114,7 @@ class ShardingMonitor(pl.Callback):
             runtime.reset_peak_memory_stats(device)
 
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object, batch: object, batch_idx: int
     ) -> None:
         if self._engine is None:
             return
@@ -139,7 +139,7 @@ class ShardingMonitor(pl.Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 # The step Lightning logs this batch's own metrics under, so they share rows in a CSV file.
-                logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+                logger.log_metrics(dict[str, float](metrics), step=trainer.fit_loop.epoch_loop._batches_that_stepped)
 
     def _measure(self, trainer: pl.Trainer) -> dict[str, int]:
         engine = self._engine

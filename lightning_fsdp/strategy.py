@@ -28,10 +28,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
+from lightning_fsdp.checkpoint import Checkpoint, StateDict
 from lightning_fsdp.checkpoint.common import CheckpointFormat, CheckpointRun
 from lightning_fsdp.checkpoint.routing import (
     format_for_saving,
@@ -235,7 +237,7 @@ class FSDPStrategy(ParallelStrategy):
 
     @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
         return self._pipeline_role.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
 
     @property
@@ -403,7 +405,7 @@ class FSDPStrategy(ParallelStrategy):
         return self.model, self.lightning_module
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+    def training_step(self, *args: object, **kwargs: object) -> STEP_OUTPUT:
         trainer, (model, module) = self._trainer(), self._connected()
         self._even_batches.before_step(trainer)
         # Through the LightningModule's __call__, so that the root unit's hooks see the step.
@@ -413,23 +415,24 @@ class FSDPStrategy(ParallelStrategy):
         return out
 
     @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context(), args, kwargs)
+    def validation_step(self, *args: object, **kwargs: object) -> STEP_OUTPUT:
+        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
 
     @override
-    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._evaluation_step("test_step", self.precision_plugin.test_step_context(), args, kwargs)
+    def test_step(self, *args: object, **kwargs: object) -> STEP_OUTPUT:
+        return self._evaluation_step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
 
     @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context(), args, kwargs)
+    def predict_step(self, *args: object, **kwargs: object) -> STEP_OUTPUT:
+        return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
     def _evaluation_step(
-        self, name: str, context: AbstractContextManager[object], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, name: str, context: AbstractContextManager[object], *args: object, **kwargs: object
     ) -> STEP_OUTPUT:
         self._even_batches.before_step(self._trainer())
+        model, module = self._connected()
         with context:
-            return self._forward_redirection(*self._connected(), name, *args, **kwargs)
+            return self._forward_redirection(model, module, name, *args, **kwargs)
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -441,7 +444,7 @@ class FSDPStrategy(ParallelStrategy):
         return Collective().broadcast(obj, src)  # over the default group; the object itself without one
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: object, **kwargs: object) -> Tensor:
         if self._pipeline_role.backward_ran(closure_loss):  # inside pipelined_loss: only Lightning's hooks remain
             _, module = self._connected()
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
@@ -465,7 +468,9 @@ class FSDPStrategy(ParallelStrategy):
             yield
 
     @override
-    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+    def reduce(
+        self, tensor: Tensor, group: ProcessGroup | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor:
         return all_reduce_tensor(tensor, group, reduce_op)
 
     # Checkpoints: each method routed to one format object (lightning_fsdp/checkpoint/routing.py).
@@ -496,15 +501,15 @@ class FSDPStrategy(ParallelStrategy):
         return self.engine
 
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def lightning_module_state_dict(self) -> StateDict:
         return self._pipeline_role.model_state_dict(self._checkpoint_format, self._sharded())
 
     @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+    def load_model_state_dict(self, checkpoint: Mapping[str, object], strict: bool = True) -> None:
         load_model_state(self._sharded(), checkpoint, strict, self._pipeline_role)
 
     @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+    def optimizer_state(self, optimizer: Optimizer) -> StateDict:
         optimizer = unwrapped_optimizer(optimizer)
         return self._pipeline_role.optimizer_state(self._checkpoint_format, self._sharded(), optimizer)
 
@@ -514,13 +519,13 @@ class FSDPStrategy(ParallelStrategy):
         load_optimizer_states(self._sharded(), checkpoint["optimizer_states"], optimizers, self._pipeline_role)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: Checkpoint, filepath: _PATH, storage_options: object = None) -> None:
         gather_averages_for_save(self, checkpoint)  # SWA / EMA averages: full tensors, not rank 0's rows only
         run = CheckpointRun(self.engine, self.optimizers, self.checkpoint_io)
         save_checkpoint_as(self._checkpoint_format, checkpoint, filepath, storage_options, run, self._pipeline_role)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> Checkpoint:
         """Read rank 0's ``checkpoint_path`` on every rank, in the format on disk (optimizer state when fitting)."""
         trainer = self._trainer()
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING

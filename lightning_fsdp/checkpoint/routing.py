@@ -9,7 +9,7 @@ import enum
 import os
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
@@ -17,6 +17,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from torch.optim import Optimizer
 
+from lightning_fsdp.checkpoint import Checkpoint
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, is_local_path
 from lightning_fsdp.checkpoint.common import (
     CheckpointFormat,
@@ -105,7 +106,9 @@ def _agreed(info: PipelineCheckpoint | None, work: Callable[[], _T]) -> _T:
     return work() if info is None else Collective().run_agreed(work)
 
 
-def load_model_state(engine: ShardingEngine, checkpoint: Mapping[str, Any], strict: bool, role: PipelineRole) -> None:
+def load_model_state(
+    engine: ShardingEngine, checkpoint: Mapping[str, object], strict: bool, role: PipelineRole
+) -> None:
     """Copy the checkpoint's ``state_dict`` into the sharded model; call on every rank."""
     state = checkpoint.get("state_dict")
     if not isinstance(state, Mapping):  # the same file on every rank: every rank raises here
@@ -119,7 +122,7 @@ def load_model_state(engine: ShardingEngine, checkpoint: Mapping[str, Any], stri
 
 
 def _load_model_state(
-    engine: ShardingEngine, state: Mapping[str, Any], strict: bool, info: PipelineCheckpoint | None
+    engine: ShardingEngine, state: Mapping[str, object], strict: bool, info: PipelineCheckpoint | None
 ) -> None:
     if info is not None and not isinstance(state, ShardedStateDict):  # the unsplit model's full state: this part
         state = info.local_model_state(state)
@@ -131,7 +134,11 @@ def _load_model_state(
 
 
 def _load_optimizer_state(
-    engine: ShardingEngine, optimizer: Optimizer, state: Mapping[str, Any], info: PipelineCheckpoint | None, index: int
+    engine: ShardingEngine,
+    optimizer: Optimizer,
+    state: Mapping[str, object],
+    info: PipelineCheckpoint | None,
+    index: int,
 ) -> None:
     if isinstance(state, ShardedOptimizerState):  # from a sharded/local directory: already this rank's rows
         optimizer.load_state_dict(state)
@@ -158,7 +165,7 @@ def with_atomic_default(checkpoint_io: CheckpointIO | None) -> CheckpointIO:
 
 
 def load_optimizer_states(
-    engine: ShardingEngine, states: Sequence[Any], optimizers: Sequence[Optimizer], role: PipelineRole
+    engine: ShardingEngine, states: Sequence[Mapping[str, object]], optimizers: Sequence[Optimizer], role: PipelineRole
 ) -> None:
     """Copy the checkpoint's ``optimizer_states`` into the optimizers of the sharded model; call on every rank."""
     check_optimizer_count("The checkpoint", len(states), len(optimizers))
@@ -169,7 +176,7 @@ def load_optimizer_states(
 
 def save_checkpoint_as(
     fmt: CheckpointFormat,
-    checkpoint: dict[str, Any],
+    checkpoint: Checkpoint,
     path: _PATH,
     storage_options: object,
     run: CheckpointRun,
@@ -181,7 +188,7 @@ def save_checkpoint_as(
     fmt.save(checkpoint, path, run._replace(pipeline=info), storage_options)
 
 
-def read_checkpoint(path: _PATH, run: CheckpointRun, role: PipelineRole, weights_only: bool | None) -> dict[str, Any]:
+def read_checkpoint(path: _PATH, run: CheckpointRun, role: PipelineRole, weights_only: bool | None) -> Checkpoint:
     """Read rank 0's ``path`` on every rank, in the format on disk (optimizer state if ``run.optimizers``)."""
     coll = Collective()
     path = coll.broadcast(path)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -140,6 +139,12 @@ class GPT(nn.Module):
     ``wte.weight``.
     """
 
+    # Set by _add_embeddings.
+    config: GPTConfig
+    wte: _Embedding
+    wpe: _Embedding
+    drop: nn.Dropout
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         # Registration order = construction order = the order reset_parameters() draws random numbers in
@@ -186,6 +191,12 @@ def _residual_std(config: GPTConfig) -> float:
 class Embeddings(nn.Module):
     """Token plus position embeddings and dropout, as one module: the first piece of :class:`PipelineGPT`."""
 
+    # Set by _add_embeddings.
+    config: GPTConfig
+    wte: _Embedding
+    wpe: _Embedding
+    drop: nn.Dropout
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         _add_embeddings(self, config)
@@ -194,14 +205,14 @@ class Embeddings(nn.Module):
         return _embed(self, idx)
 
 
-def _add_embeddings(module: nn.Module, config: GPTConfig) -> None:
+def _add_embeddings(module: GPT | Embeddings, config: GPTConfig) -> None:
     module.config = config
     module.wte = _Embedding(config.vocab_size, config.n_embd)
     module.wpe = _Embedding(config.block_size, config.n_embd)
     module.drop = nn.Dropout(config.dropout)
 
 
-def _embed(module: Any, idx: torch.Tensor) -> torch.Tensor:
+def _embed(module: GPT | Embeddings, idx: torch.Tensor) -> torch.Tensor:
     T = idx.shape[1]
     if T > module.config.block_size:
         raise ValueError(f"sequence length {T} exceeds block_size {module.config.block_size}")
