@@ -71,7 +71,7 @@ from lightning_fsdp.options import (
     check_use_orig_params,
     engine_kwargs,
 )
-from lightning_fsdp.pipeline.role import pipeline_role
+from lightning_fsdp.pipeline.role import SplitContext, pipeline_role
 from lightning_fsdp.pipeline.runtime import PipelineRuntime
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
 from lightning_fsdp.process_groups import GroupChoice
@@ -327,8 +327,7 @@ class FSDPStrategy(ParallelStrategy):
         if fitting:
             check_trainable(self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)
-        self._pipeline_role.split(
-            self.lightning_module,
+        run = SplitContext(
             world_size=self.world_size,
             rank=self.global_rank,
             device=self.root_device,
@@ -336,6 +335,7 @@ class FSDPStrategy(ParallelStrategy):
             precision=self.precision_plugin.precision,
             mixed_precision=self.mixed_precision_config,
         )
+        self._pipeline_role.split(self.lightning_module, run)
         self.engine = self._shard(self.lightning_module)
         self._pipeline_role.attach_engine(self.engine)
         # SWA / EMA callbacks copied the model in their setup, full size: their average now keeps only this rank's rows.
@@ -496,27 +496,27 @@ class FSDPStrategy(ParallelStrategy):
     def _checkpoint_format(self) -> CheckpointFormat:
         return format_for_saving(self.state_dict_type)
 
-    def _sharded(self) -> ShardingEngine:
+    def _sharding_engine(self) -> ShardingEngine:
         assert self.engine is not None, "the model is sharded in setup"
         return self.engine
 
     @override
     def lightning_module_state_dict(self) -> StateDict:
-        return self._pipeline_role.model_state_dict(self._checkpoint_format, self._sharded())
+        return self._pipeline_role.model_state_dict(self._checkpoint_format, self._sharding_engine())
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, object], strict: bool = True) -> None:
-        load_model_state(self._sharded(), checkpoint, strict, self._pipeline_role)
+        load_model_state(self._sharding_engine(), checkpoint, strict, self._pipeline_role)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> StateDict:
         optimizer = unwrapped_optimizer(optimizer)
-        return self._pipeline_role.optimizer_state(self._checkpoint_format, self._sharded(), optimizer)
+        return self._pipeline_role.optimizer_state(self._checkpoint_format, self._sharding_engine(), optimizer)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         optimizers = [unwrapped_optimizer(o) for o in self.optimizers]
-        load_optimizer_states(self._sharded(), checkpoint["optimizer_states"], optimizers, self._pipeline_role)
+        load_optimizer_states(self._sharding_engine(), checkpoint["optimizer_states"], optimizers, self._pipeline_role)
 
     @override
     def save_checkpoint(self, checkpoint: Checkpoint, filepath: _PATH, storage_options: object = None) -> None:

@@ -41,9 +41,9 @@ class ShardedStateDict(StateDict):
     path."""
 
     def __init__(
-        self, entries: Mapping[str, object] = {}, *, unexpected_keys: tuple[str, ...] = (), source: str = ""
+        self, entries: Mapping[str, object] | None = None, *, unexpected_keys: tuple[str, ...] = (), source: str = ""
     ) -> None:
-        super().__init__(entries)
+        super().__init__(entries or {})
         self.unexpected_keys = tuple(unexpected_keys)
         self.source = source
 

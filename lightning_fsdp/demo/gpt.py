@@ -139,17 +139,12 @@ class GPT(nn.Module):
     ``wte.weight``.
     """
 
-    # Set by _add_embeddings.
-    config: GPTConfig
-    wte: _Embedding
-    wpe: _Embedding
-    drop: nn.Dropout
-
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         # Registration order = construction order = the order reset_parameters() draws random numbers in
         # when the modules are walked, which keeps meta-device materialisation equal to a normal init.
-        _add_embeddings(self, config)
+        self.config = config
+        self.wte, self.wpe, self.drop = _embeddings(config)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         # No bias on the output projection: it would be the one untied piece of a tied head.
@@ -191,25 +186,22 @@ def _residual_std(config: GPTConfig) -> float:
 class Embeddings(nn.Module):
     """Token plus position embeddings and dropout, as one module: the first piece of :class:`PipelineGPT`."""
 
-    # Set by _add_embeddings.
-    config: GPTConfig
-    wte: _Embedding
-    wpe: _Embedding
-    drop: nn.Dropout
-
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        _add_embeddings(self, config)
+        self.config = config
+        self.wte, self.wpe, self.drop = _embeddings(config)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return _embed(self, idx)
 
 
-def _add_embeddings(module: GPT | Embeddings, config: GPTConfig) -> None:
-    module.config = config
-    module.wte = _Embedding(config.vocab_size, config.n_embd)
-    module.wpe = _Embedding(config.block_size, config.n_embd)
-    module.drop = nn.Dropout(config.dropout)
+def _embeddings(config: GPTConfig) -> tuple[_Embedding, _Embedding, nn.Dropout]:
+    """``wte``, ``wpe`` and ``drop`` of a module that embeds (built in this order: see ``GPT.__init__``)."""
+    return (
+        _Embedding(config.vocab_size, config.n_embd),
+        _Embedding(config.block_size, config.n_embd),
+        nn.Dropout(config.dropout),
+    )
 
 
 def _embed(module: GPT | Embeddings, idx: torch.Tensor) -> torch.Tensor:

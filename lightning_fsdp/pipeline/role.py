@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,18 @@ from lightning_fsdp.process_groups import ShardGroups
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["PipelineRole", "StageRole", "pipeline_role"]
+__all__ = ["PipelineRole", "SplitContext", "StageRole", "pipeline_role"]
+
+
+class SplitContext(NamedTuple):
+    """What cutting the model into stages needs to know about the run (``PipelineRole.split``)."""
+
+    world_size: int
+    rank: int
+    device: torch.device  # where the stages compute
+    timeout: timedelta | None  # the strategy's, for the pipeline's groups
+    precision: str  # the Trainer's precision flag
+    mixed_precision: MixedPrecision | None  # the engine's: the stages' shapes are worked out in its compute dtype
 
 
 def pipeline_role(
@@ -59,17 +70,7 @@ class PipelineRole:
     def sampler_kwargs(self, world_size: int, rank: int) -> dict[str, int]:
         return {"num_replicas": world_size, "rank": rank}
 
-    def split(
-        self,
-        module: pl.LightningModule,
-        *,
-        world_size: int,
-        rank: int,
-        device: torch.device,
-        timeout: timedelta | None,
-        precision: str,
-        mixed_precision: MixedPrecision | None,
-    ) -> None:
+    def split(self, module: pl.LightningModule, run: SplitContext) -> None:
         """Cut the model into stages and keep this rank's, before the model is sharded."""
 
     def shard_groups(self, default: Callable[[], ShardGroups]) -> ShardGroups:
@@ -124,17 +125,7 @@ class StageRole(PipelineRole):
         data = self.options.check_world(world_size)
         return {"num_replicas": data, "rank": rank % data}
 
-    def split(
-        self,
-        module: pl.LightningModule,
-        *,
-        world_size: int,
-        rank: int,
-        device: torch.device,
-        timeout: timedelta | None,
-        precision: str,
-        mixed_precision: MixedPrecision | None,
-    ) -> None:
+    def split(self, module: pl.LightningModule, run: SplitContext) -> None:
         if self.runtime is not None:  # fit, then validate/test on the same module
             return
         options = self.options
@@ -144,12 +135,12 @@ class StageRole(PipelineRole):
                 f"pipeline_module={options.module!r}: {type(module).__name__}.{options.module} is "
                 f"{type(model).__name__}, not an nn.Module; name the LightningModule attribute that holds the model."
             )
-        options.check_world(world_size)
-        check_pipeline_precision(options, precision)
+        options.check_world(run.world_size)
+        check_pipeline_precision(options, run.precision)
         plan_stages(model, options.num_stages, options.split)  # a bad cut raises here, before the groups exist
-        layout = pipeline_layout(options.size, world_size, rank, device.type, timeout)
-        dtype = mixed_precision.param_dtype if mixed_precision is not None else None
-        self.runtime = PipelineRuntime(model, options, layout, device, compute_dtype=dtype)
+        layout = pipeline_layout(options.size, run.world_size, run.rank, run.device.type, run.timeout)
+        dtype = run.mixed_precision.param_dtype if run.mixed_precision is not None else None
+        self.runtime = PipelineRuntime(model, options, layout, run.device, compute_dtype=dtype)
         self.runtime.accumulation = lambda: _loss_divisor(module)
 
     def shard_groups(self, default: Callable[[], ShardGroups]) -> ShardGroups:
