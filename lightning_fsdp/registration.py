@@ -47,6 +47,12 @@ STRATEGY_NAMES: tuple[tuple[str, str, dict[str, str]], ...] = (
 )
 
 
+# Modules that, imported, register an accelerator with Lightning and its device runtime with the strategy and the
+# engine (lightning_fsdp/engine/devices.py, [Note: adding an accelerator]): a new accelerator is one module plus its
+# name here.
+ACCELERATOR_MODULES = ("accelerators.hpu",)
+
+
 def build_strategy(**options: Any) -> FSDPStrategy:  # FSDPStrategy's arguments, each of its own type
     """What Lightning's registry calls for ``Trainer(strategy="fsdp_custom")``: ``FSDPStrategy(**options)``, imported
     only then, so that registering never imports the strategy module (which may be mid-import at that moment)."""
@@ -68,9 +74,11 @@ def _register() -> None:
 
     register_strategies(StrategyRegistry)
     accept_compiled_lightning_modules()
-    # Registers "hpu" when its own import finishes. That import may be the one in progress: `import accelerators`
-    # before Lightning imports Lightning from accelerators/hpu.py, which runs this half-way through that file.
-    importlib.import_module("accelerators.hpu")
+    # Each registers its accelerator and device runtime when its own import finishes. That import may be the one in
+    # progress: `import accelerators` before Lightning imports Lightning from accelerators/hpu.py, which runs this
+    # half-way through that file.
+    for module in ACCELERATOR_MODULES:
+        importlib.import_module(module)
 
 
 _MARK = "_lightning_fsdp_accepts_compiled"

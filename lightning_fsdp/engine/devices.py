@@ -4,11 +4,12 @@ type, so that neither branches on device names.
 [Note: adding an accelerator]
 A new device type is one module that subclasses ``DeviceRuntime`` (overriding only what differs from the defaults
 below) and calls ``register_device_runtime`` when it is imported, next to the registration of its Lightning
-accelerator: accelerators/hpu_runtime.py and accelerators/hpu.py are the example. The strategy asks the runtime of
-its device for the process-group backend, the compute device, what must run before the process group starts and
-whether to bind ``device_id``; the engine (engine/streams.py) asks it for the stream module and whether host memory
-pins; ``ShardingMonitor`` for the memory statistics. A device type nobody registered gets ``DeviceRuntime()``: torch's
-own device module where it has one, and gloo.
+accelerator (accelerators/hpu_runtime.py and accelerators/hpu.py are the example), plus its name in
+``ACCELERATOR_MODULES`` (lightning_fsdp/registration.py), which imports it once Lightning is imported. The strategy
+asks the runtime of its device for the process-group backend, the compute device, what must run before the process
+group starts and whether to bind ``device_id``; the engine (engine/streams.py) asks it for the stream module and
+whether host memory pins; ``ShardingMonitor`` for the memory statistics. A device type nobody registered gets
+``DeviceRuntime()``: torch's own device module where it has one, and gloo.
 
 Imports nothing but torch: the engine imports this module, and must not import Lightning."""
 
