@@ -60,16 +60,14 @@ class DeviceRuntime:
 
     def reset_peak_memory_stats(self, device: torch.device) -> None:
         """Start a new peak of allocated memory on ``device`` (nothing where the device keeps no statistics)."""
-        module = getattr(torch, device.type, None)
-        if hasattr(module, "reset_peak_memory_stats"):
-            module.reset_peak_memory_stats(device)
+        reset = getattr(getattr(torch, device.type, None), "reset_peak_memory_stats", None)
+        if reset is not None:
+            reset(device)
 
     def max_memory_allocated(self, device: torch.device) -> int | None:
         """The peak of memory allocated on ``device`` since the last reset; None where it is not measured."""
-        module = getattr(torch, device.type, None)
-        if hasattr(module, "max_memory_allocated"):
-            return int(module.max_memory_allocated(device))
-        return None
+        peak = getattr(getattr(torch, device.type, None), "max_memory_allocated", None)
+        return None if peak is None else int(peak(device))
 
 
 class CPURuntime(DeviceRuntime):
