@@ -60,7 +60,8 @@ def test_the_registry_answers_by_device_type():
     assert isinstance(device_runtime(torch.device("cpu")), CPURuntime)
     assert isinstance(device_runtime("cuda"), CUDARuntime)
     assert isinstance(device_runtime(torch.device("cuda", 1)), CUDARuntime)
-    assert isinstance(device_runtime(torch.device("hpu", 0)), HPURuntime)
+    # By name: tests/test_hpu_accelerator.py imports accelerators afresh, whose HPURuntime class is then registered.
+    assert type(device_runtime(torch.device("hpu", 0))).__name__ == HPURuntime.__name__
     assert [device_runtime(t).process_group_backend for t in ("cpu", "cuda", "hpu")] == ["gloo", "nccl", "hccl"]
     assert [device_runtime(t).binds_device_id for t in ("cpu", "cuda", "hpu")] == [False, True, False]
     # A type nobody registered: the default runtime (torch's device module, gloo).
