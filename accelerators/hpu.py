@@ -1,5 +1,6 @@
 """Lightning accelerator for Intel Gaudi (HPU) devices, importable on machines without Gaudi software, and its
-registration under the name ``"hpu"`` in Lightning's registry."""
+registration under the name ``"hpu"`` in Lightning's registry, with the ``hpu`` device runtime (``HPURuntime``) in
+lightning-fsdp's (lightning_fsdp/engine/devices.py)."""
 
 import logging
 from typing import Any
@@ -11,7 +12,16 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from .hpu_runtime import _require_hpu_module, check_eager_mode, hpu_device_count, hpu_memory_stats, is_hpu_available
+from lightning_fsdp.engine.devices import register_device_runtime
+
+from .hpu_runtime import (
+    HPURuntime,
+    _require_hpu_module,
+    check_eager_mode,
+    hpu_device_count,
+    hpu_memory_stats,
+    is_hpu_available,
+)
 
 __all__ = ["HPUAccelerator", "register_hpu_accelerator"]
 
@@ -87,7 +97,7 @@ class HPUAccelerator(Accelerator):
         accelerator_registry.register(cls.name(), cls, description=cls.__name__)
 
 
-def _normalize_devices(devices: Any) -> int | list[int]:
+def _normalize_devices(devices: object) -> int | list[int]:
     """Check the form of ``devices`` without looking at hardware: returns -1 (all), a count N > 0, or an index list."""
     invalid = ValueError(f"Invalid HPU `devices={devices!r}`. Valid values are {_VALID_DEVICES}.")
     # bool is a subclass of int, and `devices=True` is almost certainly a mistake rather than "1 device".
@@ -120,7 +130,7 @@ def _normalize_devices(devices: Any) -> int | list[int]:
     raise invalid
 
 
-def _parse_hpu_indices(devices: Any) -> list[int]:
+def _parse_hpu_indices(devices: object) -> list[int]:
     spec = _normalize_devices(devices)
     _require_hpu_module(requested=devices)
     count = hpu_device_count()
@@ -168,5 +178,7 @@ def register_hpu_accelerator(registry: _AcceleratorRegistry | None = None) -> bo
 
 
 # Importing the accelerator registers it: lightning_fsdp's registration relies on this, as it may run while this
-# module is still being imported (lightning_fsdp/registration.py, `_register`).
+# module is still being imported (lightning_fsdp/registration.py, `_register`). The device runtime is registered
+# whichever package's accelerator holds the name "hpu": the strategy asks it about every hpu device.
 register_hpu_accelerator()
+register_device_runtime(HPURuntime())

@@ -1,17 +1,25 @@
 """Probes of the Intel Gaudi software stack, safe on any machine: each imports the bridge on demand and treats an
 ``ImportError`` as "no Gaudi software"; other errors of a broken installation propagate instead of silently falling
-back to another device.
+back to another device. ``HPURuntime``: what the strategy and the engine ask about an ``hpu`` device.
 """
 
 import importlib
 import os
 from types import ModuleType
-from typing import Any
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-__all__ = ["check_eager_mode", "hpu_device_count", "hpu_memory_stats", "is_hpu_available", "is_test_double"]
+from lightning_fsdp.engine.devices import DeviceRuntime
+
+__all__ = [
+    "HPURuntime",
+    "check_eager_mode",
+    "hpu_device_count",
+    "hpu_memory_stats",
+    "is_hpu_available",
+    "is_test_double",
+]
 
 _HPU_MODULE = "habana_frameworks.torch.hpu"
 _LAZY_MODE_VARIABLE = "PT_HPU_LAZY_MODE"
@@ -33,7 +41,7 @@ def _import_hpu_module() -> ModuleType | None:
         return None
 
 
-def _require_hpu_module(*, requested: Any = None) -> ModuleType:
+def _require_hpu_module(*, requested: object = None) -> ModuleType:
     """Return ``habana_frameworks.torch.hpu`` or raise a clear error saying how to get it or avoid it."""
     module = _import_hpu_module()
     if module is None:
@@ -59,7 +67,7 @@ def hpu_device_count() -> int:
     return int(module.device_count())
 
 
-def hpu_memory_stats(device: torch.device | str | int | None = None) -> dict[str, Any]:
+def hpu_memory_stats(device: torch.device | str | int | None = None) -> dict[str, object]:
     """Memory statistics of one HPU, the bridge's own keys (``InUse``, ``MaxInUse``, ...); ``{}`` when unavailable."""
     module = _import_hpu_module()
     if module is None:
@@ -84,7 +92,8 @@ def is_test_double() -> bool:
 def check_eager_mode() -> None:
     """Raise unless the Gaudi bridge is configured for eager mode (``PT_HPU_LAZY_MODE=0``; unset counts as lazy, the
     default of many releases): the engine frees parameters and issues collectives from hooks as it goes, which lazy
-    mode's deferred graphs break (docs/hpu.md). Called by ``setup_device`` and the strategy, before any collective."""
+    mode's deferred graphs break (docs/hpu.md). Called by ``setup_device`` and, before any collective, by
+    ``HPURuntime.before_process_group``."""
     value = os.environ.get(_LAZY_MODE_VARIABLE)
     if value is not None and value.strip() == "0":
         return
@@ -98,14 +107,24 @@ def check_eager_mode() -> None:
     )
 
 
-def compute_device(device: torch.device) -> torch.device:
-    """The device tensors for ``device`` are allocated on: itself, except ``hpu`` under the CPU test double, where
-    the compute runs on CPU (torch's CPU build holds no HPU tensors) while the rest follows the HPU path."""
-    if device.type == "hpu" and is_test_double():
-        return torch.device("cpu")
-    return device
+class HPURuntime(DeviceRuntime):
+    """Intel Gaudi's specifics for the strategy and the engine (lightning_fsdp/engine/devices.py): HCCL, eager mode
+    checked and HCCL registered before the process group starts, compute on CPU under the test double. Registered
+    by accelerators/hpu.py, beside the Lightning accelerator; streams and memory statistics come from ``torch.hpu``
+    (the bridge's), as the default runtime finds them."""
 
+    device_type = "hpu"
+    process_group_backend = "hccl"
 
-def register_hccl_backend() -> None:
-    """Importing Gaudi's distributed module registers the ``hccl`` process-group backend with torch."""
-    importlib.import_module("habana_frameworks.torch.distributed.hccl")
+    def compute_device(self, device: torch.device) -> torch.device:
+        """Where tensors for ``device`` are allocated: itself, except under the CPU test double, where the compute
+        runs on CPU (torch's CPU build holds no HPU tensors) while the rest follows the HPU path."""
+        if is_test_double():
+            return torch.device("cpu")
+        return device
+
+    def before_process_group(self) -> None:
+        """Before any collective: FSDP cannot run in lazy mode (``check_eager_mode``), and importing Gaudi's
+        distributed module registers the ``hccl`` process-group backend with torch."""
+        check_eager_mode()
+        importlib.import_module("habana_frameworks.torch.distributed.hccl")

@@ -17,7 +17,7 @@ CheckpointPolicy = Callable[[nn.Module], bool]
 _MARK = "_lightning_fsdp_checkpointed"
 
 
-def parse_checkpointing_policy(value: Any) -> CheckpointPolicy | None:
+def parse_checkpointing_policy(value: object) -> CheckpointPolicy | None:
     """``None``, a set/list of module classes (or import paths), or a callable ``(module) -> bool``."""
     if value is None:
         return None
@@ -53,7 +53,7 @@ def apply_activation_checkpointing(root: nn.Module, policy: CheckpointPolicy) ->
         original = module.forward
 
         @functools.wraps(original)
-        def forward(*args: Any, __original: Callable = original, **kwargs: Any) -> Any:
+        def forward(*args: object, __original: Callable[..., object] = original, **kwargs: Any) -> object:
             return checkpoint(__original, *args, use_reentrant=False, **kwargs)
 
         module.forward = forward

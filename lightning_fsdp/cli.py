@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_fsdp
@@ -25,10 +25,10 @@ class FSDPLightningCLI(LightningCLI):
     """``LightningCLI`` defaulting to ``strategy="fsdp_custom"``; a saved config's header names this version too."""
 
     def __init__(self, *args: Any, trainer_defaults: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        trainer_defaults = {"strategy": DEFAULT_STRATEGY, **(trainer_defaults or {})}
-        super().__init__(*args, trainer_defaults=trainer_defaults, **kwargs)
+        kwargs["trainer_defaults"] = {"strategy": DEFAULT_STRATEGY, **(trainer_defaults or {})}
+        super().__init__(*args, **kwargs)
 
-    def init_parser(self, **kwargs: Any) -> Any:
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         kwargs.setdefault(
             "dump_header", [f"lightning.pytorch=={pl.__version__}", f"lightning_fsdp=={lightning_fsdp.__version__}"]
         )

@@ -4,10 +4,11 @@ waits in the next collective for one that failed. Trivial without a process grou
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
 
 _T = TypeVar("_T")
 _E = TypeVar("_E", bound=type[BaseException])
@@ -36,17 +37,17 @@ class Collective:
     def is_rank0(self) -> bool:
         return self.rank == 0
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
+    def broadcast(self, obj: _T, src: int = 0) -> _T:
         if not self.distributed or self.world_size == 1:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src)
         return box[0]
 
-    def all_gather(self, obj: Any) -> list[Any]:
+    def all_gather(self, obj: _T) -> list[_T]:
         if not self.distributed or self.world_size == 1:
             return [obj]
-        out: list[Any] = [None] * self.world_size
+        out: list[_T] = [obj] * self.world_size  # each entry replaced by that rank's object
         dist.all_gather_object(out, obj)
         return out
 
@@ -67,13 +68,13 @@ class Collective:
     def run_agreed(self, work: Callable[[], _T]) -> _T:
         """``work()`` on every rank; if it raises on any rank, every rank raises (see ``agree``). For checks that
         must not leave the ranks that passed them waiting in the next collective for one that failed."""
-        problem, result = None, None
+        problem: Exception | None = None
         try:
             result = work()
         except Exception as exc:  # noqa: BLE001 - shared with every rank by agree
             problem = exc
-        self.agree(problem)
-        return result  # type: ignore[return-value]
+        self.agree(problem)  # raises if work() raised here: ``result`` is set below
+        return result
 
     def agree_from_rank0(self, problem: BaseException | None) -> None:
         """Rank 0 decided alone (e.g. it renamed the directory); every rank raises if it failed."""
@@ -84,11 +85,15 @@ class Collective:
             raise _rebuild(verdict, 0)
 
 
-def _describe(exc: BaseException) -> tuple[str, str, tuple[Any, ...]]:
+# What other ranks learn of a problem: its class name, its message, and the class's extra arguments (a path).
+_Verdict = tuple[str, str, tuple[object, ...]]
+
+
+def _describe(exc: BaseException) -> _Verdict:
     return type(exc).__name__, str(exc), (exc.path,) if hasattr(exc, "path") else ()
 
 
-def _rebuild(verdict: tuple[str, str, tuple[Any, ...]], rank: int) -> BaseException:
+def _rebuild(verdict: _Verdict, rank: int) -> BaseException:
     name, message, extra = verdict
     message = f"{message} [raised on rank {rank}]"
     cls = _REBUILDABLE.get(name)
@@ -97,7 +102,7 @@ def _rebuild(verdict: tuple[str, str, tuple[Any, ...]], rank: int) -> BaseExcept
     return cls(message, *extra)
 
 
-def all_reduce_tensor(tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+def all_reduce_tensor(tensor: _T, group: ProcessGroup | None = None, reduce_op: ReduceOp | str | None = "mean") -> _T:
     """``Strategy.reduce``: ``tensor`` all-reduced in place over ``group`` (default: the world) with ``reduce_op``
     (a ``ReduceOp`` or its name; ``"mean"``, ``"avg"`` or None average); anything else, or no process group, as it is.
 
@@ -105,12 +110,18 @@ def all_reduce_tensor(tensor: Any, group: Any = None, reduce_op: Any = "mean") -
     ``_sync_ddp`` works around gloo only (by its backend name), with a barrier before every call."""
     if not isinstance(tensor, torch.Tensor) or not (dist.is_available() and dist.is_initialized()):
         return tensor
+    op: ReduceOp | ReduceOp.RedOpType
     if reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")):
-        reduce_op = dist.ReduceOp.AVG
-    op = getattr(dist.ReduceOp, reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
+        op = dist.ReduceOp.AVG
+    else:
+        op = getattr(dist.ReduceOp, reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
     group = dist.group.WORLD if group is None else group
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op, group=group)
     if op != dist.ReduceOp.AVG:
         return tensor
     size = dist.get_world_size(group)
-    return tensor.div_(size) if tensor.is_floating_point() else tensor.copy_(tensor / size)
+    if tensor.is_floating_point():
+        tensor.div_(size)
+    else:
+        tensor.copy_(tensor / size)
+    return tensor

@@ -5,7 +5,6 @@ from the second step on."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -83,9 +82,9 @@ def estimate_memory(
     model: nn.Module,
     world_size: int,
     sharding_strategy: ShardingStrategy | str = "FULL_SHARD",
-    mixed_precision: Any = None,
+    mixed_precision: object = None,
     optimizer: str | None = "adamw",
-    auto_wrap_policy: Any = None,
+    auto_wrap_policy: object = None,
     *,
     rank: int = 0,
 ) -> MemoryEstimate:
@@ -195,7 +194,7 @@ def _parse_optimizer(optimizer: str | None) -> tuple[int, int]:
     return _OPTIMIZERS[key]
 
 
-def _parse_mixed_precision(value: Any) -> tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None]:
+def _parse_mixed_precision(value: object) -> tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None]:
     """(dtype the parameters are converted to before sharding, dtype units are gathered in, dtype gradients are
     reduced in); None means the parameters' own dtype."""
     if value is None:

@@ -6,11 +6,12 @@ docs/patterns.md ("Uneven inputs"); what is not covered: docs/reliability.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher, _PrefetchDataFetcher
+from lightning.pytorch.loops import _EvaluationLoop, _PredictionLoop
+from lightning.pytorch.loops.fetchers import _DataFetcher, _DataLoaderIterDataFetcher, _PrefetchDataFetcher
 from lightning.pytorch.trainer.states import RunningStage
 
 from lightning_fsdp.engine.comm import all_gather_flat
@@ -51,7 +52,7 @@ def _advice(stage: RunningStage) -> str:
     return text
 
 
-def _per_rank(values: Iterable[Any]) -> str:
+def _per_rank(values: Iterable[object]) -> str:
     return ", ".join(f"rank {r}: {value}" for r, value in enumerate(values))
 
 
@@ -64,7 +65,7 @@ def _count(value: int) -> str:
     return "no length" if value == _UNKNOWN else str(value)
 
 
-def _next_batch_identity(fetcher: Any) -> tuple[int, int, int]:
+def _next_batch_identity(fetcher: _PrefetchDataFetcher) -> tuple[int, int, int]:
     """(more batches follow, next batch's dataloader index, next batch's index) from a prefetching fetcher."""
     if fetcher.done or not fetcher.batches:
         return 0, _UNKNOWN, _UNKNOWN
@@ -84,19 +85,19 @@ class EvenBatches:
         self._notes: dict[RunningStage, str] = {}  # what the messages say about each rank's counts
         self._train_epoch: int | None = None  # the training epoch whose counts were compared last
 
-    def loop_started(self, trainer: Any | None) -> None:
+    def loop_started(self, trainer: pl.Trainer | None) -> None:
         """Compare the ranks' batch counts for the loop that is starting; decide whether to check per batch."""
         stage = self._checked_stage(trainer)
-        if stage is None:
+        if trainer is None or stage is None:
             return
         if stage is RunningStage.TRAINING:
             self._train_epoch = trainer.current_epoch
         self._compare_counts(trainer, stage, first_batch=True)
 
-    def before_step(self, trainer: Any | None) -> None:
+    def before_step(self, trainer: pl.Trainer | None) -> None:
         """Called by the strategy's ``*_step`` before the model's step on every rank."""
         stage = self._checked_stage(trainer)
-        if stage is None:
+        if trainer is None or stage is None:
             return
         if stage is RunningStage.TRAINING:
             epoch_loop = trainer.fit_loop.epoch_loop
@@ -108,14 +109,16 @@ class EvenBatches:
                 return  # after_step: the user's step decides how many optimizer steps this batch makes
         self._check_batch(trainer, stage)
 
-    def after_step(self, trainer: Any | None) -> None:
+    def after_step(self, trainer: pl.Trainer | None) -> None:
         """Called by the strategy's ``training_step`` after the user's step; only manual optimization checks here."""
         stage = self._checked_stage(trainer)
-        if stage is RunningStage.TRAINING and not trainer.lightning_module.automatic_optimization:
+        if trainer is None or stage is not RunningStage.TRAINING:
+            return
+        if not trainer.lightning_module.automatic_optimization:
             self._check_batch(trainer, stage)
 
     @staticmethod
-    def _checked_stage(trainer: Any | None) -> RunningStage | None:
+    def _checked_stage(trainer: pl.Trainer | None) -> RunningStage | None:
         """The loop running now, if it is one these checks cover in a distributed run."""
         if trainer is None or not (dist.is_available() and dist.is_initialized() and trainer.world_size > 1):
             return None
@@ -129,11 +132,12 @@ class EvenBatches:
         return every.view(world, len(values)).tolist()
 
     @staticmethod
-    def _loop_state(trainer: Any, stage: RunningStage) -> tuple[list, Any, int]:
+    def _loop_state(trainer: pl.Trainer, stage: RunningStage) -> tuple[list[int | float], _DataFetcher | None, int]:
         """(batch counts per dataloader, the loop's data fetcher, position of the current batch in the loop)."""
         if stage is RunningStage.TRAINING:
-            loop = trainer.fit_loop
-            return [loop.max_batches], loop._data_fetcher, loop.epoch_loop.batch_idx
+            fit = trainer.fit_loop
+            return [fit.max_batches], fit._data_fetcher, fit.epoch_loop.batch_idx
+        loop: _EvaluationLoop | _PredictionLoop
         if stage is RunningStage.TESTING:
             loop = trainer.test_loop
         elif stage is RunningStage.PREDICTING:
@@ -142,13 +146,17 @@ class EvenBatches:
             loop = trainer._evaluation_loop  # fit's validation loop (sanity check too) or trainer.validate's
         return list(loop.max_batches), loop._data_fetcher, loop.batch_progress.current.ready - 1
 
-    def _compare_counts(self, trainer: Any, stage: RunningStage, first_batch: bool) -> None:
+    def _compare_counts(self, trainer: pl.Trainer, stage: RunningStage, first_batch: bool) -> None:
         counts, fetcher, _ = self._loop_state(trainer, stage)
         known = [_UNKNOWN if c == float("inf") else int(c) for c in counts]
-        lookahead = isinstance(fetcher, _PrefetchDataFetcher) and fetcher.length is None and fetcher.prefetch_batches
+        # A fetcher that fetches ahead of a loader without a length: the next batch is known before the step.
+        ahead = fetcher if isinstance(fetcher, _PrefetchDataFetcher) and fetcher.length is None else None
+        lookahead = ahead is not None and bool(ahead.prefetch_batches)
         iter_steps = isinstance(fetcher, _DataLoaderIterDataFetcher)
-        has_first, first_dl, first_idx = _next_batch_identity(fetcher) if lookahead and first_batch else (1, -1, -1)
-        header = [_CODES[stage], len(known), int(bool(lookahead)), int(iter_steps), has_first, first_dl, first_idx]
+        has_first, first_dl, first_idx = (
+            _next_batch_identity(ahead) if ahead is not None and lookahead and first_batch else (1, -1, -1)
+        )
+        header = [_CODES[stage], len(known), int(lookahead), int(iter_steps), has_first, first_dl, first_idx]
         headers = self._gather(header)
         width = max(row[1] for row in headers)
         rows = self._gather(known + [_UNKNOWN] * (width - len(known))) if width else [[] for _ in headers]
@@ -218,10 +226,11 @@ class EvenBatches:
             epoch = f" in epoch {trainer.current_epoch}" if stage is RunningStage.TRAINING else ""
             self._check_rows([[_CODES[stage], -1, *row[4:7]] for row in headers], stage, epoch)
 
-    def _check_batch(self, trainer: Any, stage: RunningStage) -> None:
+    def _check_batch(self, trainer: pl.Trainer, stage: RunningStage) -> None:
         if not self._per_batch.get(stage):
             return
         _, fetcher, position = self._loop_state(trainer, stage)
+        assert fetcher is not None  # the loop is running
         if isinstance(fetcher, _PrefetchDataFetcher) and fetcher.length is None:
             more, next_dl, next_idx = _next_batch_identity(fetcher)
         else:  # a length is known (uneven counts under max_steps): the fetcher counts
@@ -265,7 +274,7 @@ class EvenBatches:
         )
 
 
-def _max_steps_may_end_first(trainer: Any, fewest: int) -> bool:
+def _max_steps_may_end_first(trainer: pl.Trainer, fewest: int) -> bool:
     """Whether ``max_steps`` may end training before the rank with ``fewest`` batches runs out. Automatic
     optimization makes at most one optimizer step per batch, so it cannot when more steps remain than that rank has
     batches; under manual optimization the user's step decides, so it may."""
@@ -277,7 +286,7 @@ def _max_steps_may_end_first(trainer: Any, fewest: int) -> bool:
     return max_steps - trainer.fit_loop.epoch_loop.global_step <= fewest
 
 
-def _training_ends_after_this_batch(trainer: Any) -> bool:
+def _training_ends_after_this_batch(trainer: pl.Trainer) -> bool:
     """Whether ``max_steps`` is reached with this batch. Ranks that agree on it stop together; a rank at its last
     batch also steps where the others would accumulate, and so may stop alone, which is then reported."""
     epoch_loop = trainer.fit_loop.epoch_loop

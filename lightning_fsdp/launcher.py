@@ -13,7 +13,7 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Literal
 
 import lightning.fabric.utilities.imports as _fabric_imports
 import lightning.pytorch as pl
@@ -33,7 +33,8 @@ __all__ = [
     "stop_launched_processes",
 ]
 
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+START_METHODS: tuple[StartMethod, ...] = ("popen", "spawn", "fork", "forkserver")
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def is_interactive() -> bool:
     return bool(_fabric_imports._IS_INTERACTIVE)
 
 
-def check_start_method(start_method: Any) -> None:
+def check_start_method(start_method: object) -> None:
     """``FSDPStrategy(start_method=...)``: checked when the strategy is constructed, long before it launches."""
     if start_method not in START_METHODS:
         raise ValueError(f"start_method={start_method!r} is not valid; choose one of {START_METHODS}.")
@@ -51,7 +52,7 @@ def check_start_method(start_method: Any) -> None:
 
 def choose_launcher(
     strategy: pl.strategies.ParallelStrategy,
-    start_method: str,
+    start_method: StartMethod,
     cluster_environment: ClusterEnvironment,
     num_processes: int,
     num_nodes: int,
@@ -82,17 +83,18 @@ def stop_launched_processes(launcher: _Launcher | None, grace_s: float = 2.0) ->
     """Stop the ranks this process re-ran the script for, at the exit of a rank 0 whose fit failed; returns the pids
     signalled. Lightning kills them only on ``KeyboardInterrupt``: on any other failure of rank 0 they are left
     blocked in a collective. Each gets ``grace_s`` seconds to end (and print its own traceback), then SIGKILL."""
-    procs = list(getattr(launcher, "procs", None) or []) if isinstance(launcher, _SubprocessScriptLauncher) else []
+    script = launcher if isinstance(launcher, _SubprocessScriptLauncher) else None
+    procs = list(getattr(script, "procs", None) or [])
     deadline = time.monotonic() + grace_s
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.05)
     killed = []
     sig = signal.SIGTERM if sys.platform == "win32" else signal.SIGKILL
-    if procs and any(p.poll() is None for p in procs):
+    if script is not None and procs and any(p.poll() is None for p in procs):
         # Lightning's observer thread watches this same list and SIGKILLs this process as soon as it sees a child
         # that ended with an error, which would cut rank 0 short before it reports its own exception: take the
         # children out of its sight first (with an empty list it sees nothing left to watch and stops).
-        launcher.procs[:] = []
+        script.procs[:] = []
     for proc in procs:
         if proc.poll() is None:
             log.warning(f"Rank 0 failed: stopping the rank it started (pid {proc.pid}) so it is not left behind.")

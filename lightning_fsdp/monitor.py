@@ -4,13 +4,17 @@ are the engine's accounting and the process figure RSS."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_fsdp.engine import ShardingEngine, get_engine
+from lightning_fsdp.engine.devices import device_runtime
+
+if TYPE_CHECKING:
+    from lightning_fsdp.engine.unit import FlatUnit
 
 __all__ = ["ShardingMonitor"]
 
@@ -84,14 +88,10 @@ class ShardingMonitor(pl.Callback):
         backward's gathers, which module hooks would miss."""
         self._remove_instrumentation()
         for unit in engine.units:
-            original = unit.unshard
+            self._restore.append(_after_each_unshard(unit, lambda: self._sample_gathered(engine)))
 
-            def gather(original: Callable[[], None] = original) -> None:
-                original()
-                self._gathered_peak = max(self._gathered_peak, _gathered_bytes(engine))
-
-            unit.unshard = gather  # type: ignore[method-assign]
-            self._restore.append(lambda unit=unit: unit.__dict__.pop("unshard", None))
+    def _sample_gathered(self, engine: ShardingEngine) -> None:
+        self._gathered_peak = max(self._gathered_peak, _gathered_bytes(engine))
 
     def _remove_instrumentation(self) -> None:
         for undo in self._restore:
@@ -99,7 +99,7 @@ class ShardingMonitor(pl.Callback):
         self._restore.clear()
 
     def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
     ) -> None:
         engine = self._engine
         if engine is None:
@@ -107,15 +107,14 @@ class ShardingMonitor(pl.Callback):
         self._gathered_peak = _gathered_bytes(engine)
         self._comm_at_start = _comm_totals(engine)
         device = engine.root_unit.device
-        if device.type == "cpu":
+        runtime = device_runtime(device)
+        if runtime.memory_is_host:
             self._rss_reset = _reset_rss_peak()
         else:
-            backend = getattr(torch, device.type, None)
-            if hasattr(backend, "reset_peak_memory_stats"):
-                backend.reset_peak_memory_stats(device)
+            runtime.reset_peak_memory_stats(device)
 
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object, batch: object, batch_idx: int
     ) -> None:
         if self._engine is None:
             return
@@ -140,7 +139,7 @@ class ShardingMonitor(pl.Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 # The step Lightning logs this batch's own metrics under, so they share rows in a CSV file.
-                logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+                logger.log_metrics(dict[str, float](metrics), step=trainer.fit_loop.epoch_loop._batches_that_stepped)
 
     def _measure(self, trainer: pl.Trainer) -> dict[str, int]:
         engine = self._engine
@@ -154,19 +153,40 @@ class ShardingMonitor(pl.Callback):
         values["model_state_bytes"] = values["param_bytes"] + values["grad_bytes"] + values["optimizer_state_bytes"]
         values["model_state_peak_bytes"] = values["model_state_bytes"] + values["gathered_peak_bytes"]
         device = engine.root_unit.device
+        runtime = device_runtime(device)
         values["device_peak_bytes"] = _NOT_MEASURED
         values["rss_peak_bytes"] = _NOT_MEASURED
-        if device.type == "cpu" and self._rss_reset:
+        if runtime.memory_is_host and self._rss_reset:
             peak = proc_bytes("/proc/self/status", "VmHWM:")
             values["rss_peak_bytes"] = _NOT_MEASURED if peak is None else peak
-        else:
-            backend = getattr(torch, device.type, None)
-            if hasattr(backend, "max_memory_allocated"):
-                values["device_peak_bytes"] = int(backend.max_memory_allocated(device))
+        elif not runtime.memory_is_host:
+            peak = runtime.max_memory_allocated(device)
+            values["device_peak_bytes"] = _NOT_MEASURED if peak is None else peak
         now = _comm_totals(engine)
         for field in _COMM_FIELDS:
             values[field] = now[field] - self._comm_at_start.get(field, now[field])
         return values
+
+
+def _after_each_unshard(unit: FlatUnit, sample: Callable[[], None]) -> Callable[[], None]:
+    """Run ``sample`` after every ``unit.unshard()``; returns what undoes it. The engine calls ``unshard`` through the
+    unit, and offers no hook after a gather (engine/unit.py), so the wrapper is an attribute of this unit that shadows
+    the class's method. Undoing deletes it (``delattr``), so that the class's method is found again: setting the
+    original bound method back would leave an attribute on the unit that refers to the unit itself."""
+    original = unit.unshard
+
+    def unshard() -> None:
+        original()
+        sample()
+
+    # The instance attribute shadowing the method is the instrumentation itself (see above), not a mistake.
+    unit.unshard = unshard  # type: ignore[method-assign]
+
+    def undo() -> None:
+        if "unshard" in vars(unit):  # already gone if another monitor's undo ran first
+            delattr(unit, "unshard")
+
+    return undo
 
 
 def _gathered_bytes(engine: ShardingEngine) -> int:

@@ -12,14 +12,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from lightning_fsdp.engine import MixedPrecision, ShardingEngine, ShardingOptions
 from lightning_fsdp.engine.options import check_flag
 
 
-def resolve_names(root: nn.Module, items: Iterable[Any]) -> list:
+def resolve_names(root: nn.Module, items: Iterable[object]) -> list[object]:
     """Strings name submodules or parameters of ``root`` (handy in YAML configs); objects pass through."""
-    resolved = []
+    resolved: list[object] = []
     for item in items:
         if isinstance(item, str):
             try:
@@ -36,7 +37,7 @@ def resolve_names(root: nn.Module, items: Iterable[Any]) -> list:
 
 def engine_kwargs(
     options: ShardingOptions, module: nn.Module, mixed_precision: MixedPrecision | None, cpu_offload: bool
-) -> dict[str, Any]:
+) -> dict[str, Any]:  # fully_shard's keyword arguments, each of its own type
     """``fully_shard``'s options. They differ from the options as given in three ways known only at setup: names
     become the modules / parameters they name, the Trainer's precision flag may imply the mixed precision, and there
     is nothing to offload on a CPU run."""
@@ -49,7 +50,7 @@ def engine_kwargs(
     ).as_kwargs()
 
 
-def check_use_orig_params(value: Any) -> None:
+def check_use_orig_params(value: object) -> None:
     """Torch FSDP's ``use_orig_params``: accepted (Lightning users pass it), but only ``True`` is what this does."""
     check_flag(value, "use_orig_params")
     if not value:
@@ -59,7 +60,7 @@ def check_use_orig_params(value: Any) -> None:
         )
 
 
-def check_device_id(value: Any) -> None:
+def check_device_id(value: object) -> None:
     """The type of ``device_id``; whether it names this rank's device is checked at setup, once that is known."""
     if value is not None and not (
         isinstance(value, torch.device) or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
@@ -89,7 +90,7 @@ def check_trainable(module: nn.Module) -> None:
         )
 
 
-def check_optimizers(engine: ShardingEngine, module: nn.Module, optimizers: Sequence[Any]) -> None:
+def check_optimizers(engine: ShardingEngine, module: nn.Module, optimizers: Sequence[Optimizer]) -> None:
     """Every parameter the optimizers hold must be one the engine manages (a shard, not a full tensor)."""
     names = {id(p): n for n, p in module.named_parameters()}
     for optimizer in optimizers:
@@ -105,13 +106,13 @@ def check_optimizers(engine: ShardingEngine, module: nn.Module, optimizers: Sequ
 
 
 def check_lightning_arguments(
-    accelerator: Any,
-    parallel_devices: Any,
-    cluster_environment: Any,
-    checkpoint_io: Any,
-    precision_plugin: Any,
-    process_group_backend: Any,
-    timeout: Any,
+    accelerator: object,
+    parallel_devices: object,
+    cluster_environment: object,
+    checkpoint_io: object,
+    precision_plugin: object,
+    process_group_backend: object,
+    timeout: object,
 ) -> None:
     """Type checks for the arguments Lightning's Trainer normally fills in, so a wrong one given by hand fails here,
     on every rank, instead of as an AttributeError deep inside setup or a process-group error on some ranks."""
@@ -199,13 +200,15 @@ class PipelineOptions:
     @classmethod
     def parse(
         cls,
-        size: Any = 1,
-        schedule: Any = "1F1B",
-        microbatches: Any = None,
-        stages_per_rank: Any = None,
-        split: Any = None,
-        module: Any = "model",
+        size: int = 1,
+        schedule: str = "1F1B",
+        microbatches: int | None = None,
+        stages_per_rank: int | None = None,
+        split: Sequence[str] | None = None,
+        module: str = "model",
     ) -> PipelineOptions:
+        """The options as given (the strategy's ``pipeline_*`` arguments), each checked: a value of another type (from
+        a YAML config, say) raises naming the argument."""
         size = _positive_int(size, "pipeline_parallel_size")
         if schedule not in SCHEDULES:
             raise ValueError(
@@ -273,13 +276,15 @@ class PipelineOptions:
         return world_size // self.size
 
 
-def _positive_int(value: Any, name: str) -> int:
+def _positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int.")
     return value
 
 
-def check_pipeline_composition(options: PipelineOptions, sharding: Any, process_group: Any, device_mesh: Any) -> None:
+def check_pipeline_composition(
+    options: PipelineOptions, sharding: ShardingOptions, process_group: object, device_mesh: object
+) -> None:
     """The strategy options that do not compose with pipeline parallelism, refused when the strategy is built."""
     if not options.enabled:
         return

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities import apply_to_collection
@@ -19,15 +20,24 @@ from torch.distributed.fsdp.sharded_grad_scaler import (
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fsdp.engine import MixedPrecision
+from lightning_fsdp.checkpoint import StateDict
+from lightning_fsdp.engine import MixedPrecision, ShardingEngine
 
-_LOW_DTYPE = {
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+_Flag = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]
+_LOW_DTYPE: dict[str, torch.dtype] = {
     "bf16-mixed": torch.bfloat16,
     "bf16-true": torch.bfloat16,
     "16-mixed": torch.float16,
     "16-true": torch.float16,
 }
 SUPPORTED_PRECISION = ("32-true", *_LOW_DTYPE)
+
+
+def _supported(precision: str) -> TypeGuard[_Flag]:
+    return precision in SUPPORTED_PRECISION
 
 
 def _grad_scaler(device_type: str) -> ShardedGradScaler:
@@ -40,14 +50,16 @@ class FSDPPrecision(Precision):
     """Precision for fsdp_custom: clipping by the global norm across shards (docs/how-it-works.md)."""
 
     def __init__(self, precision: str = "32-true") -> None:
-        if precision not in SUPPORTED_PRECISION:
+        if not _supported(precision):
             raise ValueError(
                 f"precision={precision!r} is not supported by the fsdp_custom strategy; valid choices: "
                 f"{', '.join(map(repr, SUPPORTED_PRECISION))}."
             )
         self.precision = precision
-        self.engine: Any = None  # set by the strategy once the model is sharded
-        self.stage_group: Any = None  # the pipeline group, with pipeline parallelism: clipping sees every stage
+        self.engine: ShardingEngine | None = None  # set by the strategy once the model is sharded
+        self.stage_group: dist.ProcessGroup | None = (
+            None  # the pipeline group, with pipeline parallelism: clipping sees every stage
+        )
         self.device_type = "cpu"  # set by the strategy from its root device
         self.scaler = _grad_scaler("cpu") if precision == "16-mixed" else None
 
@@ -58,7 +70,7 @@ class FSDPPrecision(Precision):
             return None
         return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
 
-    def attach(self, engine: Any, stage_group: Any, device_type: str) -> None:
+    def attach(self, engine: ShardingEngine, stage_group: dist.ProcessGroup | None, device_type: str) -> None:
         """The sharded model's engine, the pipeline group (or None) and the root device's type, set at setup."""
         self.engine = engine
         self.stage_group = stage_group
@@ -91,19 +103,23 @@ class FSDPPrecision(Precision):
         return self.tensor_init_context()  # tensors a "-true" forward creates are half precision too
 
     @override
-    def convert_input(self, data: Any) -> Any:
+    def convert_input(self, data: Any) -> Any:  # the user's batch
         if self._true_dtype is None:
             return data
         return apply_to_collection(data, function=_convert_fp_tensor, dtype=torch.Tensor, dst_type=self._true_dtype)
 
     @override
-    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+    # As Lightning's own Precision.pre_backward, whose module is a LightningModule where fabric's base takes any module.
+    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
 
+    # As Lightning's own Precision.optimizer_step, which adds the model and the closure to fabric's base signature.
     @override
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
@@ -123,11 +139,11 @@ class FSDPPrecision(Precision):
         self.engine.clip_grad_norm_(self.main_params(optimizer), clip_val, stage_group=self.stage_group)
 
     @override
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return self.scaler.state_dict() if self.scaler is not None else {}
 
     @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -79,7 +79,7 @@ def load_pretrained(
     return result
 
 
-def _check_arguments(target: Any, path: Any, prefix: Any, rename: Any, strict: Any) -> None:
+def _check_arguments(target: object, path: object, prefix: object, rename: object, strict: object) -> None:
     # The same values on every rank, so these raise everywhere before any collective.
     if not isinstance(target, (nn.Module, ShardingEngine)):
         raise TypeError(
@@ -204,6 +204,7 @@ def _targets(module: nn.Module, engine: ShardingEngine | None) -> list[_Target]:
 
 
 def _key_for(name: str, prefix: str, rename: Rename) -> str | None:
+    new: str | None
     if isinstance(rename, Mapping):
         new = rename.get(name, name)
     elif rename is not None:

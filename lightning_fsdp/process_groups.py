@@ -7,20 +7,23 @@ A new group does not inherit the default group's timeout, and ``init_device_mesh
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_fsdp.engine.groups import is_process_group
 from lightning_fsdp.engine.options import ShardingStrategy
 
 GroupPair = tuple[dist.ProcessGroup, dist.ProcessGroup]
+# What the model is sharded over: (shard group, replicate group); None: the whole world / no replication.
+ShardGroups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
 
 
-def is_group_pair(value: Any) -> bool:
+def is_group_pair(value: object) -> TypeGuard[Sequence[dist.ProcessGroup]]:
     return isinstance(value, (tuple, list)) and len(value) == 2 and all(is_process_group(g) for g in value)
 
 
@@ -48,8 +51,9 @@ class GroupChoice:
     rank, before any group exists) and turned into groups by ``resolve`` at setup."""
 
     sharding_strategy: ShardingStrategy
+    # A callable returns a group or a pair, checked by the engine (engine/groups.py) once it is called.
     process_group: dist.ProcessGroup | GroupPair | Callable[[], Any] | None = None
-    device_mesh: Any = None
+    device_mesh: DeviceMesh | None = None
 
     def __post_init__(self) -> None:
         strategy, group, mesh = self.sharding_strategy, self.process_group, self.device_mesh
@@ -77,12 +81,11 @@ class GroupChoice:
                     f"device_mesh={mesh!r} is not valid; expected a 2-D DeviceMesh with dims (replicate, shard)."
                 )
 
-    def resolve(
-        self, world_size: int, per_node: int, rank: int, timeout: timedelta | None
-    ) -> tuple[Any | None, Any | None]:
+    def resolve(self, world_size: int, per_node: int, rank: int, timeout: timedelta | None) -> ShardGroups:
         """``(shard group, replicate group)`` for ``fully_shard`` (None: the whole world / no replication). Every rank
         must call it: the default hybrid layout creates every group on every rank."""
-        group = self.process_group
+        # The user's group (or what their callable returned): fully_shard checks it (engine/groups.py).
+        group: Any = self.process_group
         if callable(group) and not is_process_group(group):
             group = group()
         if not self.sharding_strategy.is_hybrid:

@@ -16,7 +16,14 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.strategies import _StrategyRegistry
+    from lightning.pytorch.strategies import Strategy
+
+    from lightning_fsdp.strategy import FSDPStrategy
 
 _log = logging.getLogger(__name__)
 _LIGHTNING = "lightning.pytorch"
@@ -30,7 +37,8 @@ def register_with_lightning() -> None:
         sys.meta_path.insert(0, _AfterImport(_LIGHTNING, _register_logging_failure))
 
 
-STRATEGY_NAMES = (
+# (name, start_method, other FSDPStrategy arguments) of each strategy registered.
+STRATEGY_NAMES: tuple[tuple[str, str, dict[str, str]], ...] = (
     ("fsdp_custom", "popen", {}),
     ("fsdp_custom_spawn", "spawn", {}),
     ("fsdp_custom_fork", "fork", {}),
@@ -39,7 +47,13 @@ STRATEGY_NAMES = (
 )
 
 
-def build_strategy(**options: Any) -> Any:
+# Modules that, imported, register an accelerator with Lightning and its device runtime with the strategy and the
+# engine (lightning_fsdp/engine/devices.py, [Note: adding an accelerator]): a new accelerator is one module plus its
+# name here.
+ACCELERATOR_MODULES = ("accelerators.hpu",)
+
+
+def build_strategy(**options: Any) -> FSDPStrategy:  # FSDPStrategy's arguments, each of its own type
     """What Lightning's registry calls for ``Trainer(strategy="fsdp_custom")``: ``FSDPStrategy(**options)``, imported
     only then, so that registering never imports the strategy module (which may be mid-import at that moment)."""
     from lightning_fsdp.strategy import FSDPStrategy
@@ -47,11 +61,12 @@ def build_strategy(**options: Any) -> Any:
     return FSDPStrategy(**options)
 
 
-def register_strategies(registry: Any) -> None:
+def register_strategies(registry: _StrategyRegistry) -> None:
     for name, start_method, extra in STRATEGY_NAMES:
         if name not in registry:
             description = f"lightning-fsdp's FSDP strategy ({name})"
-            registry.register(name, build_strategy, description=description, start_method=start_method, **extra)
+            # Not overriding a strategy of that name (override=False); FSDPStrategy's arguments after it.
+            registry.register(name, build_strategy, description, False, start_method=start_method, **extra)
 
 
 def _register() -> None:
@@ -59,9 +74,11 @@ def _register() -> None:
 
     register_strategies(StrategyRegistry)
     accept_compiled_lightning_modules()
-    # Registers "hpu" when its own import finishes. That import may be the one in progress: `import accelerators`
-    # before Lightning imports Lightning from accelerators/hpu.py, which runs this half-way through that file.
-    importlib.import_module("accelerators.hpu")
+    # Each registers its accelerator and device runtime when its own import finishes. That import may be the one in
+    # progress: `import accelerators` before Lightning imports Lightning from accelerators/hpu.py, which runs this
+    # half-way through that file.
+    for module in ACCELERATOR_MODULES:
+        importlib.import_module(module)
 
 
 _MARK = "_lightning_fsdp_accepts_compiled"
@@ -77,7 +94,7 @@ def accept_compiled_lightning_modules() -> None:
     if lightning_check is None or getattr(lightning_check, _MARK, False):
         return  # a Lightning without this check (nothing to extend), or extended already
 
-    def verify_strategy_supports_compile(model: Any, strategy: Any) -> None:
+    def verify_strategy_supports_compile(model: pl.LightningModule, strategy: Strategy) -> None:
         from lightning_fsdp.strategy import FSDPStrategy
 
         if not isinstance(strategy, FSDPStrategy):
@@ -101,7 +118,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         self.name = name
         self.callback = callback
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)  # one shot; the finders below locate the module as they would have
@@ -114,11 +133,15 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             execute(module)
             callback()
 
-        spec.loader.exec_module = exec_module  # this module's own loader object, not a shared one
+        # This module's own loader object, not a shared one; the wrapper stands in for its method (importlib has no
+        # post-import hook: see the Note), which mypy refuses as assigning to a method.
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
-def _find_with(finders: list[Any], fullname: str, path: Any, target: Any) -> ModuleSpec | None:
+def _find_with(
+    finders: Sequence[object], fullname: str, path: Sequence[str] | None, target: ModuleType | None
+) -> ModuleSpec | None:
     for finder in finders:
         find_spec = getattr(finder, "find_spec", None)
         spec = find_spec(fullname, path, target) if find_spec is not None else None

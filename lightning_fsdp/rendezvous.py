@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
@@ -26,7 +26,7 @@ _JOINED_KEY = "lightning_fsdp/startup/joined"
 _ALL_JOINED_KEY = "lightning_fsdp/startup/all-joined"
 
 
-def check_launch_size(environment: Any, num_nodes: int, devices: int) -> None:
+def check_launch_size(environment: ClusterEnvironment | None, num_nodes: int, devices: int) -> None:
     """An external launcher (``mpirun -np``, torchrun, SLURM) must start the processes the Trainer expects, else a
     rank would index past its devices or wait for ranks that never come. Raised on every rank, before any collective.
     """
@@ -45,7 +45,7 @@ def check_launch_size(environment: Any, num_nodes: int, devices: int) -> None:
         )
 
 
-def check_timeout(value: Any, option: str) -> None:
+def check_timeout(value: object, option: str) -> None:
     """``FSDPStrategy(timeout=...)`` or ``(startup_timeout=...)``: a positive ``timedelta``, or ``None`` for torch's
     default."""
     if value is not None and not isinstance(value, timedelta):
@@ -77,7 +77,7 @@ def resolve_timeout(timeout: timedelta | None, backend: str) -> timedelta:
 
 
 def init_default_group(
-    cluster_environment: Any,
+    cluster_environment: ClusterEnvironment,
     backend: str,
     timeout: timedelta | None,
     startup_timeout: timedelta | None,
@@ -89,11 +89,10 @@ def init_default_group(
         return
     collective = resolve_timeout(timeout, backend)
     startup = resolve_timeout(startup_timeout, backend)
-    kwargs: dict[str, Any] = {"device_id": device_id} if device_id is not None else {}
     if startup == collective:
-        _init_dist_connection(cluster_environment, backend, timeout=collective, **kwargs)
+        _init_dist_connection(cluster_environment, backend, timeout=collective, device_id=device_id)
     elif backend_names(backend) <= ADJUSTABLE_BACKENDS:
-        _init_dist_connection(cluster_environment, backend, timeout=startup, **kwargs)
+        _init_dist_connection(cluster_environment, backend, timeout=startup, device_id=device_id)
         # Every rank connected (NCCL: its communicator exists) and arrived, still under the start-up bound.
         dist.barrier()
         set_group_timeout(collective)
@@ -101,7 +100,7 @@ def init_default_group(
         store = join_store(cluster_environment, startup)
         store.set_timeout(collective)  # as torch leaves the store it makes: the group's timeout
         store = dist.PrefixStore("default_pg", store)  # torch's own prefix for the default group's keys
-        _init_dist_connection(cluster_environment, backend, timeout=collective, store=store, **kwargs)
+        _init_dist_connection(cluster_environment, backend, timeout=collective, store=store, device_id=device_id)
 
 
 def set_group_timeout(timeout: timedelta, group: dist.ProcessGroup | None = None) -> None:
@@ -109,7 +108,7 @@ def set_group_timeout(timeout: timedelta, group: dist.ProcessGroup | None = None
     its store's default timeout too. Warns where a backend cannot change it."""
     group = dist.group.WORLD if group is None else group
     assert group is not None
-    backends: dict[int, Any] = {}
+    backends: dict[int, object] = {}  # the group's backend objects, each once
     for device in group._device_types:  # gloo serves cpu and cuda with one backend object
         backend = group._get_backend(device)
         while hasattr(backend, "wrapped_pg"):  # TORCH_DISTRIBUTED_DEBUG=DETAIL's _ProcessGroupWrapper
@@ -128,7 +127,7 @@ def set_group_timeout(timeout: timedelta, group: dist.ProcessGroup | None = None
         _get_default_store().set_timeout(timeout)
 
 
-def _set_backend_timeout(backend: Any, timeout: timedelta) -> bool:
+def _set_backend_timeout(backend: Any, timeout: timedelta) -> bool:  # any torch Backend (its methods vary)
     try:
         backend.set_timeout(timeout)  # gloo: the options' timeout and every connection context's
         return True
@@ -140,7 +139,7 @@ def _set_backend_timeout(backend: Any, timeout: timedelta) -> bool:
     return False
 
 
-def join_store(cluster_environment: Any, startup_timeout: timedelta) -> dist.Store:
+def join_store(cluster_environment: ClusterEnvironment, startup_timeout: timedelta) -> dist.Store:
     """The rendezvous store (torch's ``env://``, made with ``startup_timeout``), returned once every rank has
     counted itself in: the process group created on it next finds all ranks there."""
     rank, world_size = cluster_environment.global_rank(), cluster_environment.world_size()

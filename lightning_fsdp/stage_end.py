@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -26,10 +25,10 @@ SAFETY_FACTOR = 0.75
 
 
 # Modules a "rank0" stage end left meta on other ranks: sharding again would silently re-initialise them there.
-_RANK0_ONLY: weakref.WeakSet = weakref.WeakSet()
+_RANK0_ONLY: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-def check_reusable(module: Any) -> None:
+def check_reusable(module: nn.Module) -> None:
     """Refuse, on every rank before any collective, a stage on a module whose weights only rank 0 kept."""
     if module in _RANK0_ONLY:
         raise ValueError(
@@ -94,11 +93,11 @@ class StageEnd:
         )
         return "sharded"
 
-    def finish(self, module: Any, local_ranks: int, rank: int) -> bool:
+    def finish(self, module: nn.Module | None, local_ranks: int, rank: int) -> bool:
         """Leave ``module`` as the option says; True if it now holds ordinary host-movable tensors only."""
         engine = get_engine(module) if module is not None else None
         failed, self.failed = self.failed, False
-        if engine is not None and not failed:
+        if module is not None and engine is not None and not failed:
             choice = self.resolve(engine, local_ranks)
             if choice != "sharded":
                 restore_averaged_models(getattr(module, "_trainer", None), engine)  # SWA / EMA averages: whole too

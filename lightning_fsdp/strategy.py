@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from functools import cached_property
@@ -19,20 +19,33 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
+from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from accelerators.hpu_runtime import check_eager_mode, compute_device, register_hccl_backend
 from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
-from lightning_fsdp.checkpoint.routing import CheckpointHooks, parse_state_dict_type
+from lightning_fsdp.checkpoint import Checkpoint, StateDict
+from lightning_fsdp.checkpoint.common import CheckpointFormat, CheckpointRun
+from lightning_fsdp.checkpoint.routing import (
+    format_for_saving,
+    load_model_state,
+    load_optimizer_states,
+    parse_state_dict_type,
+    read_checkpoint,
+    remove_checkpoint_at,
+    save_checkpoint_as,
+    unwrapped_optimizer,
+    with_atomic_default,
+)
 from lightning_fsdp.collective import Collective, all_reduce_tensor
 from lightning_fsdp.engine import (
     MixedPrecision,
@@ -43,6 +56,7 @@ from lightning_fsdp.engine import (
     fully_shard,
     get_engine,
 )
+from lightning_fsdp.engine.devices import DeviceRuntime, device_runtime
 from lightning_fsdp.engine.options import check_flag
 from lightning_fsdp.engine.sharding import has_meta_tensors
 from lightning_fsdp.even_batches import EvenBatches
@@ -57,7 +71,7 @@ from lightning_fsdp.options import (
     check_use_orig_params,
     engine_kwargs,
 )
-from lightning_fsdp.pipeline.role import pipeline_role
+from lightning_fsdp.pipeline.role import SplitContext, pipeline_role
 from lightning_fsdp.pipeline.runtime import PipelineRuntime
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
 from lightning_fsdp.process_groups import GroupChoice
@@ -65,14 +79,12 @@ from lightning_fsdp.registration import register_strategies
 from lightning_fsdp.rendezvous import check_launch_size, check_timeout, init_default_group
 from lightning_fsdp.shutdown import settle_at_exit
 from lightning_fsdp.stage_end import StageEnd, check_reusable
-from lightning_fsdp.weight_averaging import shard_averaged_models
+from lightning_fsdp.weight_averaging import gather_averages_for_save, shard_averaged_models, slice_loaded_averages
 
 log = logging.getLogger(__name__)
 
-_BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "hpu": "hccl"}
 
-
-class FSDPStrategy(CheckpointHooks, ParallelStrategy):
+class FSDPStrategy(ParallelStrategy):
     """Fully Sharded Data Parallel training with this project's own sharding engine.
 
     Works on CPU (gloo), CUDA (NCCL) and HPU (HCCL). Every option is a keyword argument, described with its default
@@ -204,10 +216,15 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         return self.parallel_devices[self.local_rank]
 
     @property
+    def device_runtime(self) -> DeviceRuntime:
+        """What the strategy asks about this rank's device (backend, compute device, start-up): engine/devices.py."""
+        return device_runtime(self.device)
+
+    @property
     @override
     def root_device(self) -> torch.device:
         # Where this rank's tensors live: the device itself, except under the Gaudi test double (see accelerators/).
-        return compute_device(self.device)
+        return self.device_runtime.compute_device(self.device)
 
     @property
     def num_processes(self) -> int:
@@ -220,7 +237,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
 
     @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
         return self._pipeline_role.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
 
     @property
@@ -231,7 +248,10 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
     @override
     def precision_plugin(self) -> FSDPPrecision:
         plugin = self._precision_plugin
-        return plugin if plugin is not None else FSDPPrecision()
+        if plugin is None:
+            return FSDPPrecision()
+        assert isinstance(plugin, FSDPPrecision)  # the setter converts every plugin
+        return plugin
 
     @precision_plugin.setter
     @override
@@ -256,10 +276,8 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         check_launch_size(self.cluster_environment, self.num_nodes, self.num_processes)
         assert self.accelerator is not None
         self.accelerator.setup_device(self.device)
-        if self.device.type == "hpu":
-            # Before any collective: FSDP cannot run in lazy mode, and HCCL registers itself on import.
-            check_eager_mode()
-            register_hccl_backend()
+        # Before any collective (on Gaudi: the eager-mode check, and HCCL registers itself on import).
+        self.device_runtime.before_process_group()
         self.setup_distributed()
 
     def setup_distributed(self) -> None:
@@ -267,7 +285,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type == "cuda" else None
+        device_id = self.root_device if self.device_runtime.binds_device_id else None
         # The rendezvous within startup_timeout, every later collective within timeout (rendezvous.py).
         init_default_group(
             self.cluster_environment, self._process_group_backend, self._timeout, self._startup_timeout, device_id
@@ -276,13 +294,14 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         settle_at_exit()
 
     def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or _BACKEND_FOR_DEVICE.get(self.device.type, "gloo")
+        return self._process_group_backend or self.device_runtime.process_group_backend
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        # As Lightning's DDPStrategy: the rank is an attribute kept on the function object, absent from its stub.
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @contextmanager
     @override
@@ -300,7 +319,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
-        assert self.lightning_module is not None
+        assert self.lightning_module is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._check_device_id()
@@ -308,8 +327,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         if fitting:
             check_trainable(self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)
-        self._pipeline_role.split(
-            self.lightning_module,
+        run = SplitContext(
             world_size=self.world_size,
             rank=self.global_rank,
             device=self.root_device,
@@ -317,6 +335,7 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
             precision=self.precision_plugin.precision,
             mixed_precision=self.mixed_precision_config,
         )
+        self._pipeline_role.split(self.lightning_module, run)
         self.engine = self._shard(self.lightning_module)
         self._pipeline_role.attach_engine(self.engine)
         # SWA / EMA callbacks copied the model in their setup, full size: their average now keeps only this rank's rows.
@@ -380,35 +399,43 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         if self.sharding_strategy is not ShardingStrategy.NO_SHARD:
             self._even_batches.loop_started(self._trainer())
 
+    def _connected(self) -> tuple[nn.Module, pl.LightningModule]:
+        """The model (as wrapped by the precision plugin) and the LightningModule, connected by the Trainer."""
+        assert self.model is not None and self.lightning_module is not None
+        return self.model, self.lightning_module
+
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        trainer, module = self._trainer(), self.lightning_module
+    def training_step(self, *args: object, **kwargs: object) -> STEP_OUTPUT:
+        trainer, (model, module) = self._trainer(), self._connected()
         self._even_batches.before_step(trainer)
         # Through the LightningModule's __call__, so that the root unit's hooks see the step.
         with self._pipeline_role.training_step(trainer, module), self.precision_plugin.train_step_context():
-            out = self._forward_redirection(self.model, module, "training_step", *args, **kwargs)
+            out = self._forward_redirection(model, module, "training_step", *args, **kwargs)
         self._even_batches.after_step(trainer)  # manual optimization: its optimizer steps are known now
         return out
 
     @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context(), args, kwargs)
+    def validation_step(self, *args: object, **kwargs: object) -> STEP_OUTPUT:
+        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
 
     @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step("test_step", self.precision_plugin.test_step_context(), args, kwargs)
+    def test_step(self, *args: object, **kwargs: object) -> STEP_OUTPUT:
+        return self._evaluation_step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
 
     @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context(), args, kwargs)
+    def predict_step(self, *args: object, **kwargs: object) -> STEP_OUTPUT:
+        return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
-    def _evaluation_step(self, name: str, context: AbstractContextManager, args: tuple, kwargs: dict) -> Any:
+    def _evaluation_step(
+        self, name: str, context: AbstractContextManager[object], *args: object, **kwargs: object
+    ) -> STEP_OUTPUT:
         self._even_batches.before_step(self._trainer())
+        model, module = self._connected()
         with context:
-            return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
+            return self._forward_redirection(model, module, name, *args, **kwargs)
 
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized():
             torch.distributed.barrier()
 
@@ -417,9 +444,9 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
         return Collective().broadcast(obj, src)  # over the default group; the object itself without one
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: object, **kwargs: object) -> Tensor:
         if self._pipeline_role.backward_ran(closure_loss):  # inside pipelined_loss: only Lightning's hooks remain
-            module = self.lightning_module
+            _, module = self._connected()
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
             self._pipeline_role.restore_gradients()
             return self.precision_plugin.post_backward(closure_loss, module)
@@ -441,8 +468,76 @@ class FSDPStrategy(CheckpointHooks, ParallelStrategy):
             yield
 
     @override
-    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+    def reduce(
+        self, tensor: Tensor, group: ProcessGroup | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor:
         return all_reduce_tensor(tensor, group, reduce_op)
+
+    # Checkpoints: each method routed to one format object (lightning_fsdp/checkpoint/routing.py).
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        # Set lazily, not in __init__, so a user's plugins=[SomeCheckpointIO()] takes precedence without a conflict.
+        self._checkpoint_io = with_atomic_default(self._checkpoint_io)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Checkpoints hold full tensors; they can only be split into shards once the model is sharded.
+        return True
+
+    @property
+    def _checkpoint_format(self) -> CheckpointFormat:
+        return format_for_saving(self.state_dict_type)
+
+    def _sharding_engine(self) -> ShardingEngine:
+        assert self.engine is not None, "the model is sharded in setup"
+        return self.engine
+
+    @override
+    def lightning_module_state_dict(self) -> StateDict:
+        return self._pipeline_role.model_state_dict(self._checkpoint_format, self._sharding_engine())
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, object], strict: bool = True) -> None:
+        load_model_state(self._sharding_engine(), checkpoint, strict, self._pipeline_role)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> StateDict:
+        optimizer = unwrapped_optimizer(optimizer)
+        return self._pipeline_role.optimizer_state(self._checkpoint_format, self._sharding_engine(), optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        optimizers = [unwrapped_optimizer(o) for o in self.optimizers]
+        load_optimizer_states(self._sharding_engine(), checkpoint["optimizer_states"], optimizers, self._pipeline_role)
+
+    @override
+    def save_checkpoint(self, checkpoint: Checkpoint, filepath: _PATH, storage_options: object = None) -> None:
+        gather_averages_for_save(self, checkpoint)  # SWA / EMA averages: full tensors, not rank 0's rows only
+        run = CheckpointRun(self.engine, self.optimizers, self.checkpoint_io)
+        save_checkpoint_as(self._checkpoint_format, checkpoint, filepath, storage_options, run, self._pipeline_role)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> Checkpoint:
+        """Read rank 0's ``checkpoint_path`` on every rank, in the format on disk (optimizer state when fitting)."""
+        trainer = self._trainer()
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        optimizers = [unwrapped_optimizer(o) for o in self.optimizers] if fitting else None
+        run = CheckpointRun(self.engine, optimizers, self.checkpoint_io)
+        checkpoint = read_checkpoint(checkpoint_path, run, self._pipeline_role, weights_only)
+        return slice_loaded_averages(self, checkpoint)  # each rank's rows of the SWA / EMA averages
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            remove_checkpoint_at(filepath, self.checkpoint_io)
 
     @classmethod
     @override

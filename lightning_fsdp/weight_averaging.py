@@ -7,19 +7,23 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
+from lightning_fsdp.checkpoint import Checkpoint, StateDict
 from lightning_fsdp.checkpoint.common import ShardedStateDict, managed_keys
 from lightning_fsdp.checkpoint.full import full_model_state_dict, global_rank
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import gather_rows
 from lightning_fsdp.engine.records import ParamSlot
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
 # Averaged copies holding this rank's rows (with their engine), and averages handed back whole after a stage.
-_SHARDED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ShardingEngine]] = weakref.WeakKeyDictionary()
 _RESTORED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
@@ -33,7 +37,15 @@ def _callback_classes() -> tuple[type, type | None]:
     return StochasticWeightAveraging, WeightAveraging
 
 
-def _engine_of(strategy_or_engine: Any, helper: str) -> ShardingEngine | None:
+class _Average(NamedTuple):
+    """An averaging callback that holds an average: which kind ("swa" or "wa") and its averaged module."""
+
+    callback: pl.Callback
+    kind: str
+    module: nn.Module
+
+
+def _engine_of(strategy_or_engine: object, helper: str) -> ShardingEngine | None:
     engine = (
         strategy_or_engine
         if isinstance(strategy_or_engine, ShardingEngine)
@@ -48,7 +60,7 @@ def _engine_of(strategy_or_engine: Any, helper: str) -> ShardingEngine | None:
     return engine
 
 
-def _live_engine_and_trainer(strategy: Any) -> tuple[ShardingEngine | None, Any]:
+def _live_engine_and_trainer(strategy: object) -> tuple[ShardingEngine | None, pl.Trainer | None]:
     engine = getattr(strategy, "engine", None)
     trainer = getattr(getattr(strategy, "lightning_module", None), "_trainer", None)
     return (None if engine is None or getattr(engine, "closed", False) else engine), trainer
@@ -65,20 +77,24 @@ def _gather(local: Tensor, slot: ParamSlot, engine: ShardingEngine) -> Tensor:
     return gather_rows(local.to(device), layout, engine.shard_comm)
 
 
-def _averages(trainer: Any) -> list[tuple[Any, str, nn.Module]]:
-    """(callback, kind, averaged module) for the averaging callbacks of ``trainer`` that hold an average."""
+def _callbacks(trainer: pl.Trainer | None) -> list[pl.Callback]:
+    return getattr(trainer, "callbacks", None) or []  # set by the Trainer's callback connector
+
+
+def _averages(trainer: pl.Trainer | None) -> list[_Average]:
+    """The averaging callbacks of ``trainer`` that hold an average."""
     swa_cls, wa_cls = _callback_classes()
     found = []
-    for callback in getattr(trainer, "callbacks", None) or []:
+    for callback in _callbacks(trainer):
         if isinstance(callback, swa_cls):
             module = getattr(callback, "_average_model", None)
             if isinstance(module, nn.Module):
-                found.append((callback, "swa", module))
+                found.append(_Average(callback, "swa", module))
         elif wa_cls is not None and isinstance(callback, wa_cls):
             averaged = getattr(callback, "_average_model", None)
             module = getattr(averaged, "module", None)
             if isinstance(module, nn.Module):
-                found.append((callback, "wa", module))
+                found.append(_Average(callback, "wa", module))
     return found
 
 
@@ -87,13 +103,13 @@ def _is_sharded_average(module: nn.Module, engine: ShardingEngine) -> bool:
     return ref is not None and ref() is engine
 
 
-def _sharded_averages(trainer: Any, engine: ShardingEngine) -> list[tuple[Any, str, nn.Module]]:
+def _sharded_averages(trainer: pl.Trainer | None, engine: ShardingEngine) -> list[_Average]:
     """``_averages`` whose copy holds this rank's rows of ``engine``'s layout."""
-    return [entry for entry in _averages(trainer) if _is_sharded_average(entry[2], engine)]
+    return [entry for entry in _averages(trainer) if _is_sharded_average(entry.module, engine)]
 
 
 @torch.no_grad()
-def shard_averaged_models(trainer: Any, engine: ShardingEngine) -> None:
+def shard_averaged_models(trainer: pl.Trainer, engine: ShardingEngine) -> None:
     """Give the averaged copy of every known averaging callback this rank's rows of the model's parameters, on every
     rank right after sharding; refuse (on every rank alike) another callback's full-size copies taken before."""
     known = _averages(trainer)
@@ -104,7 +120,7 @@ def shard_averaged_models(trainer: Any, engine: ShardingEngine) -> None:
             _SHARDED[module] = weakref.ref(engine)
             _RESTORED.discard(module)
     swa_cls, wa_cls = _callback_classes()
-    for callback in getattr(trainer, "callbacks", None) or []:
+    for callback in _callbacks(trainer):
         if any(c is not None and isinstance(callback, c) for c in (swa_cls, wa_cls)):  # the known ones among them
             continue
         _check_no_full_copies(callback, engine)
@@ -158,7 +174,7 @@ def _shard_copy(copy: nn.Module, engine: ShardingEngine, owner: str, own_values:
 
 
 @torch.no_grad()
-def restore_averaged_models(trainer: Any, engine: ShardingEngine) -> None:
+def restore_averaged_models(trainer: pl.Trainer | None, engine: ShardingEngine) -> None:
     """Give the sharded averages their full values back (every rank; before the engine restores the model at the
     end of a stage): after the stage they are whole, as on one device, and a later stage shards them again."""
     slots = managed_keys(engine)
@@ -171,7 +187,7 @@ def restore_averaged_models(trainer: Any, engine: ShardingEngine) -> None:
         _RESTORED.add(module)
 
 
-def _tensor_lists(value: Any) -> list[Tensor] | None:
+def _tensor_lists(value: object) -> list[Tensor] | None:
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, Tensor) for v in value):
         return list(value)
     if isinstance(value, Mapping) and value and all(isinstance(v, Tensor) for v in value.values()):
@@ -179,7 +195,7 @@ def _tensor_lists(value: Any) -> list[Tensor] | None:
     return None
 
 
-def _check_no_full_copies(callback: Any, engine: ShardingEngine) -> None:
+def _check_no_full_copies(callback: object, engine: ShardingEngine) -> None:
     """Refuse a callback attribute holding full-size copies of the model's parameters, one per parameter in order
     (the usual hand-written EMA taken in ``setup``): after sharding they would be combined with shards. The decision
     uses full shapes only, so every rank takes it alike."""
@@ -210,7 +226,11 @@ def _check_no_full_copies(callback: Any, engine: ShardingEngine) -> None:
 
 @torch.no_grad()
 def full_tensors(
-    strategy: Any, tensors: Sequence[Tensor], params: Sequence[nn.Parameter] | None = None, *, rank0_only: bool = False
+    strategy: object,
+    tensors: Sequence[Tensor],
+    params: Sequence[nn.Parameter] | None = None,
+    *,
+    rank0_only: bool = False,
 ) -> list[Tensor]:
     """Full tensors (on CPU) from per-rank ``tensors`` aligned with ``params`` (default: the LightningModule's
     ``parameters()``), e.g. an EMA kept as shard copies. Call on every rank: sharded entries are all-gathered.
@@ -230,7 +250,7 @@ def full_tensors(
 
 @torch.no_grad()
 def local_tensors(
-    strategy: Any, tensors: Sequence[Tensor], params: Sequence[nn.Parameter] | None = None
+    strategy: object, tensors: Sequence[Tensor], params: Sequence[nn.Parameter] | None = None
 ) -> list[Tensor]:
     """This rank's rows of full ``tensors`` aligned with ``params`` (default: the LightningModule's parameters()),
     the inverse of :func:`full_tensors`; entries that are not full-shaped pass through. No collectives."""
@@ -238,33 +258,36 @@ def local_tensors(
     return [_local_rows(tensor, slot) for slot, tensor in zip(slots, tensors)]
 
 
-def _aligned(strategy: Any, tensors: Sequence[Tensor], params: Any, helper: str) -> tuple[Any, list[Tensor], list]:
+def _aligned(
+    strategy: object, tensors: Sequence[Tensor], params: Sequence[nn.Parameter] | None, helper: str
+) -> tuple[ShardingEngine | None, list[Tensor], list[ParamSlot | None]]:
     """(engine or None, ``tensors``, the slots of the parameters they align with: None where not sharded), their
     numbers checked."""
     engine = _engine_of(strategy, helper)
-    tensors = list(tensors)
+    tensor_list = list(tensors)
     if engine is None:
-        return None, tensors, [None] * len(tensors)
-    params = list(engine.root.parameters()) if params is None else list(params)
-    if len(params) != len(tensors):
+        return None, tensor_list, [None] * len(tensor_list)
+    aligned = list(engine.root.parameters()) if params is None else list(params)
+    if len(aligned) != len(tensor_list):
         raise ValueError(
-            f"{helper} got {len(tensors)} tensors for {len(params)} parameters; pass one per parameter, in the order "
-            "of params (default: pl_module.parameters())."
+            f"{helper} got {len(tensor_list)} tensors for {len(aligned)} parameters; pass one per parameter, in the "
+            "order of params (default: pl_module.parameters())."
         )
-    return engine, tensors, [engine.slot_of(p) for p in params]
+    return engine, tensor_list, [engine.slot_of(p) for p in aligned]
 
 
-def _local_rows(value: Any, slot: ParamSlot | None) -> Any:
+def _local_rows(value: Tensor, slot: ParamSlot | None) -> Tensor:
+    # The type check too: a caller of local_tensors may pass what is not a tensor, which passes through.
     if slot is not None and isinstance(value, Tensor) and tuple(value.shape) == tuple(slot.layout.shape):
         return slot.layout.local_slice(value).clone()
     return value
 
 
-def _full_state(module: nn.Module, engine: ShardingEngine, keep: bool) -> dict[str, Any]:
+def _full_state(module: nn.Module, engine: ShardingEngine, keep: bool) -> StateDict:
     """An averaged copy's state dict with shards gathered full on CPU (kept where ``keep``), alike on every rank."""
     slots = managed_keys(engine)
     state = module.state_dict()
-    out: dict[str, Any] = {}
+    out: StateDict = {}
     for key, value in state.items():
         slot = slots.get(key)
         if slot is not None and isinstance(value, Tensor):
@@ -275,7 +298,7 @@ def _full_state(module: nn.Module, engine: ShardingEngine, keep: bool) -> dict[s
 
 
 @torch.no_grad()
-def gather_averages_for_save(strategy: Any, checkpoint: dict[str, Any]) -> None:
+def gather_averages_for_save(strategy: object, checkpoint: Checkpoint) -> None:
     """Make the averages in ``checkpoint`` complete before it is written, in place, on every rank: SWA's
     ``average_model_state`` full on rank 0; WeightAveraging's average (in ``state_dict``) full for the full format,
     else in the format's sharded form with the full current model in ``meta.pt``."""
@@ -317,15 +340,15 @@ def gather_averages_for_save(strategy: Any, checkpoint: dict[str, Any]) -> None:
 
 
 @torch.no_grad()
-def slice_loaded_averages(strategy: Any, checkpoint: Any) -> Any:
+def slice_loaded_averages(strategy: object, checkpoint: Checkpoint) -> Checkpoint:
     """Give each rank its rows of a loaded checkpoint's full averages, in place (returned); no collectives."""
     engine, trainer = _live_engine_and_trainer(strategy)
     if engine is None or trainer is None or not isinstance(checkpoint, dict):
         return checkpoint
     slots = managed_keys(engine)
 
-    def local(state: Mapping[str, Any]) -> dict[str, Any]:
-        return {k: _local_rows(v, slots.get(k)) for k, v in state.items()}
+    def local(state: Mapping[str, object]) -> dict[str, object]:
+        return {k: _local_rows(v, slots.get(k)) if isinstance(v, Tensor) else v for k, v in state.items()}
 
     callbacks_state = checkpoint.get("callbacks")
     has_wa = False

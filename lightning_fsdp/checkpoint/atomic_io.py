@@ -8,7 +8,7 @@ import pickle
 import re
 import zipfile
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
@@ -16,6 +16,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
+from lightning_fsdp.checkpoint import Checkpoint
 from lightning_fsdp.collective import raised_alike_on_every_rank
 
 __all__ = [
@@ -44,7 +45,7 @@ class CheckpointLoadError(RuntimeError):
         super().__init__(message)
         self.path = path
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[CheckpointLoadError], tuple[str, _PATH]]:
         # Picklable with its path: torch.distributed.checkpoint sends a rank's read error to the others.
         return type(self), (str(self), self.path)
 
@@ -181,7 +182,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     errors name the file and the problem. Non-local paths (fsspec URLs) go to ``TorchCheckpointIO`` unchanged."""
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: Checkpoint, path: _PATH, storage_options: object = None) -> None:
         if storage_options is not None or not is_local_path(path):
             # TorchCheckpointIO refuses storage options (a TypeError) and writes remote paths through fsspec.
             return super().save_checkpoint(checkpoint, path, storage_options)
@@ -205,7 +206,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise
         fsync_path(folder)
 
-    def _write(self, checkpoint: dict[str, Any], f: IO[bytes]) -> None:
+    def _write(self, checkpoint: Checkpoint, f: IO[bytes]) -> None:
         """Serialise ``checkpoint`` into the open temporary file (a seam for tests and subclasses)."""
         torch.save(checkpoint, f)
 
@@ -215,7 +216,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path: _PATH,
         map_location: Callable | None = lambda storage, loc: storage,
         weights_only: bool | None = None,
-    ) -> dict[str, Any]:
+    ) -> Checkpoint:
         if not is_local_path(path):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         path = os.fspath(path)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint import paths
+from lightning_fsdp.checkpoint import Checkpoint, StateDict, paths
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, is_local_path
 from lightning_fsdp.collective import Collective, raised_alike_on_every_rank
 from lightning_fsdp.engine import ShardingEngine
@@ -21,6 +21,9 @@ from lightning_fsdp.engine.records import ParamSlot
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO
+    from lightning.fabric.utilities.types import _PATH
+
+    from lightning_fsdp.pipeline.checkpoint import PipelineCheckpoint
 
 FORMAT_KEY = "lightning_fsdp"  # meta.pt entry describing the directory (format, version, world size, layout)
 FORMAT_VERSION = 1
@@ -32,18 +35,20 @@ class CheckpointMismatchError(ValueError, RuntimeError):
     optimizers. A ``ValueError`` (and a ``RuntimeError``, like ``nn.Module.load_state_dict``'s key errors)."""
 
 
-class ShardedStateDict(dict):
+class ShardedStateDict(StateDict):
     """A model state dict whose sharded parameters hold only this rank's rows, read from a directory checkpoint (so
     loading copies them in without slicing). ``unexpected_keys``: checkpoint keys the model lacks; ``source``: the
     path."""
 
-    def __init__(self, *args: Any, unexpected_keys: tuple[str, ...] = (), source: str = "", **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, entries: Mapping[str, object] | None = None, *, unexpected_keys: tuple[str, ...] = (), source: str = ""
+    ) -> None:
+        super().__init__(entries or {})
         self.unexpected_keys = tuple(unexpected_keys)
         self.source = source
 
 
-class ShardedOptimizerState(dict):
+class ShardedOptimizerState(StateDict):
     """``optimizer.state_dict()`` for this rank, state tensors holding its rows: ``load_state_dict`` takes it as is."""
 
 
@@ -73,7 +78,7 @@ def is_sharded(layout: ShardLayout) -> bool:
     return layout.world_size > 1
 
 
-def is_local_rows(value: Any, layout: ShardLayout) -> bool:
+def is_local_rows(value: object, layout: ShardLayout) -> bool:
     """Whether ``value`` is a per-row tensor holding this rank's rows of a sharded parameter (its shard, or optimizer
     state shaped like it). A 0-dim parameter is stored as one row (shape ``(1,)`` or ``(0,)``) at any world size."""
     return (
@@ -84,7 +89,7 @@ def is_local_rows(value: Any, layout: ShardLayout) -> bool:
     )
 
 
-def shape_str(shape: Any) -> str:
+def shape_str(shape: Sequence[int]) -> str:
     return str(tuple(int(s) for s in shape))
 
 
@@ -97,7 +102,7 @@ def _check_keys(strict: bool, what: str, missing: list[str], unexpected: list[st
 
 
 @torch.no_grad()
-def load_model_state_dict(engine: ShardingEngine, state: Mapping[str, Any], *, strict: bool = True) -> None:
+def load_model_state_dict(engine: ShardingEngine, state: Mapping[str, object], *, strict: bool = True) -> None:
     """Copy a state dict into the sharded module on every rank: full tensors (each rank copies its rows), or a
     :class:`ShardedStateDict` (this rank's rows already). Once the stage has ended and the module holds its full
     parameters again (``weights_after_stage``), full tensors are copied in whole."""
@@ -109,21 +114,21 @@ def load_model_state_dict(engine: ShardingEngine, state: Mapping[str, Any], *, s
         return
     managed = managed_keys(engine)
     own = module.state_dict()
-    rows = isinstance(state, ShardedStateDict)
-    if rows:
-        unexpected = list(state.unexpected_keys) + [k for k in state if k not in own and k not in state.unexpected_keys]
-        what = f"Checkpoint {state.source!r} does not match {type(module).__name__}"
-        _check_keys(strict, what, [k for k in own if k not in state], unexpected)
+    rows = state if isinstance(state, ShardedStateDict) else None  # this rank's rows, read from a directory
+    if rows is not None:
+        unexpected = list(rows.unexpected_keys) + [k for k in rows if k not in own and k not in rows.unexpected_keys]
+        what = f"Checkpoint {rows.source!r} does not match {type(module).__name__}"
+        _check_keys(strict, what, [k for k in own if k not in rows], unexpected)
     for key, slot in managed.items():
         if key not in state:
             continue
         value = state[key]
-        if rows:
+        if rows is not None:
             local_shape = tuple(slot.layout.local_shape)
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != local_shape:
                 got = shape_str(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise CheckpointMismatchError(
-                    f"Checkpoint {state.source!r}: this rank's part of {key!r} has shape {got}, but its shard here "
+                    f"Checkpoint {rows.source!r}: this rank's part of {key!r} has shape {got}, but its shard here "
                     f"is {shape_str(local_shape)}."
                 )
             slot.param.data.copy_(value)
@@ -144,7 +149,7 @@ def load_model_state_dict(engine: ShardingEngine, state: Mapping[str, Any], *, s
     rest.update({key: own[key] for key in managed if key in own})
     result = module.load_state_dict(rest, strict=False)
     missing = [k for k in result.missing_keys if k not in managed] + [k for k in managed if k not in state]
-    if not rows:
+    if rows is None:
         _check_keys(strict, f"Error loading state dict into {type(module).__name__}", missing, result.unexpected_keys)
 
 
@@ -152,7 +157,7 @@ def load_model_state_dict(engine: ShardingEngine, state: Mapping[str, Any], *, s
 load_sharded_model_state_dict = load_full_model_state_dict = load_model_state_dict
 
 
-def to_index_keyed(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+def to_index_keyed(state_dict: Mapping[str, Any]) -> StateDict:
     """An optimizer state dict keyed by parameter name (Lightning's consolidation of a sharded checkpoint) re-keyed
     by position, the plain ``torch.optim`` layout; index-keyed input passes through."""
     groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
@@ -188,16 +193,16 @@ def check_optimizer_count(source: str, saved: int, here: int) -> None:
         )
 
 
-def check_group_sizes(what: str, sizes: list, here: list, over: str = "") -> None:
+def check_group_sizes(what: str, sizes: Sequence[int | None], here: Sequence[int], over: str = "") -> None:
     """Raise naming ``what`` (the checkpoint's optimizer) if its parameter groups' sizes are not this run's."""
-    if sizes != here:
+    if list(sizes) != list(here):
         raise CheckpointMismatchError(
             f"{what} has parameter groups of sizes {sizes}, but this run's has {here}{over}; resume with the same "
             "optimizer configuration."
         )
 
 
-def check_param_names(what: str, names: Sequence[Any], here: Sequence[Any]) -> None:
+def check_param_names(what: str, names: Sequence[object], here: Sequence[object]) -> None:
     """Raise naming ``what`` (the checkpoint's optimizer) at the first position whose parameter is another one."""
     for position, (saved, current) in enumerate(zip(names, here)):
         if saved != current:
@@ -207,16 +212,17 @@ def check_param_names(what: str, names: Sequence[Any], here: Sequence[Any]) -> N
             )
 
 
-def numbered_groups(groups: Sequence[Mapping[str, Any]], sizes: Sequence[int]) -> list[dict[str, Any]]:
+def numbered_groups(groups: Sequence[Mapping[str, object]], sizes: Sequence[int]) -> list[dict[str, object]]:
     """``groups`` listing ``sizes`` parameters each, numbered one group after another as ``torch.optim`` does."""
-    numbered, start = [], 0
+    numbered: list[dict[str, object]] = []
+    start = 0
     for group, size in zip(groups, sizes):
         numbered.append({**group, "params": list(range(start, start + size))})
         start += size
     return numbered
 
 
-def numel(shape: Any) -> int:
+def numel(shape: Sequence[int]) -> int:
     return math.prod(int(s) for s in shape)
 
 
@@ -226,9 +232,9 @@ class CheckpointRun(NamedTuple):
     engine: ShardingEngine | None  # None before the model is sharded (only a full file can be read then)
     optimizers: Sequence[Optimizer] | None = None  # a load restores optimizer state only where these are given
     checkpoint_io: CheckpointIO | None = None  # Lightning's: the full format's file goes through it
-    # Under pipeline parallelism: the other stages' keys and the unsplit optimizers' param groups, a
-    # lightning_fsdp.pipeline.checkpoint.PipelineCheckpoint (see [Note: checkpoints across pipeline layouts] there).
-    pipeline: Any = None
+    # Under pipeline parallelism: the other stages' keys and the unsplit optimizers' param groups (see [Note:
+    # checkpoints across pipeline layouts] in lightning_fsdp/pipeline/checkpoint.py).
+    pipeline: PipelineCheckpoint | None = None
 
 
 class CheckpointFormat:
@@ -240,26 +246,26 @@ class CheckpointFormat:
     writes_offline: ClassVar[bool] = False  # whether ``write_full`` works (a target of ``lightning-fsdp convert``)
 
     # Each of these is called on every rank of the run.
-    def model_state_dict(self, engine: ShardingEngine) -> dict[str, Any]:
+    def model_state_dict(self, engine: ShardingEngine) -> StateDict:
         raise NotImplementedError
 
-    def optimizer_state(self, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
+    def optimizer_state(self, engine: ShardingEngine, optimizer: Optimizer) -> StateDict:
         raise NotImplementedError
 
-    def save(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun, storage_options: Any = None) -> None:
+    def save(self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun, storage_options: object = None) -> None:
         raise NotImplementedError
 
     def load(
-        self, path: Any, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None
-    ) -> dict[str, Any]:
+        self, path: _PATH, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None
+    ) -> Checkpoint:
         """``path`` as a Lightning checkpoint dict (optimizer state only if ``run.optimizers``)."""
         raise NotImplementedError
 
     # ``convert`` and ``export``: in this process alone, in Lightning's full layout.
-    def read_as_full(self, path: str, weights_only: bool | None = None) -> dict[str, Any]:
+    def read_as_full(self, path: str, weights_only: bool | None = None) -> Checkpoint:
         raise NotImplementedError
 
-    def write_full(self, checkpoint: Mapping[str, Any], path: str) -> None:
+    def write_full(self, checkpoint: Mapping[str, object], path: str) -> None:
         raise ValueError(f"A {self.kind} checkpoint cannot be written from a full one outside a run.")
 
 
@@ -267,12 +273,16 @@ class DirectoryFormat(CheckpointFormat):
     """A directory every rank writes its part of and reads its rows from, on a local (or network-mounted) file
     system, not through the ``CheckpointIO``."""
 
-    def write(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun) -> None:
+    def write(self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun) -> None:
         raise NotImplementedError
 
-    read: Callable[..., dict[str, Any]]  # (path, run, *, coll, weights_only): the checkpoint dict with this rank's rows
+    def read(
+        self, path: str, run: CheckpointRun, *, coll: Collective | None = None, weights_only: bool | None = None
+    ) -> Checkpoint:
+        """The checkpoint dict with this rank's rows."""
+        raise NotImplementedError
 
-    def save(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun, storage_options: Any = None) -> None:
+    def save(self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun, storage_options: object = None) -> None:
         # Refused: what only a CheckpointIO could do, storage options and remote paths (every rank writes here).
         if storage_options is not None:
             raise TypeError(
@@ -289,8 +299,8 @@ class DirectoryFormat(CheckpointFormat):
         self.write(checkpoint, path, run)
 
     def load(
-        self, path: Any, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None
-    ) -> dict[str, Any]:
+        self, path: _PATH, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None
+    ) -> Checkpoint:
         assert run.engine is not None
         coll = coll or Collective()
         if run.engine.closed:
@@ -301,16 +311,17 @@ class DirectoryFormat(CheckpointFormat):
 
 
 def write_directory(
-    path: Any, write_part: Callable[[str], None], meta: Callable[[], Mapping[str, Any]], coll: Collective
+    path: _PATH, write_part: Callable[[str], None], meta: Callable[[], Mapping[str, object]], coll: Collective
 ) -> None:
     """Write a directory checkpoint atomically, on every rank: each writes its part into rank 0's temporary
     directory (``write_part(tmp)`` must raise on every rank if it fails on one), then rank 0 writes ``meta()`` and
     renames it into place. A failure leaves what was at ``path`` untouched and raises on every rank."""
-    path = coll.broadcast(os.path.abspath(os.fspath(path)))
-    tmp, problem = None, None
+    target = coll.broadcast(os.path.abspath(os.fspath(path)))
+    problem: Exception | None = None
+    tmp = ""  # rank 0's, broadcast below
     if coll.is_rank0:
         try:
-            tmp = paths.prepare_temp_dir(path)
+            tmp = paths.prepare_temp_dir(target)
         except Exception as exc:  # noqa: BLE001 - shared with every rank below
             problem = exc
     coll.agree_from_rank0(problem)
@@ -328,8 +339,8 @@ def write_directory(
     if coll.is_rank0:
         try:
             AtomicCheckpointIO().save_checkpoint(dict(meta()), os.path.join(tmp, paths.META_FILE))
-            paths.commit_directory(tmp, path)
-            paths.remove_stale_temps(path)
+            paths.commit_directory(tmp, target)
+            paths.remove_stale_temps(target)
         except Exception as exc:  # noqa: BLE001
             problem = exc
             paths.remove_path(tmp)

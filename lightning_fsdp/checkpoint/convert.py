@@ -7,8 +7,8 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
 
+from lightning_fsdp.checkpoint import Checkpoint
 from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError
 from lightning_fsdp.checkpoint.paths import FULL, SHARDED
 from lightning_fsdp.checkpoint.routing import FORMATS, format_on_disk
@@ -19,7 +19,7 @@ __all__ = ["convert", "load_as_full", "main"]
 _TARGETS = [kind for kind, fmt in FORMATS.items() if fmt.writes_offline]
 
 
-def load_as_full(src: str, *, trust_pickled_code: bool = False) -> dict[str, Any]:
+def load_as_full(src: str, *, trust_pickled_code: bool = False) -> Checkpoint:
     """Any checkpoint (full file, sharded or local directory) as a full checkpoint dict in Lightning's layout.
 
     Every file is unpickled by a restricted unpickler, which refuses (``UntrustedCheckpointError`` naming the file and
@@ -28,7 +28,7 @@ def load_as_full(src: str, *, trust_pickled_code: bool = False) -> dict[str, Any
     return format_on_disk(src).read_as_full(src, weights_only=not check_trust(trust_pickled_code))
 
 
-def check_trust(trust_pickled_code: Any) -> bool:
+def check_trust(trust_pickled_code: object) -> bool:
     if not isinstance(trust_pickled_code, bool):
         raise TypeError(f"trust_pickled_code must be True or False, not {trust_pickled_code!r}.")
     return trust_pickled_code

@@ -105,7 +105,7 @@ def _dtype_choices() -> str:
     return ", ".join(repr(n) for n in DTYPES)
 
 
-def _read_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+def _read_config(config: str | os.PathLike[str] | Mapping[str, object]) -> dict[str, object]:
     """``config.json``'s content from a dict, a file, or a directory holding ``config.json``."""
     if isinstance(config, Mapping):
         return dict(config)
@@ -146,7 +146,7 @@ def _source(infos: Mapping[str, TensorInfo | None], read: Callable[[str], torch.
     return _Source(tensors, [key for key, info in infos.items() if info is None], read)
 
 
-def _mmap_load(file: str, weights_only: bool) -> Any:
+def _mmap_load(file: str, weights_only: bool) -> Any:  # whatever the file holds: callers check it
     """``torch.load`` with the file memory-mapped (a tensor's bytes are read when it is used, not at load)."""
     problem = file_problem(file)
     if problem is not None:
@@ -184,6 +184,7 @@ def _sharded_source(path: str, weights_only: bool) -> _Source:
 
     def read(key: str) -> torch.Tensor:
         info = infos[key]
+        assert info is not None  # read for the tensors only
         target = torch.empty(info.shape, dtype=info.dtype)
         # One entry: DCP plans reads of this tensor's chunks only (every rank file that holds rows of it).
         dcp_load({flat_keys[key]: target}, path, Collective(alone=True), weights_only)
@@ -224,7 +225,8 @@ class _Planned(NamedTuple):
 def _output_names(
     tensors: list[TensorInfo], prefix: str, rename: Callable[[str], str] | None, dtype: torch.dtype | None
 ) -> list[_Planned]:
-    planned, seen = [], {}
+    planned: list[_Planned] = []
+    seen: dict[str, str] = {}  # output name -> the checkpoint key it came from
     for info in tensors:
         name = info.key.removeprefix(prefix)
         if rename is not None:
@@ -305,7 +307,7 @@ _SAFETENSORS_DTYPES = {
 def _header(items: list[_Planned]) -> bytes:
     """A safetensors file's header for ``items`` laid out in order: 8 bytes of little-endian header length, then the
     JSON (names, dtypes, shapes, byte offsets), padded with spaces to a multiple of 8 as safetensors writes it."""
-    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for item in items:
         if item.dtype not in _SAFETENSORS_DTYPES:
@@ -339,7 +341,7 @@ def _write_files(source: _Source, files: list[list[_Planned]], names: list[str],
                         folder,
                     )
                 if tensor.numel():
-                    f.write(tensor.reshape(-1).view(torch.uint8).numpy())  # the tensor's own memory, no copy
+                    f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)  # the tensor's own memory, no copy
                 del tensor
                 if trim is not None and item.nbytes >= _TRIM_AFTER_BYTES:
                     trim(0)  # the read's temporaries
@@ -347,7 +349,7 @@ def _write_files(source: _Source, files: list[list[_Planned]], names: list[str],
             os.fsync(f.fileno())
 
 
-def _write_json(obj: Any, file: str) -> None:
+def _write_json(obj: object, file: str) -> None:
     with open(file, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, sort_keys=False)
         f.write("\n")
@@ -361,7 +363,7 @@ def export_safetensors(
     dtype: str | torch.dtype | None = None,
     prefix: str = "",
     rename: Callable[[str], str] | None = None,
-    config: str | os.PathLike | Mapping[str, Any] | None = None,
+    config: str | os.PathLike[str] | Mapping[str, object] | None = None,
     overwrite: bool = False,
     trust_pickled_code: bool = False,
 ) -> list[str]:

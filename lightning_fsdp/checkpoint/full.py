@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lightning_fsdp.checkpoint import Checkpoint, StateDict
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError
 from lightning_fsdp.checkpoint.common import (
     CheckpointFormat,
@@ -28,6 +29,9 @@ from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import gather_rows
 from lightning_fsdp.engine.layout import ShardLayout
 
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.types import _PATH
+
 
 def global_rank() -> int:
     # Rank 0 of the world writes; with hybrid sharding every replica group has its own shard-group rank 0.
@@ -35,9 +39,7 @@ def global_rank() -> int:
 
 
 @torch.no_grad()
-def full_model_state_dict(
-    engine: ShardingEngine, *, rank0_only: bool = True, keep: bool | None = None
-) -> dict[str, Any]:
+def full_model_state_dict(engine: ShardingEngine, *, rank0_only: bool = True, keep: bool | None = None) -> StateDict:
     """The model's state dict with full tensors on CPU (empty on other ranks if ``rank0_only``). ``keep`` overrides
     which ranks keep it (under pipeline parallelism: each stage's data-parallel rank 0)."""
     managed = managed_keys(engine)  # first: it puts the user's parameters back where a forward left stand-ins
@@ -66,10 +68,10 @@ def full_model_state_dict(
     }
 
 
-def _per_parameter(name: str, value: Any, layout: ShardLayout) -> bool:
-    """Whether a full optimizer-state entry has one value per parameter element (so each rank takes its rows). A
+def _per_parameter(name: str, value: torch.Tensor, layout: ShardLayout) -> bool:
+    """Whether a full optimizer-state tensor has one value per parameter element (so each rank takes its rows). A
     0-dim parameter's state is 0-dim too, like the ``step`` counter, the one 0-dim entry that is not per element."""
-    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(layout.shape):
+    if tuple(value.shape) != tuple(layout.shape):
         return False
     return value.dim() > 0 or name != "step"
 
@@ -77,18 +79,18 @@ def _per_parameter(name: str, value: Any, layout: ShardLayout) -> bool:
 @torch.no_grad()
 def full_optimizer_state_dict(
     engine: ShardingEngine, optimizer: Optimizer, *, rank0_only: bool = True, keep: bool | None = None
-) -> dict:
+) -> StateDict:
     """``optimizer.state_dict()`` with full tensors on CPU; ``keep`` as for :func:`full_model_state_dict`."""
     state_dict = optimizer.state_dict()
     if keep is None:
         keep = not rank0_only or global_rank() == 0
     params = optimizer_params(optimizer)
-    full_state: dict[int, dict[str, Any]] = {}
+    full_state: dict[int, StateDict] = {}
     # Parameter order is the same on every rank, so every rank issues the same gathers in the same order.
     for index, param in enumerate(params):
         slot = engine.slot_of(param)
         entry = state_dict["state"].get(index, {})
-        new_entry = {}
+        new_entry: StateDict = {}
         for name in sorted(entry):
             value = entry[name]
             if slot is not None and is_local_rows(value, slot.layout):
@@ -106,7 +108,7 @@ def full_optimizer_state_dict(
     return {"state": full_state, "param_groups": state_dict["param_groups"]}
 
 
-def load_full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer, state_dict: Mapping) -> None:
+def load_full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer, state_dict: Mapping[str, Any]) -> None:
     """Load a plain ``torch.optim`` state dict (the same on every rank) into an optimizer over shards (over full
     parameters once the stage has ended and the module holds them again: then the state is loaded whole)."""
     state_dict = to_index_keyed(state_dict)  # checks it is a torch.optim state dict
@@ -114,20 +116,20 @@ def load_full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer,
     here = [len(g["params"]) for g in optimizer.param_groups]
     check_group_sizes(f"The checkpoint's {type(optimizer).__name__} state", sizes, here)
     params = optimizer_params(optimizer)
-    local_state = {}
+    local_state: dict[int, StateDict] = {}
     for index, entry in state_dict["state"].items():
         param = params[int(index)]
         slot = None if engine.closed else engine.slot_of(param)
-        new_entry = {}
+        new_entry: StateDict = {}
         for name, value in entry.items():
-            if slot is not None and _per_parameter(name, value, slot.layout):
+            if slot is not None and isinstance(value, torch.Tensor) and _per_parameter(name, value, slot.layout):
                 value = slot.layout.local_slice(value).clone()
             new_entry[name] = value
         local_state[index] = new_entry
     optimizer.load_state_dict({"state": local_state, "param_groups": state_dict["param_groups"]})
 
 
-def model_weights(checkpoint: Any, path: str) -> Mapping[str, Any]:
+def model_weights(checkpoint: object, path: str) -> Mapping[str, Any]:
     """The ``state_dict`` entry of a Lightning checkpoint read from ``path``; raises naming the file if it has none."""
     state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
     if not isinstance(state, Mapping):
@@ -149,7 +151,7 @@ class FullFormat(CheckpointFormat):
     model_state_dict = staticmethod(full_model_state_dict)
     optimizer_state = staticmethod(full_optimizer_state_dict)
 
-    def save(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun, storage_options: Any = None) -> None:
+    def save(self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun, storage_options: object = None) -> None:
         # The rank the full state was gathered to writes it (the others' state dicts are empty), as Lightning's
         # Strategy.save_checkpoint does with is_global_zero.
         if global_rank() == 0:
@@ -157,22 +159,22 @@ class FullFormat(CheckpointFormat):
             run.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load(
-        self, path: Any, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None
-    ) -> dict[str, Any]:
+        self, path: _PATH, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None
+    ) -> Checkpoint:
         # Every rank reads the whole file (the CheckpointIO also reports remote and missing paths), as Lightning's
         # Strategy.load_checkpoint does, cached GPU memory released first.
         torch.cuda.empty_cache()
         assert run.checkpoint_io is not None
         return run.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
 
-    def read_as_full(self, path: str, weights_only: bool | None = None) -> dict[str, Any]:
+    def read_as_full(self, path: str, weights_only: bool | None = None) -> Checkpoint:
         checkpoint = AtomicCheckpointIO().load_checkpoint(path, weights_only=weights_only)
         model_weights(checkpoint, path)
         if "optimizer_states" in checkpoint:
             checkpoint["optimizer_states"] = [to_index_keyed(s) for s in checkpoint["optimizer_states"]]
         return checkpoint
 
-    def write_full(self, checkpoint: Mapping[str, Any], path: str) -> None:
+    def write_full(self, checkpoint: Mapping[str, object], path: str) -> None:
         if os.path.isdir(path):  # a directory checkpoint being replaced by a file
             remove_checkpoint_path(path)
         AtomicCheckpointIO().save_checkpoint(dict(checkpoint), path)

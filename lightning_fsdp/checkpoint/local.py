@@ -6,20 +6,49 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint import common
+from lightning_fsdp.checkpoint import Checkpoint, StateDict, common
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError
-from lightning_fsdp.checkpoint.common import CheckpointMismatchError, CheckpointRun, ShardedOptimizerState
+from lightning_fsdp.checkpoint.common import (
+    CheckpointMismatchError,
+    CheckpointRun,
+    ShardedOptimizerState,
+)
 from lightning_fsdp.checkpoint.paths import LOCAL, META_FILE, file_problem, local_rank_file
 from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.types import _PATH
 
-def local_model_state_dict(engine: ShardingEngine) -> dict[str, Any]:
+# Reads one rank's file: ``load(file, weights_only=...)``, by default ``AtomicCheckpointIO().load_checkpoint``.
+RankFileLoader = Callable[..., Checkpoint]
+
+
+class EntryLayout(TypedDict):
+    """How one state-dict entry is stored: its full shape (None: not a tensor), dtype, and each shard rank's rows."""
+
+    shape: tuple[int, ...] | None
+    dtype: str
+    rows: list[tuple[int, int]] | None
+
+
+class LocalLayout(TypedDict):
+    """``meta.pt``'s ``"lightning_fsdp"`` entry of a local checkpoint: what the run that loads it must match."""
+
+    format: str
+    version: int
+    world_size: int
+    shard_world_size: int
+    entries: dict[str, EntryLayout]
+    optimizers: list[list[list[str]]] | None  # each optimizer's param groups, by parameter name
+
+
+def local_model_state_dict(engine: ShardingEngine) -> StateDict:
     """The module's state dict as it is: this rank's rows (views, no copies)."""
     managed = common.managed_keys(engine)  # first: it puts the user's parameters back where a forward left stand-ins
     state = engine.root.state_dict()
@@ -30,14 +59,14 @@ def local_model_state_dict(engine: ShardingEngine) -> dict[str, Any]:
     return state
 
 
-def local_optimizer_state_dict(optimizer: Optimizer) -> dict[str, Any]:
+def local_optimizer_state_dict(optimizer: Optimizer) -> StateDict:
     return optimizer.state_dict()
 
 
-def layout_info(engine: ShardingEngine, optimizers: Sequence[Optimizer] | None, world_size: int) -> dict[str, Any]:
+def layout_info(engine: ShardingEngine, optimizers: Sequence[Optimizer] | None, world_size: int) -> LocalLayout:
     """What a local checkpoint must match to be loaded (``meta.pt``'s ``"lightning_fsdp"`` entry)."""
     managed = common.managed_keys(engine)
-    entries: dict[str, Any] = {}
+    entries: dict[str, EntryLayout] = {}
     for key, value in engine.root.state_dict().items():
         slot = managed.get(key)
         if slot is not None:
@@ -67,7 +96,7 @@ def layout_info(engine: ShardingEngine, optimizers: Sequence[Optimizer] | None, 
     }
 
 
-def _write_file(obj: Any, file: str) -> None:
+def _write_file(obj: object, file: str) -> None:
     """``torch.save`` into ``file`` and make it durable (a seam for tests that kill a rank mid-write)."""
     with open(file, "wb") as f:
         torch.save(obj, f)
@@ -76,8 +105,8 @@ def _write_file(obj: Any, file: str) -> None:
 
 
 def save_local_checkpoint(
-    checkpoint: Mapping[str, Any],
-    path: str,
+    checkpoint: Mapping[str, object],
+    path: _PATH,
     engine: ShardingEngine,
     optimizers: Sequence[Optimizer] | None,
     coll: Collective | None = None,
@@ -101,15 +130,15 @@ def save_local_checkpoint(
         }
         coll.run_agreed(lambda: _write_file(part, os.path.join(tmp, local_rank_file(coll.rank))))
 
-    def meta() -> dict[str, Any]:
+    def meta() -> dict[str, object]:
         described = optimizers if optimizer_states is not None else None
         return {**rest, common.FORMAT_KEY: layout_info(engine, described, coll.world_size)}
 
     common.write_directory(path, write_part, meta, coll)
 
 
-def read_local_meta(path: str, weights_only: bool | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(Lightning part, ``"lightning_fsdp"`` entry) of a local checkpoint's ``meta.pt``."""
+def read_local_meta(path: str, weights_only: bool | None = None) -> tuple[Checkpoint, dict[str, Any]]:
+    """(Lightning part, ``"lightning_fsdp"`` entry: a ``LocalLayout`` as saved) of a local checkpoint's ``meta.pt``."""
     meta_file = os.path.join(path, META_FILE)
     meta = AtomicCheckpointIO().load_checkpoint(meta_file, weights_only=weights_only)
     info = meta.pop(common.FORMAT_KEY, None)
@@ -128,8 +157,8 @@ def read_local_meta(path: str, weights_only: bool | None = None) -> tuple[dict[s
 
 
 def _read_rank_file(
-    path: str, rank: int, world_size: int, weights_only: bool | None, load: Callable[..., Any] | None = None
-) -> dict[str, Any]:
+    path: str, rank: int, world_size: int, weights_only: bool | None, load: RankFileLoader | None = None
+) -> Checkpoint:
     """``rank``'s file, read by ``load(file, weights_only=...)`` (by default whole, by ``AtomicCheckpointIO``);
     raises unless it holds the shards of ``rank`` of ``world_size``."""
     file = os.path.join(path, local_rank_file(rank))
@@ -148,7 +177,7 @@ def _read_rank_file(
 
 
 def _check_layout(
-    path: str, info: Mapping[str, Any], engine: ShardingEngine, coll: Collective, optimizers: Any
+    path: str, info: Mapping[str, Any], engine: ShardingEngine, coll: Collective, optimizers: Sequence[Optimizer] | None
 ) -> tuple[str, ...]:
     """Raise :class:`CheckpointMismatchError` naming the first difference from this run's layout (and
     ``optimizers``); returns the checkpoint keys the model lacks."""
@@ -180,7 +209,7 @@ def _check_layout(
                 "checkpoint needs the same shard layout; use a sharded or full checkpoint to change it."
             )
     if optimizers is not None:
-        _check_optimizers(path, info.get("optimizers") or [], here["optimizers"])
+        _check_optimizers(path, info.get("optimizers") or [], here["optimizers"] or [])
     return tuple(k for k in entries if k not in here["entries"])
 
 
@@ -188,7 +217,7 @@ def _shape(shape: tuple[int, ...] | None) -> str:
     return common.shape_str(shape) if shape is not None else "None (not a tensor)"
 
 
-def _check_optimizers(path: str, stored: list, here: list) -> None:
+def _check_optimizers(path: str, stored: Sequence[Sequence[Sequence[str]]], here: list[list[list[str]]]) -> None:
     common.check_optimizer_count(f"Local checkpoint {path!r}", len(stored), len(here))
     for index, (groups, now) in enumerate(zip(stored, here)):
         what = f"Local checkpoint {path!r}: optimizer {index}"
@@ -198,14 +227,14 @@ def _check_optimizers(path: str, stored: list, here: list) -> None:
 
 def load_local_checkpoint(
     path: str, run: CheckpointRun, *, coll: Collective | None = None, weights_only: bool | None = None
-) -> dict[str, Any]:
+) -> Checkpoint:
     """Read this rank's file of a local checkpoint on every rank, as :func:`sharded.load_sharded_checkpoint` does.
     Mismatches and damaged files raise on every rank."""
     engine, optimizers = run.engine, run.optimizers
     assert engine is not None
     coll = coll or Collective()
 
-    def read() -> dict[str, Any]:
+    def read() -> Checkpoint:
         meta, info = read_local_meta(path, weights_only)
         load_optimizers = optimizers is not None and info.get("optimizers") is not None
         unexpected = _check_layout(path, info, engine, coll, optimizers if load_optimizers else None)
@@ -231,7 +260,7 @@ class RankFiles:
     """Every rank's file of a local checkpoint, read in this process alone (each by ``load``, as for
     :func:`_read_rank_file`), and the full value of each entry assembled from them."""
 
-    def __init__(self, path: str, weights_only: bool | None, load: Callable[..., Any] | None = None) -> None:
+    def __init__(self, path: str, weights_only: bool | None, load: RankFileLoader | None = None) -> None:
         self.meta, info = read_local_meta(path, weights_only)
         self.entries: Mapping[str, Any] = info["entries"]
         self.optimizers = info.get("optimizers")
@@ -242,12 +271,12 @@ class RankFiles:
         for rank, data in enumerate(self.files):
             self.holders.setdefault(int(data.get("shard_rank", rank)), rank)
 
-    def holding(self, entry: Mapping[str, Any]) -> list[dict[str, Any]]:
+    def holding(self, entry: Mapping[str, Any]) -> list[Checkpoint]:
         """The file holding each shard rank's rows of an entry split as its ``meta.pt`` ``entry`` records."""
         return [self.files[self.holders[r]] for r in range(len(entry["rows"]))]
 
     def full(self, key: str) -> Any:
-        """``key``'s full value in the model's state dict."""
+        """``key``'s full value in the model's state dict (a tensor, or whatever else the files hold)."""
         entry = self.entries[key]
         if entry["rows"] is None:
             return self.files[0]["state_dict"][key]
@@ -255,7 +284,7 @@ class RankFiles:
         return concat_rows(pieces, tuple(int(s) for s in entry["shape"]))
 
 
-def read_local_checkpoint_full(path: str, weights_only: bool | None = None) -> dict[str, Any]:
+def read_local_checkpoint_full(path: str, weights_only: bool | None = None) -> Checkpoint:
     """A local checkpoint directory as one full checkpoint, assembled from every rank's file in this process alone."""
     files = RankFiles(path, weights_only)
     checkpoint = dict(files.meta)
@@ -265,7 +294,7 @@ def read_local_checkpoint_full(path: str, weights_only: bool | None = None) -> d
         for index, groups in enumerate(files.optimizers):
             names = [n for g in groups for n in g]
             first = files.files[0]["optimizer_states"][index]
-            full_state: dict[int, dict[str, Any]] = {}
+            full_state: dict[int, StateDict] = {}
             for position, name in enumerate(names):
                 entry = files.entries.get(name)
                 if position not in first["state"]:
@@ -273,7 +302,7 @@ def read_local_checkpoint_full(path: str, weights_only: bool | None = None) -> d
                 new_entry = {}
                 for key, value in first["state"][position].items():
                     rows = entry["rows"] if entry is not None else None
-                    if rows is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
+                    if entry is not None and rows is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
                         pieces = [d["optimizer_states"][index]["state"][position][key] for d in files.holding(entry)]
                         local_rows = [end - start for start, end in rows]
                         if [p.shape[0] for p in pieces] == local_rows:
@@ -292,12 +321,13 @@ class LocalFormat(common.DirectoryFormat):
 
     model_state_dict = staticmethod(local_model_state_dict)
 
-    def optimizer_state(self, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
+    def optimizer_state(self, engine: ShardingEngine, optimizer: Optimizer) -> StateDict:
         return local_optimizer_state_dict(optimizer)
 
-    def write(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun) -> None:
+    def write(self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun) -> None:
         # meta.pt names each optimizer's parameters only when the checkpoint holds their state (not weights-only).
         optimizers = run.optimizers if "optimizer_states" in checkpoint else None
+        assert run.engine is not None  # DirectoryFormat.save checked it
         save_local_checkpoint(checkpoint, path, run.engine, optimizers)
 
     read = staticmethod(load_local_checkpoint)

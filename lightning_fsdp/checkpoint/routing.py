@@ -1,23 +1,23 @@
-"""The strategy's checkpoint methods (:class:`CheckpointHooks`, inherited by ``FSDPStrategy``), routed to one of the
-three format objects: the one ``state_dict_type`` names for saving (:func:`format_for_saving`), the one on disk for
-loading (:func:`format_on_disk`). Under pipeline parallelism the strategy's pipeline role (``pipeline``) supplies what
-describes the unsplit model; without it, the plain format's."""
+"""The strategy's checkpoint methods, as functions ``FSDPStrategy``'s delegate to, each routed to one of the three
+format objects: the one ``state_dict_type`` names for saving (:func:`format_for_saving`), the one on disk for loading
+(:func:`format_on_disk`). Under pipeline parallelism the strategy's pipeline role supplies what describes the unsplit
+model (a ``PipelineCheckpoint``); without it, the plain format's."""
 
 from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, TypeVar
 
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
-from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor
 from torch.optim import Optimizer
-from typing_extensions import override
 
+from lightning_fsdp.checkpoint import Checkpoint
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, is_local_path
 from lightning_fsdp.checkpoint.common import (
     CheckpointFormat,
@@ -37,17 +37,25 @@ from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.meta_init import mark_initialised
 from lightning_fsdp.engine.options import parse_enum
-from lightning_fsdp.weight_averaging import gather_averages_for_save, slice_loaded_averages
+
+if TYPE_CHECKING:
+    from lightning_fsdp.pipeline.checkpoint import PipelineCheckpoint
+    from lightning_fsdp.pipeline.role import PipelineRole
 
 __all__ = [
     "FORMATS",
     "FULL_FORMAT",
-    "CheckpointHooks",
     "StateDictType",
     "format_for_saving",
     "format_on_disk",
     "load_model_state",
+    "load_optimizer_states",
     "parse_state_dict_type",
+    "read_checkpoint",
+    "remove_checkpoint_at",
+    "save_checkpoint_as",
+    "unwrapped_optimizer",
+    "with_atomic_default",
 ]
 
 _T = TypeVar("_T")
@@ -61,8 +69,10 @@ class StateDictType(enum.Enum):
     LOCAL = "local"
 
 
-def parse_state_dict_type(value: Any) -> StateDictType:
-    return parse_enum(value, StateDictType, "state_dict_type")  # type: ignore[return-value]
+def parse_state_dict_type(value: object) -> StateDictType:
+    member = parse_enum(value, StateDictType, "state_dict_type")
+    assert isinstance(member, StateDictType)  # a member of the class it is given, or a ValueError
+    return member
 
 
 FULL_FORMAT = FullFormat()
@@ -80,23 +90,25 @@ def format_on_disk(path: str) -> CheckpointFormat:
     return FORMATS[checkpoint_kind(path)]
 
 
-def _directory_format(path: str, engine: ShardingEngine | None, pipeline: Any) -> CheckpointFormat:
+def _directory_format(path: str, engine: ShardingEngine | None, role: PipelineRole) -> CheckpointFormat:
     fmt = format_on_disk(path)
     if engine is None:
         raise RuntimeError(
             f"Cannot load the {fmt.kind} checkpoint directory {path!r} before the model is sharded; the Trainer "
             "loads it after setup (ckpt_path=...)."
         )
-    pipeline.check_format(fmt.kind)
+    role.check_format(fmt.kind)
     return fmt
 
 
-def _agreed(info: Any, work: Callable[[], _T]) -> _T:
+def _agreed(info: PipelineCheckpoint | None, work: Callable[[], _T]) -> _T:
     # Under pipelining each stage checks its own part: a problem one stage finds raises on every rank.
     return work() if info is None else Collective().run_agreed(work)
 
 
-def load_model_state(engine: ShardingEngine, checkpoint: Mapping[str, Any], strict: bool, pipeline: Any) -> None:
+def load_model_state(
+    engine: ShardingEngine, checkpoint: Mapping[str, object], strict: bool, role: PipelineRole
+) -> None:
     """Copy the checkpoint's ``state_dict`` into the sharded model; call on every rank."""
     state = checkpoint.get("state_dict")
     if not isinstance(state, Mapping):  # the same file on every rank: every rank raises here
@@ -105,11 +117,13 @@ def load_model_state(engine: ShardingEngine, checkpoint: Mapping[str, Any], stri
             f"The checkpoint holds {what} (its entries: {sorted(map(str, checkpoint))}); a Lightning checkpoint "
             "keeps the model's weights there."
         )
-    info = pipeline.checkpoint_info(engine)
+    info = role.checkpoint_info(engine)
     _agreed(info, lambda: _load_model_state(engine, state, strict, info))
 
 
-def _load_model_state(engine: ShardingEngine, state: Mapping[str, Any], strict: bool, info: Any) -> None:
+def _load_model_state(
+    engine: ShardingEngine, state: Mapping[str, object], strict: bool, info: PipelineCheckpoint | None
+) -> None:
     if info is not None and not isinstance(state, ShardedStateDict):  # the unsplit model's full state: this part
         state = info.local_model_state(state)
     load_model_state_dict(engine, state, strict=strict)
@@ -119,7 +133,13 @@ def _load_model_state(engine: ShardingEngine, state: Mapping[str, Any], strict: 
     mark_initialised(tensor for name, tensor in named.items() if name in state)
 
 
-def _load_optimizer_state(engine: ShardingEngine, optimizer: Optimizer, state: Any, info: Any, index: int) -> None:
+def _load_optimizer_state(
+    engine: ShardingEngine,
+    optimizer: Optimizer,
+    state: Mapping[str, object],
+    info: PipelineCheckpoint | None,
+    index: int,
+) -> None:
     if isinstance(state, ShardedOptimizerState):  # from a sharded/local directory: already this rank's rows
         optimizer.load_state_dict(state)
         return
@@ -129,96 +149,63 @@ def _load_optimizer_state(engine: ShardingEngine, optimizer: Optimizer, state: A
     load_full_optimizer_state_dict(engine, optimizer, state)
 
 
-class CheckpointHooks:
-    """The strategy's checkpoint methods, mixed into ``FSDPStrategy`` ahead of Lightning's ``ParallelStrategy``, whose
-    methods these replace. Reads the strategy's ``engine``, ``state_dict_type``, ``optimizers`` and pipeline role."""
+def unwrapped_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The torch optimizer itself, also where a ``LightningOptimizer`` wraps it."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        # Set lazily, not in __init__, so a user's plugins=[SomeCheckpointIO()] takes precedence without a conflict.
-        # Atomic writes unless the user chose a CheckpointIO; an empty wrapper is filled (its setter fills only that).
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
-            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()
-        return self._checkpoint_io
 
-    @checkpoint_io.setter
-    @override
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
+def with_atomic_default(checkpoint_io: CheckpointIO | None) -> CheckpointIO:
+    """The ``CheckpointIO`` the strategy writes through: the user's, else atomic writes; a Lightning wrapper left
+    empty (``plugins=[AsyncCheckpointIO()]``) is filled with atomic writes (its setter fills only an empty one)."""
+    if checkpoint_io is None:
+        return AtomicCheckpointIO()
+    if isinstance(checkpoint_io, _WrappingCheckpointIO):
+        checkpoint_io.checkpoint_io = AtomicCheckpointIO()
+    return checkpoint_io
 
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # Checkpoints hold full tensors; they can only be split into shards once the model is sharded.
-        return True
 
-    @property
-    def _checkpoint_format(self) -> CheckpointFormat:
-        return format_for_saving(self.state_dict_type)
+def load_optimizer_states(
+    engine: ShardingEngine, states: Sequence[Mapping[str, object]], optimizers: Sequence[Optimizer], role: PipelineRole
+) -> None:
+    """Copy the checkpoint's ``optimizer_states`` into the optimizers of the sharded model; call on every rank."""
+    check_optimizer_count("The checkpoint", len(states), len(optimizers))
+    info = role.checkpoint_info(engine, optimizers)
+    for index, (optimizer, state) in enumerate(zip(optimizers, states)):
+        _agreed(info, partial(_load_optimizer_state, engine, optimizer, state, info, index))
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.engine is not None
-        return self._pipeline_role.model_state_dict(self._checkpoint_format, self.engine)
 
-    @override
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        assert self.engine is not None
-        load_model_state(self.engine, checkpoint, strict, self._pipeline_role)
+def save_checkpoint_as(
+    fmt: CheckpointFormat,
+    checkpoint: Checkpoint,
+    path: _PATH,
+    storage_options: object,
+    run: CheckpointRun,
+    role: PipelineRole,
+) -> None:
+    """Write ``checkpoint`` in ``fmt`` on every rank; ``run.pipeline`` is filled in here (a collective under
+    pipelining) for the directory formats, which record the other stages' keys."""
+    info = role.checkpoint_info(run.engine) if fmt is not FULL_FORMAT else None
+    fmt.save(checkpoint, path, run._replace(pipeline=info), storage_options)
 
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        assert self.engine is not None
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        return self._pipeline_role.optimizer_state(self._checkpoint_format, self.engine, optimizer)
 
-    @override
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        assert self.engine is not None
-        states = checkpoint["optimizer_states"]
-        check_optimizer_count("The checkpoint", len(states), len(self.optimizers))
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        info = self._pipeline_role.checkpoint_info(self.engine, optimizers)
-        for index, (optimizer, state) in enumerate(zip(optimizers, states)):
-            _agreed(info, lambda o=optimizer, s=state, i=index: _load_optimizer_state(self.engine, o, s, info, i))
+def read_checkpoint(path: _PATH, run: CheckpointRun, role: PipelineRole, weights_only: bool | None) -> Checkpoint:
+    """Read rank 0's ``path`` on every rank, in the format on disk (optimizer state if ``run.optimizers``)."""
+    coll = Collective()
+    path = coll.broadcast(path)
+    if not is_local_path(path) or not os.path.exists(path) or os.path.isfile(path):
+        fmt: CheckpointFormat = FULL_FORMAT  # a file, or a path only the CheckpointIO can tell about (remote, missing)
+    else:
+        # A directory (sharded or local checkpoint), or a special file that must not be opened (a FIFO would
+        # block): every rank checks it, and all raise, before any other collective, if one finds a problem.
+        directory = path = os.fspath(path)
+        fmt = coll.run_agreed(lambda: _directory_format(directory, run.engine, role))
+    info = role.checkpoint_info(run.engine, run.optimizers) if fmt is not FULL_FORMAT else None
+    return fmt.load(path, run._replace(pipeline=info), weights_only=weights_only, coll=coll)
 
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        gather_averages_for_save(self, checkpoint)  # SWA / EMA averages: full tensors, not rank 0's rows only
-        fmt = self._checkpoint_format
-        info = self._pipeline_role.checkpoint_info(self.engine) if fmt is not FULL_FORMAT else None
-        run = CheckpointRun(self.engine, self.optimizers, self.checkpoint_io, info)
-        fmt.save(checkpoint, filepath, run, storage_options)
 
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read rank 0's ``checkpoint_path`` on every rank, in the format on disk (optimizer state when fitting)."""
-        coll = Collective()
-        path = coll.broadcast(checkpoint_path)
-        trainer = self._trainer()
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else None
-        if not is_local_path(path) or not os.path.exists(path) or os.path.isfile(path):
-            fmt = FULL_FORMAT  # a file, or a path only the CheckpointIO can tell about (remote, missing)
-        else:
-            # A directory (sharded or local checkpoint), or a special file that must not be opened (a FIFO would
-            # block): every rank checks it, and all raise, before any other collective, if one finds a problem.
-            path = os.fspath(path)
-            fmt = coll.run_agreed(lambda: _directory_format(path, self.engine, self._pipeline_role))
-        info = self._pipeline_role.checkpoint_info(self.engine, optimizers) if fmt is not FULL_FORMAT else None
-        run = CheckpointRun(self.engine, optimizers, self.checkpoint_io, info)
-        checkpoint = fmt.load(path, run, weights_only=weights_only, coll=coll)
-        return slice_loaded_averages(self, checkpoint)  # each rank's rows of the SWA / EMA averages
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if not self.is_global_zero:
-            return
-        if is_local_path(filepath) and os.path.isdir(filepath):  # a sharded/local checkpoint directory
-            remove_checkpoint_path(os.fspath(filepath))
-        else:
-            self.checkpoint_io.remove_checkpoint(filepath)
+def remove_checkpoint_at(path: _PATH, checkpoint_io: CheckpointIO) -> None:
+    """Remove the checkpoint at ``path``: a directory here, a file through the ``CheckpointIO`` (call on rank 0)."""
+    if is_local_path(path) and os.path.isdir(path):  # a sharded/local checkpoint directory
+        remove_checkpoint_path(os.fspath(path))
+    else:
+        checkpoint_io.remove_checkpoint(path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import io
 import os
 import pathlib
 import pickle
@@ -21,7 +22,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from lightning_fsdp.checkpoint.atomic_io import (
     PICKLE_HEADS,
@@ -71,13 +74,13 @@ def alone_on_purpose(coll: Collective) -> Iterator[None]:
 
 
 @lru_cache(maxsize=1)
-def metadata_globals() -> dict[str, Any]:
+def metadata_globals() -> dict[str, object]:
     """Everything a DCP ``.metadata`` pickle names, by the name it is pickled under: the metadata dataclasses, the
     per-file storage record, ``torch.Size``, dtypes, layouts (by name), memory formats (an enum) and the path of the
     checkpoint (``StorageMeta.checkpoint_id``). Each is data: building one runs no code of the file's choosing."""
     from torch.distributed.checkpoint import filesystem, metadata
 
-    objects: list[Any] = [
+    objects: list[type] = [
         metadata.Metadata,
         metadata.TensorStorageMetadata,
         metadata.BytesStorageMetadata,
@@ -90,7 +93,7 @@ def metadata_globals() -> dict[str, Any]:
         torch.Size,
         collections.OrderedDict,
     ]
-    names = {f"{obj.__module__}.{obj.__qualname__}": obj for obj in objects}
+    names: dict[str, object] = {f"{obj.__module__}.{obj.__qualname__}": obj for obj in objects}
     names["torch.serialization._get_layout"] = torch.serialization._get_layout  # a lookup of torch.strided etc.
     names.update({str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)})  # "torch.float32"
     for cls in (pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath, pathlib.WindowsPath):
@@ -115,7 +118,7 @@ class MetadataUnpickler(pickle.Unpickler):
     ``torch.serialization.add_safe_globals``; any other global (``os.system``, ``builtins.eval``, ...) is refused
     before it is looked up, so nothing in the file runs. Persistent ids are refused by ``pickle.Unpickler`` itself."""
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         full = f"{module}.{name}"
         allowed = metadata_globals().get(full)
         if allowed is None:
@@ -125,8 +128,8 @@ class MetadataUnpickler(pickle.Unpickler):
         return allowed
 
 
-def _user_safe_globals() -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _user_safe_globals() -> dict[str, object]:
+    out: dict[str, object] = {}
     for entry in torch.serialization.get_safe_globals():
         obj, name = entry if isinstance(entry, tuple) else (entry, f"{entry.__module__}.{entry.__qualname__}")
         out[name] = obj
@@ -218,7 +221,7 @@ class _RecordingFileSystem(FileSystem):
     opened: str | None = None
 
     @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         self.opened = os.fspath(path)
         with super().create_stream(path, mode) as stream:
             yield stream
@@ -231,22 +234,23 @@ class SafeFileSystemReader(FileSystemReader):
 
     def __init__(self, path: str, weights_only: bool | None) -> None:
         super().__init__(path)
-        self.fs = _RecordingFileSystem()
+        self.fs = self._recording = _RecordingFileSystem()
         self.weights_only = weights_only
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:  # torch's signature
         metadata = read_dcp_metadata(os.fspath(self.path), self.weights_only)
-        if getattr(metadata, "storage_meta", None) is None:  # what FileSystemReader.read_metadata does after reading
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = metadata.storage_meta
+        if storage_meta is None:  # what FileSystemReader.read_metadata does after reading
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
-    def read_data(self, plan: Any, planner: Any) -> Any:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         try:
             return super().read_data(plan, planner)
         except pickle.UnpicklingError as exc:
             words = refused_by_weights_only(exc)
-            file = self.fs.opened or os.fspath(self.path)
+            file = self._recording.opened or os.fspath(self.path)
             if words is None or refused_global(words) is None:  # damage, not a refused object: _read_failure says
                 raise
             raise refusal_error(file, words) from exc
@@ -260,11 +264,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.weights_only = restricted(weights_only)
 
-    def load_bytes(self, read_item: Any, value: Any) -> None:
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=self.weights_only)
 
 
-def dcp_load(targets: dict[str, Any], path: str, coll: Collective, weights_only: bool | None = None) -> None:
+def dcp_load(targets: STATE_DICT_TYPE, path: str, coll: Collective, weights_only: bool | None = None) -> None:
     """Fill ``targets`` (DCP's flat keys -> a tensor or DTensor to read into, or None for a non-tensor entry, which
     is replaced by the stored object) from the directory; a plain tensor receives the whole stored tensor. Reads are
     restricted unless ``weights_only`` is False; a refused object raises :class:`UntrustedCheckpointError` naming its

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import os
 import re
+import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import STORAGE_TYPES, BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint import common
+from lightning_fsdp.checkpoint import Checkpoint, StateDict, common
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO
 from lightning_fsdp.checkpoint.common import (
     FORMAT_KEY,
@@ -34,23 +37,34 @@ from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import gather_rows
 from lightning_fsdp.engine.layout import ShardLayout
 
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.types import _PATH
+
+    from lightning_fsdp.pipeline.checkpoint import PipelineCheckpoint
+
+# Where an entry sits in the saved nested dict (its keys and list indices, as DCP's planner recorded them, which
+# torch types as Any), and DCP's description of it.
+_EntryPath = tuple[Any, ...]
+_Entry = tuple[_EntryPath, STORAGE_TYPES]
+
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)")
 _SCALAR_ROWS = "lightning_fsdp_scalar_rows"
 
 
-def _mesh(engine: ShardingEngine, device_type: str) -> Any:
-    from torch.distributed.device_mesh import DeviceMesh
+# Each engine's shard group as a DeviceMesh, by device type: built once, released with the engine.
+_MESHES: weakref.WeakKeyDictionary[ShardingEngine, dict[str, DeviceMesh]] = weakref.WeakKeyDictionary()
 
-    cache = engine.__dict__.setdefault("_checkpoint_meshes", {})
-    if device_type not in cache:
+
+def _mesh(engine: ShardingEngine, device_type: str) -> DeviceMesh:
+    meshes = _MESHES.setdefault(engine, {})
+    if device_type not in meshes:
         group = engine.shard_comm.group if engine.shard_comm.group is not None else dist.group.WORLD
-        cache[device_type] = DeviceMesh.from_group(group, device_type)
-    return cache[device_type]
+        assert group is not None  # sharded tensors exist only inside a process group
+        meshes[device_type] = DeviceMesh.from_group(group, device_type)
+    return meshes[device_type]
 
 
-def _dtensor(local: torch.Tensor, layout: ShardLayout, mesh: Any) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor, Shard
-
+def _dtensor(local: torch.Tensor, layout: ShardLayout, mesh: DeviceMesh) -> DTensor:
     shape = torch.Size(layout.shape)
     stride = torch.empty(shape, device="meta").stride()  # contiguous
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
@@ -69,7 +83,7 @@ def to_global_tensor(local: torch.Tensor, layout: ShardLayout, engine: ShardingE
 
 
 @torch.no_grad()
-def sharded_model_state_dict(engine: ShardingEngine) -> dict[str, Any]:
+def sharded_model_state_dict(engine: ShardingEngine) -> StateDict:
     """The model's state dict, sharded parameters as DTensors of this rank's rows (no copies)."""
     managed = managed_keys(engine)  # first: it puts the user's parameters back where a forward left stand-ins
     state = engine.root.state_dict()
@@ -90,14 +104,14 @@ def sharded_optimizer_state_dict(
     names = common.engine_param_names(engine)
     params = common.optimizer_params(optimizer)
     fqns = [names.get(id(p), f"<unnamed parameter {i}>") for i, p in enumerate(params)]
-    state: dict[str, dict[str, Any]] = {}
+    state: dict[str, StateDict] = {}
     scalar_rows: dict[str, list[str]] = {}
     for index, param in enumerate(params):
         entry = state_dict["state"].get(index)
         if entry is None:
             continue
         slot = engine.slot_of(param)
-        new_entry = {}
+        new_entry: StateDict = {}
         for name in sorted(entry):  # the same order on every rank: 0-dim parameters gather
             value = entry[name]
             if slot is not None and is_local_rows(value, slot.layout):
@@ -113,7 +127,7 @@ def sharded_optimizer_state_dict(
         for rows in Collective().all_gather(scalar_rows):
             for fqn, entries in rows.items():
                 scalar_rows.setdefault(fqn, entries)
-    out: dict[str, Any] = {"state": state, "param_groups": groups}
+    out: StateDict = {"state": state, "param_groups": groups}
     if scalar_rows:
         # A 0-dim parameter's per-element state (exp_avg) and its step counter both save as 0-dim tensors; loading
         # needs to know which is which to give this rank its row of the former. Kept in meta.pt, not in DCP.
@@ -121,18 +135,26 @@ def sharded_optimizer_state_dict(
     return out
 
 
-def _write(checkpoint: Mapping[str, Any], path: str, coll: Collective, keys: str, pipeline: Any = None) -> None:
+def _write(
+    checkpoint: Mapping[str, Any],
+    path: _PATH,
+    coll: Collective,
+    keys: str,
+    pipeline: PipelineCheckpoint | None = None,
+) -> None:
     """The DCP files (every rank its rows) and ``meta.pt`` (rank 0), committed atomically; ``keys``: how the
     optimizer state is keyed (``"fqn"``, or ``"index"`` converted from a full checkpoint)."""
     meta = dict(checkpoint)
-    tensors: dict[str, Any] = {"model": meta.pop("state_dict", {})}
+    tensors: StateDict = {"model": meta.pop("state_dict", {})}
     optimizer_states = meta.pop("optimizer_states", None)
-    scalar_rows = []  # per optimizer, its 0-dim row-state names (kept in meta.pt, not in DCP)
+    scalar_rows: list[
+        dict[str, list[str]]
+    ] = []  # per optimizer, its 0-dim row-state names (kept in meta.pt, not in DCP)
     for index, state in enumerate(optimizer_states or []):
         state = dict(state)
         scalar_rows.append(state.pop(_SCALAR_ROWS, {}))
         tensors[f"optimizer_{index}"] = state
-    info = {
+    info: dict[str, object] = {
         "format": "sharded",
         "version": common.FORMAT_VERSION,
         "world_size": coll.world_size,
@@ -154,7 +176,10 @@ def _write(checkpoint: Mapping[str, Any], path: str, coll: Collective, keys: str
 
 
 def save_sharded_checkpoint(
-    checkpoint: Mapping[str, Any], path: str, coll: Collective | None = None, pipeline: Any = None
+    checkpoint: Mapping[str, Any],
+    path: _PATH,
+    coll: Collective | None = None,
+    pipeline: PipelineCheckpoint | None = None,
 ) -> None:
     """Write a checkpoint of :func:`sharded_model_state_dict` / :func:`sharded_optimizer_state_dict` to ``path``,
     atomically, on every rank; ``pipeline``: the run's ``PipelineCheckpoint``, recorded in ``meta.pt``."""
@@ -180,7 +205,7 @@ def save_sharded_from_full(checkpoint: Mapping[str, Any], path: str) -> None:
     _write(checkpoint, path, Collective(alone=True), "index")
 
 
-def _read_directory(path: str, weights_only: bool | None) -> tuple[Metadata, dict[str, Any], Any]:
+def _read_directory(path: str, weights_only: bool | None) -> tuple[Metadata, Checkpoint, dict[str, Any]]:
     """(DCP metadata, its shard files checked; ``meta.pt``; ``meta.pt``'s ``"lightning_fsdp"`` entry, popped)."""
     metadata = read_dcp_metadata(path, weights_only)
     check_shard_files(path, metadata)
@@ -188,7 +213,7 @@ def _read_directory(path: str, weights_only: bool | None) -> tuple[Metadata, dic
     return metadata, meta, meta.pop(FORMAT_KEY, None) or {}
 
 
-def dcp_entries(metadata: Metadata, saved_order: bool = False) -> dict[str, tuple[tuple, Any]]:
+def dcp_entries(metadata: Metadata, saved_order: bool = False) -> dict[str, _Entry]:
     """flat key -> (path in the saved nested dict, storage metadata); ``saved_order``: in the saved dict's order
     (DCP's save planner records it), else the metadata's."""
     paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
@@ -203,7 +228,7 @@ def dcp_entries(metadata: Metadata, saved_order: bool = False) -> dict[str, tupl
     return out
 
 
-def _set(container: Any, path: Sequence[Any], value: Any) -> None:
+def _set(container: Any, path: _EntryPath, value: object) -> None:
     """Set ``value`` at ``path`` in nested dicts/lists, creating them (lists for int keys) on the way."""
     for i, key in enumerate(path):
         if isinstance(container, list):
@@ -227,7 +252,7 @@ class _ShardedLoad:
         optimizers: Sequence[Optimizer] | None,
         coll: Collective,
         weights_only: bool | None,
-        pipeline: Any = None,
+        pipeline: PipelineCheckpoint | None = None,
     ) -> None:
         self.path = path
         self.engine = engine
@@ -243,10 +268,12 @@ class _ShardedLoad:
         )
         self.optimizers = list(optimizers) if optimizers is not None and self.optimizer_prefixes else None
         if self.optimizers is not None:
-            common.check_optimizer_count(f"Sharded checkpoint {path!r}", len(self.optimizer_prefixes), len(optimizers))
+            common.check_optimizer_count(
+                f"Sharded checkpoint {path!r}", len(self.optimizer_prefixes), len(self.optimizers)
+            )
         self._plan_model()
 
-    def _target(self, full_shape: tuple[int, ...], dtype: torch.dtype, layout: ShardLayout | None) -> Any:
+    def _target(self, full_shape: tuple[int, ...], dtype: torch.dtype, layout: ShardLayout | None) -> torch.Tensor:
         if layout is not None and is_sharded(layout) and len(full_shape) > 0:
             return _dtensor(torch.zeros(tuple(layout.local_shape), dtype=dtype), layout, _mesh(self.engine, "cpu"))
         return torch.zeros(full_shape, dtype=dtype)
@@ -258,8 +285,8 @@ class _ShardedLoad:
         param_keys = {name for name, _ in module.named_parameters(remove_duplicate=False)}
         stored = {p[1]: key for key, (p, _) in self.entries.items() if p[0] == "model" and len(p) == 2}
         self.model_keys: dict[str, str] = {}  # model key -> flat key
-        self.tensor_targets: dict[str, Any] = {}
-        self.bytes_targets: dict[str, Any] = {}
+        self.tensor_targets: dict[str, torch.Tensor] = {}
+        self.bytes_targets: dict[str, object] = {}
         self.layouts: dict[str, ShardLayout] = {}
         for key, value in own.items():
             flat = stored.get(key)
@@ -352,21 +379,21 @@ class _ShardedLoad:
                     row_names = recorded.get(str(p[2])) if recorded else None
                     rows = p[3] in row_names if row_names is not None else p[3] != "step"
                 self.tensor_targets[flat] = self._target(full, storage.properties.dtype, layout if rows else None)
-                if rows:
+                if rows and layout is not None:
                     self.layouts[flat] = layout
                 state_targets[flat] = (position, tuple(p[3:]), "tensor")
             self.optimizer_plans.append((groups, state_targets, here_sizes))
 
-    def _local(self, flat: str, value: Any) -> Any:
+    def _local(self, flat: str, value: object) -> object:
         """This rank's rows of a loaded target (DTensor -> its local tensor; a 0-dim parameter -> its row)."""
-        if hasattr(value, "to_local"):
+        if isinstance(value, DTensor):
             return value.to_local()
         layout = self.layouts.get(flat)
-        if layout is not None:
+        if layout is not None and isinstance(value, torch.Tensor):
             return layout.local_slice(value)
         return value
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> Checkpoint:
         """Load (two rounds of DCP reads: the small non-tensor entries, then the tensors) and build the dict."""
         # Round 1: all non-tensor entries of the model and the optimizers (param_groups, hyper-parameters).
         bytes_keys = dict(self.bytes_targets)
@@ -395,9 +422,9 @@ class _ShardedLoad:
         return checkpoint
 
     def _optimizer_state(
-        self, groups: list[dict[str, Any]], state_targets: dict, sizes: list[int]
+        self, groups: list[dict[str, Any]], state_targets: dict[str, tuple[int, _EntryPath, str]], sizes: list[int]
     ) -> ShardedOptimizerState:
-        state: dict[int, dict[str, Any]] = {}
+        state: dict[int, dict[str, object]] = {}
         for flat, (position, sub, _kind) in state_targets.items():
             entry = state.setdefault(position, {})
             _set(entry, sub, self._local(flat, self.loaded[flat]))
@@ -407,7 +434,7 @@ class _ShardedLoad:
 
 def load_sharded_checkpoint(
     path: str, run: CheckpointRun, *, coll: Collective | None = None, weights_only: bool | None = None
-) -> dict[str, Any]:
+) -> Checkpoint:
     """Read a sharded directory on every rank into a checkpoint dict holding this rank's rows under the current
     layout (``ShardedStateDict``, and ``ShardedOptimizerState`` entries if ``run.optimizers`` is given)."""
     engine, optimizers = run.engine, run.optimizers
@@ -418,12 +445,12 @@ def load_sharded_checkpoint(
     return loader.run()
 
 
-def read_sharded_checkpoint_full(path: str, weights_only: bool | None = None) -> dict[str, Any]:
+def read_sharded_checkpoint_full(path: str, weights_only: bool | None = None) -> Checkpoint:
     """A sharded directory as one full checkpoint (plain ``torch.optim`` optimizer state), in this process alone."""
     # What torch's format_utils.dcp_to_torch_save reads (every entry whole), through the public dcp.load.
     metadata, meta, info = _read_directory(path, weights_only)
     entries = dcp_entries(metadata, saved_order=True)
-    targets = {
+    targets: dict[str, torch.Tensor | None] = {
         flat: torch.empty(tuple(storage.size), dtype=storage.properties.dtype)
         if isinstance(storage, TensorStorageMetadata)
         else None
@@ -454,7 +481,7 @@ class ShardedFormat(common.DirectoryFormat):
     model_state_dict = staticmethod(sharded_model_state_dict)
     optimizer_state = staticmethod(sharded_optimizer_state_dict)
 
-    def write(self, checkpoint: dict[str, Any], path: Any, run: CheckpointRun) -> None:
+    def write(self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun) -> None:
         save_sharded_checkpoint(checkpoint, path, pipeline=run.pipeline)
 
     read = staticmethod(load_sharded_checkpoint)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -144,7 +143,8 @@ class GPT(nn.Module):
         super().__init__()
         # Registration order = construction order = the order reset_parameters() draws random numbers in
         # when the modules are walked, which keeps meta-device materialisation equal to a normal init.
-        _add_embeddings(self, config)
+        self.config = config
+        self.wte, self.wpe, self.drop = _embeddings(config)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         # No bias on the output projection: it would be the one untied piece of a tied head.
@@ -188,20 +188,23 @@ class Embeddings(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        _add_embeddings(self, config)
+        self.config = config
+        self.wte, self.wpe, self.drop = _embeddings(config)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return _embed(self, idx)
 
 
-def _add_embeddings(module: nn.Module, config: GPTConfig) -> None:
-    module.config = config
-    module.wte = _Embedding(config.vocab_size, config.n_embd)
-    module.wpe = _Embedding(config.block_size, config.n_embd)
-    module.drop = nn.Dropout(config.dropout)
+def _embeddings(config: GPTConfig) -> tuple[_Embedding, _Embedding, nn.Dropout]:
+    """``wte``, ``wpe`` and ``drop`` of a module that embeds (built in this order: see ``GPT.__init__``)."""
+    return (
+        _Embedding(config.vocab_size, config.n_embd),
+        _Embedding(config.block_size, config.n_embd),
+        nn.Dropout(config.dropout),
+    )
 
 
-def _embed(module: Any, idx: torch.Tensor) -> torch.Tensor:
+def _embed(module: GPT | Embeddings, idx: torch.Tensor) -> torch.Tensor:
     T = idx.shape[1]
     if T > module.config.block_size:
         raise ValueError(f"sequence length {T} exceeds block_size {module.config.block_size}")

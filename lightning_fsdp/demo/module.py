@@ -5,10 +5,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import lightning as L
 import torch
+from torch import nn
 
 from lightning_fsdp.demo.gpt import GPT, GPTConfig
 
@@ -90,18 +90,19 @@ class GPTLightningModule(L.LightningModule):
         """The most likely next character at every position."""
         return self(batch).argmax(dim=-1)
 
-    def configure_optimizers(self) -> Any:
+    def configure_optimizers(self) -> torch.optim.Optimizer:
         # Groups by parameter name, not shape: under FSDP a rank may hold an empty shard of a matrix, but the
         # strategy keeps the original names.
-        decay, no_decay = [], []
+        decay: list[nn.Parameter] = []
+        no_decay: list[nn.Parameter] = []
         for name, param in self.named_parameters():
             if param.requires_grad:
                 (no_decay if _is_no_decay(name) else decay).append(param)
         groups = [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": decay, "weight_decay": self.hparams["weight_decay"]},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW(groups, lr=self.hparams.lr, betas=tuple(self.hparams.betas))
+        return torch.optim.AdamW(groups, lr=self.hparams["lr"], betas=tuple(self.hparams["betas"]))
 
 
 def _is_no_decay(name: str) -> bool:

@@ -13,35 +13,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, NamedTuple, Protocol
+from types import ModuleType
+from typing import NamedTuple, Protocol
 
 import torch
+
+from lightning_fsdp.engine.devices import device_runtime
 
 # FSDP2's priority for its all-gather and reduce-scatter streams: higher than the default stream's (0).
 HIGH_PRIORITY = -1
 
 
-def stream_module(device: torch.device) -> Any | None:
-    """``torch.cuda`` / ``torch.hpu``, whose streams order ``device``'s work; None on CPU or without real streams."""
-    if device.type in ("cpu", "meta"):
-        return None
-    try:
-        module = torch.get_device_module(device)
-    except RuntimeError:
-        return None
-    needed = ("Stream", "current_stream", "stream")
-    if not all(hasattr(module, name) for name in needed):
-        return None
-    is_available = getattr(module, "is_available", None)
-    return module if is_available is None or is_available() else None
+def stream_module(device: torch.device) -> ModuleType | None:
+    """``torch.cuda`` / ``torch.hpu``, whose streams order ``device``'s work; None on CPU or without real streams (the
+    device's runtime decides: engine/devices.py)."""
+    return device_runtime(device).stream_module(device)
 
 
 def pins_host_memory(device: torch.device) -> bool:
     """Whether ``device``'s host buffers can be pinned (``pin_memory=True`` raises without an accelerator)."""
-    if device.type in ("cpu", "meta") or not torch.accelerator.is_available():
-        return False
-    current = torch.accelerator.current_accelerator()
-    return current is not None and current.type == device.type
+    return device_runtime(device).pins_host_memory(device)
 
 
 class DeviceModule(Protocol):

@@ -11,17 +11,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lightning_fsdp.checkpoint import StateDict
 from lightning_fsdp.checkpoint.common import check_group_sizes, numbered_groups
 from lightning_fsdp.checkpoint.full import full_model_state_dict, full_optimizer_state_dict
 from lightning_fsdp.checkpoint.paths import FULL, LOCAL, SHARDED
 from lightning_fsdp.checkpoint.sharded import sharded_model_state_dict, sharded_optimizer_state_dict
 from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
+
+if TYPE_CHECKING:
+    from lightning_fsdp.pipeline.runtime import PipelineLayout, PipelineRuntime
+
+_T = TypeVar("_T")
 
 __all__ = [
     "OptimizerMap",
@@ -89,7 +95,7 @@ class PipelineCheckpoint:
 
     def __init__(
         self,
-        layout: Any,
+        layout: PipelineLayout,
         stages: Sequence[Sequence[str]],
         model_keys: list[str],
         local_keys: set[str],
@@ -103,7 +109,9 @@ class PipelineCheckpoint:
         self.optimizers = optimizers
 
     @classmethod
-    def gather(cls, runtime: Any, engine: ShardingEngine, optimizers: Sequence[Optimizer] = ()) -> PipelineCheckpoint:
+    def gather(
+        cls, runtime: PipelineRuntime, engine: ShardingEngine, optimizers: Sequence[Optimizer] = ()
+    ) -> PipelineCheckpoint:
         """Every rank's state-dict keys and optimizer parameter names, all-gathered; call on every rank."""
         layout = runtime.layout
         engine.reshard_idle()  # a forward whose backward never came leaves stand-ins: names are read past them
@@ -129,7 +137,7 @@ class PipelineCheckpoint:
         ]
         return cls(layout, runtime.stages, model_keys, set(keys), maps)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         """The ``"pipeline"`` entry of a sharded checkpoint's format info (read back by the offline readers)."""
         return {
             "size": self.layout.size,
@@ -138,18 +146,19 @@ class PipelineCheckpoint:
             "model_keys": list(self.model_keys),
         }
 
-    def _to_global_rank0(self, obj: Any) -> list[Any] | None:
+    def _to_global_rank0(self, obj: _T) -> list[_T] | None:
         """Every pipeline rank's ``obj`` (sent by its data-parallel rank 0) on global rank 0, in pipeline-rank
         order; ``None`` elsewhere. Call on every rank."""
         layout = self.layout
         if layout.dp_rank != 0:
             return None
         first = dist.get_global_rank(layout.pp_group, 0)
-        out: list[Any] | None = [None] * layout.size if dist.get_rank() == first else None
+        # Each entry replaced by that pipeline rank's object.
+        out: list[_T] | None = [obj] * layout.size if dist.get_rank() == first else None
         dist.gather_object(obj, out, dst=first, group=layout.pp_group)
         return out
 
-    def merge_full_model(self, state: Mapping[str, Any]) -> dict[str, Any]:
+    def merge_full_model(self, state: Mapping[str, object]) -> StateDict:
         """The unsplit model's full state dict on global rank 0 (``{}`` elsewhere), from each stage's full state
         dict on its data-parallel rank 0 (``state``; empty on the other ranks)."""
         parts = self._to_global_rank0(dict(state))
@@ -160,14 +169,14 @@ class PipelineCheckpoint:
         ordered.update(merged)  # keys the unsplit model does not have (left for strict loading to report) come last
         return ordered
 
-    def merge_full_optimizer(self, index: int, state: Mapping[str, Any]) -> dict[str, Any]:
+    def merge_full_optimizer(self, index: int, state: Mapping[str, Any]) -> StateDict:
         """Optimizer ``index``'s full state in plain ``torch.optim`` layout for the unsplit model on global rank 0
         (``{}`` elsewhere), from each stage's (this rank's optimizer positions) on its data-parallel rank 0."""
         parts = self._to_global_rank0(dict(state))
         if parts is None:
             return {}
         mapping = self.optimizers[index]
-        entries: dict[int, Any] = {}
+        entries: dict[int, object] = {}
         for rank, part in enumerate(parts):
             positions = mapping.by_rank[rank]
             for position, entry in part.get("state", {}).items():
@@ -175,12 +184,12 @@ class PipelineCheckpoint:
         groups = numbered_groups(parts[0]["param_groups"], mapping.sizes)
         return {"state": dict(sorted(entries.items())), "param_groups": groups}
 
-    def local_model_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
+    def local_model_state(self, state: Mapping[str, object]) -> dict[str, object]:
         """A full state dict of the unsplit model narrowed to this rank's stages. Keys the unsplit model does not
         have stay, so that strict loading reports them as unexpected."""
         return {k: v for k, v in state.items() if k in self.local_keys or k not in self.model_key_set}
 
-    def local_optimizer_state(self, index: int, state: Mapping[str, Any], here: Optimizer, source: str) -> dict:
+    def local_optimizer_state(self, index: int, state: Mapping[str, Any], here: Optimizer, source: str) -> StateDict:
         """A plain ``torch.optim`` state dict of the unsplit optimizer (index-keyed) narrowed to this rank's
         parameters, renumbered by this rank's optimizer positions."""
         mapping = self.optimizers[index]
@@ -195,11 +204,11 @@ class PipelineCheckpoint:
             entry = saved.get(unsplit, saved.get(str(unsplit)))
             if entry is not None:
                 local_state[position] = entry
-        sizes = [len(g["params"]) for g in here.param_groups]
-        return {"state": local_state, "param_groups": numbered_groups(groups, sizes)}
+        here_sizes = [len(g["params"]) for g in here.param_groups]
+        return {"state": local_state, "param_groups": numbered_groups(groups, here_sizes)}
 
 
-def _settings(group: Mapping[str, Any]) -> str:
+def _settings(group: Mapping[str, object]) -> str:
     return repr({k: v for k, v in group.items() if k != "params"})
 
 
@@ -208,7 +217,7 @@ def _optimizer_map(
     rank_groups: list[list[list[str]]],
     rank_settings: list[list[str]],
     parameter_order: list[str],
-    layout: Any,
+    layout: PipelineLayout,
 ) -> OptimizerMap:
     counts = [len(g) for g in rank_groups]
     if len(set(counts)) > 1:
@@ -248,7 +257,7 @@ def _optimizer_map(
     return OptimizerMap(tuple(tuple(g) for g in unsplit), by_rank[layout.pp_rank], by_rank)
 
 
-def pipeline_model_state_dict(kind: str, runtime: Any, engine: ShardingEngine) -> dict[str, Any]:
+def pipeline_model_state_dict(kind: str, runtime: PipelineRuntime, engine: ShardingEngine) -> StateDict:
     """``lightning_module_state_dict`` under pipeline parallelism: the unsplit model's full state on global rank 0
     (full), or this rank's stages' rows as DTensors (sharded). Call on every rank."""
     check_pipeline_format(kind)
@@ -259,7 +268,9 @@ def pipeline_model_state_dict(kind: str, runtime: Any, engine: ShardingEngine) -
     return info.merge_full_model(full_model_state_dict(engine, keep=runtime.layout.dp_rank == 0))
 
 
-def pipeline_optimizer_state(kind: str, runtime: Any, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
+def pipeline_optimizer_state(
+    kind: str, runtime: PipelineRuntime, engine: ShardingEngine, optimizer: Optimizer
+) -> StateDict:
     """``optimizer_state`` under pipeline parallelism: the unsplit optimizer's full state on global rank 0 (full), or
     this rank's state keyed by name with the unsplit param groups (sharded). Call on every rank."""
     check_pipeline_format(kind)

@@ -9,7 +9,7 @@ and a ``TorchFunctionMode`` sees every operation of the forward's own code, i.e.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,18 +25,18 @@ class BrokenChainError(ValueError):
     """The model's forward is not a chain over its pieces at a cut (see [Note: what the check catches])."""
 
 
-def tensors_in(tree: Any) -> list[torch.Tensor]:
+def tensors_in(tree: object) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
 class _ChainTracker(TorchFunctionMode):
     """Follows one stage's forward on the meta copy (see [Note: what the check catches])."""
 
-    def __init__(self, stage: int, model_name: str, stage_input: tuple) -> None:
+    def __init__(self, stage: int, model_name: str, stage_input: tuple[object, ...]) -> None:
         super().__init__()
         self.stage = stage
         self.model_name = model_name
-        self.latest: Any = stage_input[0] if stage_input else None
+        self.latest: object = stage_input[0] if stage_input else None
         # Stand-ins: the values that on this stage take the place of what earlier stages computed (the stage input,
         # and the pass-through of it by absent pieces). Stage 0's input is the real input, not a stand-in.
         self.standins: set[int] = {id(t) for t in tensors_in(stage_input)} if stage else set()
@@ -53,11 +53,17 @@ class _ChainTracker(TorchFunctionMode):
             "example token and position embeddings in one embedding module), or cut elsewhere (pipeline_split)."
         )
 
-    def _is_latest(self, value: Any) -> bool:
+    def _is_latest(self, value: object) -> bool:
         latest = self.latest
         return value is latest or (isinstance(latest, tuple) and bool(latest) and value is latest[0])
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: object,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> Any:  # whatever the torch function returns
         result = func(*args, **(kwargs or {}))
         if self.depth or not tensors_in(result):
             return result  # inside a piece, or a query of sizes / dtypes / devices
@@ -69,7 +75,7 @@ class _ChainTracker(TorchFunctionMode):
             self._fail(f"after the stage's last piece the forward's own code computes {what} with its output")
         return result
 
-    def before_piece(self, name: str, module: nn.Module, args: tuple) -> None:
+    def before_piece(self, name: str, module: nn.Module, args: tuple[object, ...]) -> None:
         if self.depth == 0 and isinstance(module, AbsentPiece) and (not self.ran or self.passing):
             # Before the stage's first piece, and after the first absent piece that follows its last one, absent pieces
             # must pass the chain on: each is given the previous piece's output.
@@ -79,7 +85,7 @@ class _ChainTracker(TorchFunctionMode):
                 )
         self.depth += 1
 
-    def after_piece(self, module: nn.Module, output: Any) -> None:
+    def after_piece(self, module: nn.Module, output: object) -> None:
         self.depth -= 1
         if self.depth:
             return
@@ -97,7 +103,7 @@ class _ChainTracker(TorchFunctionMode):
 
 
 @contextmanager
-def chain_checked(view: nn.Module, pieces: list[str], stage: int, stage_input: tuple) -> Iterator[None]:
+def chain_checked(view: nn.Module, pieces: list[str], stage: int, stage_input: tuple[object, ...]) -> Iterator[None]:
     """Run ``view``'s forward inside this to check the chain contract for ``stage`` (``pieces``: all of them)."""
     tracker = _ChainTracker(stage, type(view).__name__, stage_input)
     handles = []

@@ -6,14 +6,16 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_fsdp.checkpoint import StateDict
 from lightning_fsdp.checkpoint.common import CheckpointFormat
-from lightning_fsdp.engine import MixedPrecision, ShardingEngine
+from lightning_fsdp.engine import MixedPrecision, ShardingEngine, ShardingOptions
 from lightning_fsdp.options import PipelineOptions, check_pipeline_composition, check_pipeline_precision
 from lightning_fsdp.pipeline.checkpoint import (
     PipelineCheckpoint,
@@ -23,12 +25,31 @@ from lightning_fsdp.pipeline.checkpoint import (
 )
 from lightning_fsdp.pipeline.runtime import PipelineRuntime, pipeline_layout
 from lightning_fsdp.pipeline.split import plan_stages
+from lightning_fsdp.process_groups import ShardGroups
 
-__all__ = ["PipelineRole", "StageRole", "pipeline_role"]
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["PipelineRole", "SplitContext", "StageRole", "pipeline_role"]
+
+
+class SplitContext(NamedTuple):
+    """What cutting the model into stages needs to know about the run (``PipelineRole.split``)."""
+
+    world_size: int
+    rank: int
+    device: torch.device  # where the stages compute
+    timeout: timedelta | None  # the strategy's, for the pipeline's groups
+    precision: str  # the Trainer's precision flag
+    mixed_precision: MixedPrecision | None  # the engine's: the stages' shapes are worked out in its compute dtype
 
 
 def pipeline_role(
-    options: PipelineOptions, sharding: Any, process_group: Any, device_mesh: Any, state_dict_type: str
+    options: PipelineOptions,
+    sharding: ShardingOptions,
+    process_group: object,
+    device_mesh: object,
+    state_dict_type: str,
 ) -> PipelineRole:
     """The role for these options, checked against the strategy's others (on every rank, before any group)."""
     check_pipeline_composition(options, sharding, process_group, device_mesh)
@@ -49,11 +70,10 @@ class PipelineRole:
     def sampler_kwargs(self, world_size: int, rank: int) -> dict[str, int]:
         return {"num_replicas": world_size, "rank": rank}
 
-    def split(self, module: nn.Module, **run: Any) -> None:
-        """Cut the model into stages and keep this rank's, before the model is sharded (``run``: as
-        :meth:`StageRole.split` takes it)."""
+    def split(self, module: pl.LightningModule, run: SplitContext) -> None:
+        """Cut the model into stages and keep this rank's, before the model is sharded."""
 
-    def shard_groups(self, default: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+    def shard_groups(self, default: Callable[[], ShardGroups]) -> ShardGroups:
         """The (shard, replicate) groups to shard the model over; ``default()`` resolves the strategy's own."""
         return default()
 
@@ -61,16 +81,16 @@ class PipelineRole:
         """The engine of the sharded model: which of its units belong to which of this rank's stages."""
 
     @property
-    def stage_group(self) -> Any:
+    def stage_group(self) -> dist.ProcessGroup | None:
         """The group over which gradient clipping combines the norms of the other stages' parameters."""
         return None
 
     @contextmanager
-    def training_step(self, trainer: Any, module: Any) -> Generator[None, None, None]:
+    def training_step(self, trainer: pl.Trainer | None, module: pl.LightningModule) -> Generator[None, None, None]:
         """Around the user's ``training_step``."""
         yield
 
-    def backward_ran(self, loss: Any) -> bool:
+    def backward_ran(self, loss: object) -> bool:
         """Whether the loss's backward has run already (inside ``pipelined_loss``): only Lightning's hooks remain."""
         return False
 
@@ -86,10 +106,10 @@ class PipelineRole:
         """The other stages' keys and the unsplit optimizers for a checkpoint format (a collective when pipelined)."""
         return None
 
-    def model_state_dict(self, fmt: CheckpointFormat, engine: ShardingEngine) -> dict[str, Any]:
+    def model_state_dict(self, fmt: CheckpointFormat, engine: ShardingEngine) -> StateDict:
         return fmt.model_state_dict(engine)
 
-    def optimizer_state(self, fmt: CheckpointFormat, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
+    def optimizer_state(self, fmt: CheckpointFormat, engine: ShardingEngine, optimizer: Optimizer) -> StateDict:
         return fmt.optimizer_state(engine, optimizer)
 
 
@@ -105,17 +125,7 @@ class StageRole(PipelineRole):
         data = self.options.check_world(world_size)
         return {"num_replicas": data, "rank": rank % data}
 
-    def split(
-        self,
-        module: nn.Module,
-        *,
-        world_size: int,
-        rank: int,
-        device: torch.device,
-        timeout: timedelta | None,
-        precision: str,
-        mixed_precision: MixedPrecision | None,
-    ) -> None:
+    def split(self, module: pl.LightningModule, run: SplitContext) -> None:
         if self.runtime is not None:  # fit, then validate/test on the same module
             return
         options = self.options
@@ -125,15 +135,15 @@ class StageRole(PipelineRole):
                 f"pipeline_module={options.module!r}: {type(module).__name__}.{options.module} is "
                 f"{type(model).__name__}, not an nn.Module; name the LightningModule attribute that holds the model."
             )
-        options.check_world(world_size)
-        check_pipeline_precision(options, precision)
+        options.check_world(run.world_size)
+        check_pipeline_precision(options, run.precision)
         plan_stages(model, options.num_stages, options.split)  # a bad cut raises here, before the groups exist
-        layout = pipeline_layout(options.size, world_size, rank, device.type, timeout)
-        dtype = mixed_precision.param_dtype if mixed_precision is not None else None
-        self.runtime = PipelineRuntime(model, options, layout, device, compute_dtype=dtype)
+        layout = pipeline_layout(options.size, run.world_size, run.rank, run.device.type, run.timeout)
+        dtype = run.mixed_precision.param_dtype if run.mixed_precision is not None else None
+        self.runtime = PipelineRuntime(model, options, layout, run.device, compute_dtype=dtype)
         self.runtime.accumulation = lambda: _loss_divisor(module)
 
-    def shard_groups(self, default: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+    def shard_groups(self, default: Callable[[], ShardGroups]) -> ShardGroups:
         assert self.runtime is not None
         return self.runtime.layout.dp_group, None
 
@@ -142,11 +152,11 @@ class StageRole(PipelineRole):
         self.runtime.attach_engine(engine)
 
     @property
-    def stage_group(self) -> Any:
+    def stage_group(self) -> dist.ProcessGroup | None:
         return self.runtime.layout.pp_group if self.runtime is not None else None
 
     @contextmanager
-    def training_step(self, trainer: Any, module: Any) -> Generator[None, None, None]:
+    def training_step(self, trainer: pl.Trainer | None, module: pl.LightningModule) -> Generator[None, None, None]:
         # Lightning's automatic optimization zeroes gradients *after* training_step, which under pipelining has run its
         # backward already: the previous step's gradients are dropped before the first training_step of an
         # accumulation cycle, and the new ones set aside after it, for the strategy's backward to put back.
@@ -162,7 +172,7 @@ class StageRole(PipelineRole):
             for param, _ in self._held:
                 param.grad = None
 
-    def backward_ran(self, loss: Any) -> bool:
+    def backward_ran(self, loss: object) -> bool:
         if self.runtime is None:
             return False
         if isinstance(loss, Tensor) and loss.grad_fn is None:
@@ -190,14 +200,16 @@ class StageRole(PipelineRole):
         assert engine is not None
         return PipelineCheckpoint.gather(self.runtime, engine, optimizers or [])
 
-    def model_state_dict(self, fmt: CheckpointFormat, engine: ShardingEngine) -> dict[str, Any]:
+    def model_state_dict(self, fmt: CheckpointFormat, engine: ShardingEngine) -> StateDict:
+        assert self.runtime is not None  # split in setup, before any checkpoint
         return pipeline_model_state_dict(fmt.kind, self.runtime, engine)
 
-    def optimizer_state(self, fmt: CheckpointFormat, engine: ShardingEngine, optimizer: Optimizer) -> dict[str, Any]:
+    def optimizer_state(self, fmt: CheckpointFormat, engine: ShardingEngine, optimizer: Optimizer) -> StateDict:
+        assert self.runtime is not None
         return pipeline_optimizer_state(fmt.kind, self.runtime, engine, optimizer)
 
 
-def _loss_divisor(module: Any) -> int:
+def _loss_divisor(module: pl.LightningModule) -> int:
     """What Lightning divides a plain step's loss by: ``accumulate_grad_batches`` under automatic optimization."""
     trainer = getattr(module, "_trainer", None)
     if trainer is None or not module.automatic_optimization:

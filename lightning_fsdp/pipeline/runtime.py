@@ -7,7 +7,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -15,11 +15,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.utils._pytree import tree_map
 
 from lightning_fsdp.options import SCHEDULES, PipelineOptions
 from lightning_fsdp.pipeline.contract import BrokenChainError, chain_checked, tensors_in
 from lightning_fsdp.pipeline.split import keep_only, meta_copy, plan_stages, stage_view
+
+if TYPE_CHECKING:
+    from lightning_fsdp.engine import ShardingEngine
+    from lightning_fsdp.engine.unit import FlatUnit
+
+# The user's loss: (the model's output, the target) -> the mean loss over the samples it is given.
+LossFn = Callable[[Any, Any], torch.Tensor]
 
 _RUNTIMES: weakref.WeakKeyDictionary[nn.Module, PipelineRuntime] = weakref.WeakKeyDictionary()
 
@@ -44,9 +52,8 @@ def pipeline_layout(
     node), so the engine's all-gathers and reduce-scatters stay within a node and only P2P activations cross."""
     data = world_size // size
     pp_rank, dp_rank = divmod(rank, data)
-    kwargs = {"timeout": timeout} if timeout is not None else {}
-    dp_groups = [dist.new_group([p * data + d for d in range(data)], **kwargs) for p in range(size)]
-    pp_groups = [dist.new_group([p * data + d for p in range(size)], **kwargs) for d in range(data)]
+    dp_groups = [dist.new_group([p * data + d for d in range(data)], timeout=timeout) for p in range(size)]
+    pp_groups = [dist.new_group([p * data + d for p in range(size)], timeout=timeout) for d in range(data)]
     dp_group, pp_group = dp_groups[pp_rank], pp_groups[dp_rank]
     mesh = DeviceMesh.from_group(
         [pp_group, dp_group], device_type, mesh=torch.arange(world_size).view(size, data), mesh_dim_names=("pp", "dp")
@@ -55,7 +62,7 @@ def pipeline_layout(
 
 
 class _Schedule(NamedTuple):
-    schedule: Any
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti
     first: bool  # this rank holds stage 0 (takes the inputs)
     last: bool  # this rank holds the last stage (computes the losses)
 
@@ -81,13 +88,16 @@ class PipelineRuntime:
         self._meta_views = [stage_view(_cast(meta_copy(model), compute_dtype), s) for s in self.stages]
         keep_only(model, [piece for s in self.local_stages for piece in self.stages[s]])
         self._views = [stage_view(model, self.stages[s]) for s in self.local_stages]
-        self._schedules: dict[tuple, _Schedule] = {}
-        self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+        # By the inputs' (shape, dtype) and whether training.
+        self._schedules: dict[tuple[tuple[tuple[tuple[int, ...], torch.dtype], ...], bool], _Schedule] = {}
+        self._loss_fn: LossFn | None = None
         self._loss_scale = 1.0
-        self.engine: Any = None  # attach_engine, once the model is sharded
+        self.engine: ShardingEngine | None = None  # attach_engine, once the model is sharded
         self._model = model
-        self._stage_units: dict[int, list[Any]] = {}  # this rank's stages' units, by stage
-        self._shared_units: list[Any] = []  # units of no single stage (the root unit): reduced after the last backward
+        self._stage_units: dict[int, list[FlatUnit]] = {}  # this rank's stages' units, by stage
+        self._shared_units: list[
+            FlatUnit
+        ] = []  # units of no single stage (the root unit): reduced after the last backward
         self._stages_done = 0  # stages whose last microbatch's backward ran in this step
         # The divisor Lightning applies to a plain step's loss (accumulate_grad_batches under automatic optimization).
         self.accumulation: Callable[[], int] = lambda: 1
@@ -98,7 +108,7 @@ class PipelineRuntime:
         name = type(model).__name__
         model.register_forward_pre_hook(lambda _m, _a: _refuse_direct_call(name))
 
-    def attach_engine(self, engine: Any) -> None:
+    def attach_engine(self, engine: ShardingEngine) -> None:
         """The sharding engine of this rank's stages: which of its units belong to which stage (see
         [Note: gradient reduction per stage])."""
         self.engine = engine
@@ -110,11 +120,11 @@ class PipelineRuntime:
         self._stage_units = {stage: [] for stage in self.local_stages}
         self._shared_units = []
         for unit in engine.units:
-            stage = stage_of.get(id(unit.module))
-            if stage is None:
+            owner = stage_of.get(id(unit.module))
+            if owner is None:
                 self._shared_units.append(unit)
             else:
-                self._stage_units[stage].append(unit)
+                self._stage_units[owner].append(unit)
         # Backward prefetching follows the forward order recorded on the first step; with several stages on a rank
         # that order runs from one stage into the next, which the schedule does not follow.
         engine.set_prefetch_groups(list(self._stage_units.values()))
@@ -122,7 +132,7 @@ class PipelineRuntime:
         # does not come next, so keeping that unit gathered would only hold its memory.
         engine.keep_last_unit_for_backward = False
 
-    def _backward_units(self, stage: int, last_backward: bool) -> tuple[list[Any], list[Any]]:
+    def _backward_units(self, stage: int, last_backward: bool) -> tuple[list[FlatUnit], list[FlatUnit]]:
         """``(scope, held)`` of a backward of ``stage``: the units it concerns, and those of them whose gradients it
         leaves unreduced: all but in the stage's last backward ([Note: gradient reduction per stage])."""
         own = self._stage_units.get(stage, [])
@@ -131,10 +141,12 @@ class PipelineRuntime:
         self._stages_done += 1
         return own + (self._shared_units if self._stages_done == len(self.local_stages) else []), []
 
-    def _shapes(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[tuple, Any]]:
+    def _shapes(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[tuple[object, ...], object]]:
         """Each stage's (input, output) on the meta device for one microbatch of ``inputs``."""
         m = self.options.num_microbatches
-        x: Any = tuple(torch.empty((t.shape[0] // m, *t.shape[1:]), dtype=t.dtype, device="meta") for t in inputs)
+        x: tuple[object, ...] = tuple(
+            torch.empty((t.shape[0] // m, *t.shape[1:]), dtype=t.dtype, device="meta") for t in inputs
+        )
         shapes = []
         with torch.no_grad():
             for index, view in enumerate(self._meta_views):
@@ -185,44 +197,44 @@ class PipelineRuntime:
         self._schedules[key] = found
         return found
 
-    def _example(self, meta: Any, needs_grad: bool) -> Any:
+    def _example(self, meta: object, needs_grad: bool) -> object:
         if not isinstance(meta, torch.Tensor):
             return meta
         tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
         return tensor.requires_grad_(needs_grad and tensor.is_floating_point())
 
-    def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
+    def _scaled_loss(self, output: object, target: object) -> torch.Tensor:
         assert self._loss_fn is not None
         return self._loss_fn(output, target) * self._loss_scale
 
     def run(
         self,
         inputs: torch.Tensor | tuple[torch.Tensor, ...],
-        target: Any,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
+        target: object,
+        loss_fn: LossFn,
         *,
         train: bool,
         accumulation: int = 1,
     ) -> torch.Tensor:
         """One global batch through the pipeline (backward too when ``train``); returns the batch's loss."""
-        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
         m = self.options.num_microbatches
-        for tensor in [*inputs, *tensors_in(target)]:
+        for tensor in [*args, *tensors_in(target)]:
             if tensor.shape[0] % m:
                 raise ValueError(
                     f"This rank's batch has {tensor.shape[0]} samples, which pipeline_microbatches={m} does not "
                     f"divide; use a per-rank batch size that is a multiple of {m} (and drop_last=True)."
                 )
-        found = self._schedule(inputs, train)
+        found = self._schedule(args, train)
         self._stages_done = 0
         self._loss_fn = loss_fn
         self._loss_scale = 1.0 / (m * accumulation)
         losses: list[torch.Tensor] = []
-        args = inputs if found.first else ()
+        first = args if found.first else ()
         if train:
-            found.schedule.step(*args, target=target, losses=losses)
+            found.schedule.step(*first, target=target, losses=losses)
         else:
-            found.schedule.eval(*args, target=target, losses=losses)
+            found.schedule.eval(*first, target=target, losses=losses)
         return self._global_loss(losses if found.last else None)
 
     def _global_loss(self, losses: list[torch.Tensor] | None) -> torch.Tensor:
@@ -250,7 +262,9 @@ class _ShardedStage(PipelineStage):
 
     runtime: PipelineRuntime | None = None
 
-    def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict[str, Any], last_backward: bool = False
+    ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
         runtime = self.runtime
         if runtime is None or runtime.engine is None:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
@@ -284,8 +298,8 @@ def runtime_of(model: nn.Module) -> PipelineRuntime | None:
 def pipelined_loss(
     model: nn.Module,
     inputs: torch.Tensor | tuple[torch.Tensor, ...],
-    target: Any,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    target: object,
+    loss_fn: LossFn,
 ) -> torch.Tensor:
     """The loss of ``model`` on a batch, as ``training_step`` / ``validation_step`` return it.
 

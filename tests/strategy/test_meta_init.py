@@ -138,7 +138,7 @@ def test_a_loaded_checkpoint_initialises_what_it_fills():
     assert uninitialised_names(model) == ["scale.weight"]
     values = _values()
     no_pipeline = PipelineRole(PipelineOptions.parse(1, "1F1B", None, None, None, "model"))
-    routing.load_model_state(engine, {"state_dict": values}, strict=True, pipeline=no_pipeline)
+    routing.load_model_state(engine, {"state_dict": values}, strict=True, role=no_pipeline)
     assert uninitialised_names(model) == []
     reference = RotaryScaleNet()
     reference.load_state_dict(values)
