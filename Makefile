@@ -55,7 +55,7 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-test: lint
+test: lint typecheck
 	$(BIN)/python -m pytest -q
 
 # On a machine with a CUDA GPU (a few minutes): the engine on nccl, bf16, activation checkpointing, cpu_offload, a
