@@ -882,54 +882,34 @@ def _round_trip(
 ) -> _Sharded:
     """Save ``run`` in ``mode`` to real files, load into a freshly sharded copy (other initial values) and check that
     it holds exactly what was saved. Adjusts the reference's per-rank buffers to the format's semantics."""
-    from lightning_fsdp.checkpoint.common import (
-        CheckpointRun,
-        load_full_model_state_dict,
-        load_sharded_model_state_dict,
-    )
-    from lightning_fsdp.checkpoint.full import (
-        full_model_state_dict,
-        full_optimizer_state_dict,
-        load_full_optimizer_state_dict,
-    )
-    from lightning_fsdp.checkpoint.local import (
-        load_local_checkpoint,
-        local_model_state_dict,
-        local_optimizer_state_dict,
-        save_local_checkpoint,
-    )
-    from lightning_fsdp.checkpoint.sharded import (
-        load_sharded_checkpoint,
-        save_sharded_checkpoint,
-        sharded_model_state_dict,
-        sharded_optimizer_state_dict,
-    )
+    # The formats by module: each call below names the format it exercises.
+    from lightning_fsdp.checkpoint import common, full, local, sharded
 
     params, optimizer_state, buffers = run.params(), run.optimizer_state(), _buffers(run.model)
     path = os.path.join(workdir, f"{mode}-step{step}" + (".pt" if mode == "full" else ".ckpt"))
     if mode == "full":
         state = {
-            "state_dict": full_model_state_dict(run.engine),
-            "optimizer_states": [full_optimizer_state_dict(run.engine, run.optimizer)],
+            "state_dict": full.full_model_state_dict(run.engine),
+            "optimizer_states": [full.full_optimizer_state_dict(run.engine, run.optimizer)],
             "global_step": step + 1,
         }
         if rank == 0:
             torch.save(state, path)
         dist.barrier()
     elif mode == "sharded":
-        save_sharded_checkpoint(
+        sharded.save_sharded_checkpoint(
             {
-                "state_dict": sharded_model_state_dict(run.engine),
-                "optimizer_states": [sharded_optimizer_state_dict(run.engine, run.optimizer)],
+                "state_dict": sharded.sharded_model_state_dict(run.engine),
+                "optimizer_states": [sharded.sharded_optimizer_state_dict(run.engine, run.optimizer)],
                 "global_step": step + 1,
             },
             path,
         )
     else:
-        save_local_checkpoint(
+        local.save_local_checkpoint(
             {
-                "state_dict": local_model_state_dict(run.engine),
-                "optimizer_states": [local_optimizer_state_dict(run.optimizer)],
+                "state_dict": local.local_model_state_dict(run.engine),
+                "optimizer_states": [local.local_optimizer_state_dict(run.optimizer)],
                 "global_step": step + 1,
             },
             path,
@@ -940,12 +920,12 @@ def _round_trip(
     fresh = _Sharded(references[0].case, seed_offset=1)
     if mode == "full":
         loaded = torch.load(path, weights_only=True)
-        load_full_model_state_dict(fresh.engine, loaded["state_dict"])
-        load_full_optimizer_state_dict(fresh.engine, fresh.optimizer, loaded["optimizer_states"][0])
+        common.load_full_model_state_dict(fresh.engine, loaded["state_dict"])
+        full.load_full_optimizer_state_dict(fresh.engine, fresh.optimizer, loaded["optimizer_states"][0])
     else:
-        load = load_sharded_checkpoint if mode == "sharded" else load_local_checkpoint
-        loaded = load(path, CheckpointRun(fresh.engine, [fresh.optimizer]))
-        load_sharded_model_state_dict(fresh.engine, loaded["state_dict"])
+        load = sharded.load_sharded_checkpoint if mode == "sharded" else local.load_local_checkpoint
+        loaded = load(path, common.CheckpointRun(fresh.engine, [fresh.optimizer]))
+        common.load_sharded_model_state_dict(fresh.engine, loaded["state_dict"])
         fresh.optimizer.load_state_dict(loaded["optimizer_states"][0])
     errors.equal("global_step", loaded["global_step"], step + 1)
     errors.equal(f"after the {mode} round trip: parameters", fresh.params(), params)
