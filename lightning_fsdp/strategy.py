@@ -74,6 +74,7 @@ from lightning_fsdp.options import (
 from lightning_fsdp.pipeline.role import SplitContext, pipeline_role
 from lightning_fsdp.pipeline.runtime import PipelineRuntime
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
+from lightning_fsdp.preemption import PreemptionSignals, install_preemption
 from lightning_fsdp.process_groups import GroupChoice
 from lightning_fsdp.registration import register_strategies
 from lightning_fsdp.rendezvous import check_launch_size, check_timeout, init_default_group
@@ -181,6 +182,7 @@ class FSDPStrategy(ParallelStrategy):
         self._stop_at_exit = False  # stop_launched_processes registered to run when this process exits
         self._start_method = start_method
         self.engine: ShardingEngine | None = None
+        self._preemption: PreemptionSignals | None = None  # the Trainer's signal connector, from setup on
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
@@ -321,6 +323,8 @@ class FSDPStrategy(ParallelStrategy):
         assert self.accelerator is not None
         assert self.lightning_module is not None and self.model is not None
         self.accelerator.setup(trainer)
+        # Signals recorded by their handlers, agreed on at step boundaries: lightning_fsdp/preemption.py
+        self._preemption = install_preemption(trainer, self._world_device)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._check_device_id()
         check_reusable(self.lightning_module)
@@ -381,8 +385,15 @@ class FSDPStrategy(ParallelStrategy):
     # Uneven batches end with an error on every rank, not a hang in a collective: lightning_fsdp/even_batches.py
     @cached_property
     def _even_batches(self) -> EvenBatches:
-        # gloo's collectives take host tensors
-        return EvenBatches(lambda: torch.device("cpu") if self._process_group_backend == "gloo" else self.root_device)
+        return EvenBatches(self._world_device)
+
+    def _world_device(self) -> torch.device:
+        # Where the world group's collectives take tensors: gloo's take host tensors.
+        return torch.device("cpu") if self._process_group_backend == "gloo" else self.root_device
+
+    def _step_boundary(self, trainer: pl.Trainer | None) -> None:
+        if self._preemption is not None and trainer is not None:
+            self._preemption.at_step_boundary(trainer)  # every rank agrees whether a signal stops the run here
 
     def _trainer(self) -> pl.Trainer | None:
         return getattr(self.lightning_module, "_trainer", None)
@@ -407,6 +418,7 @@ class FSDPStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: object, **kwargs: object) -> STEP_OUTPUT:
         trainer, (model, module) = self._trainer(), self._connected()
+        self._step_boundary(trainer)
         self._even_batches.before_step(trainer)
         # Through the LightningModule's __call__, so that the root unit's hooks see the step.
         with self._pipeline_role.training_step(trainer, module), self.precision_plugin.train_step_context():
@@ -429,6 +441,7 @@ class FSDPStrategy(ParallelStrategy):
     def _evaluation_step(
         self, name: str, context: AbstractContextManager[object], *args: object, **kwargs: object
     ) -> STEP_OUTPUT:
+        self._step_boundary(self._trainer())
         self._even_batches.before_step(self._trainer())
         model, module = self._connected()
         with context:
@@ -546,6 +559,9 @@ class FSDPStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        trainer = self._trainer()
+        if self._preemption is not None and trainer is not None:
+            self._preemption.on_exception(trainer, exception)  # an agreed preemption's saves, requeue, exit status
         # Lightning stops the ranks rank 0 started only on KeyboardInterrupt; stop them when it exits after a failure.
         super().on_exception(exception)
         self._stage_end.failed = True  # teardown, which Lightning calls next, must not gather: ranks may be apart
