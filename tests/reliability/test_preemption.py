@@ -111,7 +111,8 @@ def _scenario(
         sent = send(job, procs) if send is not None else None
         ended = job.wait_for_exits(procs, BOUND_S + 60)
         texts = [job.output(r) for r in range(WORLD)]
-        first_signal = sent if sent is not None else min(t for t in (_event_time(x, "fault-signal") for x in texts) if t)
+        own = [t for t in (_event_time(x, "fault-signal") for x in texts) if t is not None]
+        first_signal = sent if sent is not None else min(own)
         result: dict[str, Any] = {
             "codes": [p.poll() for p in procs],
             "exit_after_s": [None if t is None else t - first_signal for t in ended],
@@ -163,7 +164,8 @@ def _send_apart(job: Job, procs: list[Any]) -> float:
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "external": {
-        "preempted": ["--format", "full", "--on-exception", "--max-steps", "14", "--every", "4", "--step-sleep", "0.25"],
+        "preempted": ["--format", "full", "--on-exception", "--max-steps", "14", "--every", "4"]
+        + ["--step-sleep", "0.25"],
         "resume": ["--format", "full", "--on-exception", "--max-steps", "14", "--every", "4", "--resume", "last"],
         "send": _send_apart,
     },

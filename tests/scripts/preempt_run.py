@@ -9,8 +9,8 @@ restores), so a resumed run sees the samples an uninterrupted run would. Callbac
 
 ``--signal RANK:WHERE:N`` (repeatable): rank RANK sends itself ``--signum`` (TERM or USR1) at the start of training
 batch N (``step``), of validation batch N of the first validation run (``val``), or inside the save at global step N
-(``save``: the LightningModule's ``on_save_checkpoint``); ``again`` re-sends it inside every save made after the ranks
-agreed to stop (``RANK:again:0``; a second signal must not start a second save). Without ``--signal`` the test sends the signals.
+(``save``: the LightningModule's ``on_save_checkpoint``); ``RANK:again:0`` re-sends it inside every save made after
+the ranks agreed to stop (a second signal must not start a second save). Without ``--signal`` the test sends them.
 
 Each rank prints ``FAULT-RUN rank=R event=... t=<time.time()>`` lines: ``fit-start``, ``batch-N`` (training batch N
 starts), ``fault-signal`` (it signals itself), ``save-step-N`` (a save of global step N), ``resumed-at-N`` (the
@@ -25,7 +25,6 @@ import sys
 import time
 from datetime import timedelta
 
-import lightning as L
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
