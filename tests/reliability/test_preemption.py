@@ -15,12 +15,18 @@ and ports), so a module fixture runs them together (tests/toolbox/launch.py's ``
   at batch 1; a fake ``scontrol`` on PATH records its arguments; the resume passes no ``ckpt_path`` (Lightning picks
   the HPC checkpoint under SLURM, as after a real requeue).
 
+``torchrun_restart`` (item 2 of issue 37): under ``torchrun --max-restarts=1``, rank 1 is SIGKILLed inside the save
+of step 4 (before writing its part; rank 0 goes on into the save). torchrun stops the job and starts both ranks again;
+``ckpt_path="last"`` must find step 2's complete checkpoint, not a partial one of step 4, and the run must end on the
+uninterrupted weights.
+
 The time from the first signal to the last rank's exit is measured from the signal's timestamp (the test's clock for
 the external one, the rank's ``time.time()`` line otherwise), never from launch.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -37,7 +43,7 @@ import torch
 from benchmarks.ranks import clean_env, free_port
 from tests.toolbox.compare import assert_all_close
 from tests.toolbox.fault_jobs import STARTUP_S, Job
-from tests.toolbox.launch import SCRIPTS, in_background
+from tests.toolbox.launch import SCRIPTS, in_background, run_command
 from tests.toolbox.one_device import toy_lm_on_samples
 
 WORLD, MICRO, COUNT = 2, 2, 96  # as tests/scripts/preempt_run.py
@@ -183,9 +189,32 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+TORCHRUN_ARGS = ["--format", "sharded", "--every", "2", "--max-steps", "8", "--resume", "last"]
+
+
+def _torchrun_restart(folder: Path) -> dict[str, Any]:
+    """torchrun with one restart; rank 1 killed inside step 4's save on the first attempt."""
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(WORLD), "--max-restarts", "1", "--monitor-interval", "0.2"]
+    done = run_command([*cmd, SCRIPT, *TORCHRUN_ARGS, "--kill", "1:save:4"], timeout=STARTUP_S, cwd=folder, check=False)
+    output = done.stdout + done.stderr
+    final = folder / "final.pt"
+    return {
+        "code": done.returncode,
+        "found": dict(re.findall(r"CKPTS attempt=(\d+): (.*)", output)),
+        "killed": len(_events(output, "fault-kill")),
+        "resumed_at": re.findall(r"event=resumed-at-(\d+)", output),
+        "final": torch.load(final, weights_only=False)["state"] if final.exists() else None,
+        "report": output[-8000:],
+    }
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[dict[str, Any]]]:
-    jobs = {}
+    # The longest job first: torchrun starts the ranks twice.
+    jobs: dict[str, Callable[[], dict[str, Any]]] = {
+        "torchrun_restart": functools.partial(_torchrun_restart, tmp_path_factory.mktemp("torchrun"))
+    }
     for name, spec in SCENARIOS.items():
         folder = tmp_path_factory.mktemp(name)
         jobs[name] = lambda folder=folder, spec=spec: _scenario(
@@ -252,3 +281,23 @@ def test_slurm_requeue_signal_in_validation_saves_requeues_and_resumes(
     assert result["steps"].get("last.ckpt") == 4, result["steps"]
     assert result["scontrol"] == "requeue 4242\n", result["scontrol"]
     _check_resume(result, stop, steps=10, accumulate=1)
+
+
+def test_torchrun_restart_after_a_rank_dies_in_a_save_resumes_from_the_last_complete_one(
+    runs: dict[str, Future[dict[str, Any]]],
+) -> None:
+    result = runs["torchrun_restart"].result()
+    report = result["report"]
+    assert result["code"] == 0 and result["killed"] == 1, report
+    # The first attempt started with no checkpoint; the second found step 2's, and no complete one of step 4
+    # (a temporary name left by the interrupted save may be there: it is never loaded).
+    found = result["found"]
+    assert sorted(found) == ["0", "1"] and found["0"] == "", found
+    complete = [name for name in found["1"].split() if not name.startswith(".")]
+    assert sorted(complete) == ["epoch=0-step=2.ckpt", "last.ckpt"], found
+    # Both ranks of the second attempt resumed at step 2 (the first attempt started at 0) and ended on the weights of
+    # an uninterrupted one-device run.
+    assert sorted(result["resumed_at"]) == ["0", "0", "2", "2"], report
+    reference = toy_lm_on_samples(8, WORLD * MICRO, COUNT).lightning_state()
+    assert result["final"] is not None, report
+    assert assert_all_close(result["final"], reference, "restarted vs uninterrupted one device") == len(reference)

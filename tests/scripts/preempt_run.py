@@ -11,11 +11,14 @@ restores), so a resumed run sees the samples an uninterrupted run would. Callbac
 batch N (``step``), of validation batch N of the first validation run (``val``), or inside the save at global step N
 (``save``: the LightningModule's ``on_save_checkpoint``); ``RANK:again:0`` re-sends it inside every save made after
 the ranks agreed to stop (a second signal must not start a second save). Without ``--signal`` the test sends them.
+``--kill RANK:save:N``: under torchrun's first attempt (``TORCHELASTIC_RESTART_COUNT=0``) rank RANK SIGKILLs itself
+inside the first save of global step N, before writing its part, while the other rank goes on into the save.
 
 Each rank prints ``FAULT-RUN rank=R event=... t=<time.time()>`` lines: ``fit-start``, ``batch-N`` (training batch N
 starts), ``fault-signal`` (it signals itself), ``save-step-N`` (a save of global step N), ``resumed-at-N`` (the
 first training batch after a restore, N the global step), ``stopped-at-N`` (the run raised at global step N),
-``train-end``. When the run ends normally rank 0 saves the full trained state dict in ``final.pt``.
+``train-end``; and ``CKPTS attempt=A: names`` (what ``ckpts/`` holds as the run starts). When the run ends normally
+rank 0 saves the full trained state dict in ``final.pt``.
 """
 
 import argparse
@@ -107,6 +110,10 @@ class Module(ToyLMModule):
         if self.stopping:
             self._signal("again", 0)
         self._signal("save", self.trainer.global_step)
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and self.args.kill == f"{self.rank}:save:{self.trainer.global_step}":
+            say("fault-kill")
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Stopped(Callback):
@@ -127,6 +134,7 @@ def main() -> None:
     parser.add_argument("--on-exception", action="store_true")
     parser.add_argument("--signal", action="append", default=[])
     parser.add_argument("--signum", default="TERM")
+    parser.add_argument("--kill", default="")
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--slurm", action="store_true", help="SLURMEnvironment(auto_requeue=True)")
     parser.add_argument("--resume", default=None, help="ckpt_path for fit (none: Lightning chooses)")
@@ -163,6 +171,8 @@ def main() -> None:
     )
     module = Module(args, rank)
     say("fit-start")
+    found = sorted(os.listdir("ckpts")) if os.path.isdir("ckpts") else []
+    sys.stdout.write(f"CKPTS attempt={os.environ.get('TORCHELASTIC_RESTART_COUNT', '-')}: {' '.join(found)}\n")
     try:
         trainer.fit(module, loader, val_loader if args.val_every else None, ckpt_path=args.resume)
     except SystemExit as exit_:
