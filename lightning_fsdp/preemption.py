@@ -10,6 +10,7 @@ before Lightning registers the handlers.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import RunningStage
@@ -33,6 +35,7 @@ from lightning_fsdp.collective import Collective
 
 log = logging.getLogger(__name__)
 
+_CHILD_GRACE_S = 30.0  # how long rank 0 waits at exit for the ranks it started, which are saving or exiting too
 _STOP, _REQUEUE = 0, 1  # positions in the recorded flags: stop the run; save for SLURM and requeue the job
 # The stages whose loops stop on the agreed flag (Lightning raises SIGTERMException after their batches); predict
 # does not look at it.
@@ -139,6 +142,7 @@ class PreemptionSignals(_SignalConnector):
                 _requeue_slurm_job()
         signum = self._first_signal[0] if self._first_signal is not None else signal.SIGTERM
         exception.code = 128 + int(signum)
+        _outlive_started_ranks(trainer)
         if trainer.is_global_zero and self._first_signal is not None:
             waited = time.monotonic() - self._first_signal[1]
             log.warning(f"Preemption: checkpoints written {waited:.1f} s after rank 0's signal; exiting.")
@@ -161,6 +165,29 @@ def install_preemption(trainer: pl.Trainer, device: Callable[[], torch.device]) 
         connector = PreemptionSignals(trainer, device)
         trainer._signal_connector = connector
     return connector
+
+
+def _outlive_started_ranks(trainer: pl.Trainer) -> None:
+    """On rank 0 of a plain launch: the ranks Lightning's launcher started stop by themselves, with the same non-zero
+    status, which its observer thread would take for a crash and SIGKILL rank 0 for. Take them out of its sight (it
+    watches the launcher's list) and wait for them at exit, SIGKILLing any still running after a grace period."""
+    launcher = trainer.strategy.launcher
+    if not isinstance(launcher, _SubprocessScriptLauncher) or not launcher.procs:
+        return
+    children = list(launcher.procs)
+    launcher.procs[:] = []
+    atexit.register(_wait_for, children, _CHILD_GRACE_S)
+
+
+def _wait_for(children: list[subprocess.Popen], grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning(f"Preemption: the rank with pid {child.pid} did not stop within {grace_s} s; killing it.")
+            child.kill()
+            child.wait()
 
 
 def _requeue_signal(trainer: pl.Trainer) -> int | None:
