@@ -142,6 +142,20 @@ def test_every_keyword_argument_is_documented_alike_in_the_docstring_and_options
     assert compared == len(signature) >= 35
 
 
+@pytest.mark.parametrize(
+    "function",
+    ["engine.sharding.fully_shard", "pretrained.load_pretrained", "estimate.estimate_memory"],
+)
+def test_reference_functions_document_every_argument(function):
+    """The functions the API reference documents argument by argument have an Args entry for each parameter, in
+    the signature's order, none empty."""
+    obj = _resolve(f"lightning_fsdp.{function}")
+    signature = list(inspect.signature(obj).parameters)
+    documented = _docstring_arguments(obj)
+    assert list(documented) == signature
+    assert all(len(text.split()) >= 3 for text in documented.values()), documented
+
+
 def test_prose_defaults_mean_what_they_say():
     import torch
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
