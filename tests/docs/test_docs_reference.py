@@ -144,13 +144,19 @@ def test_every_keyword_argument_is_documented_alike_in_the_docstring_and_options
 
 @pytest.mark.parametrize(
     "function",
-    ["engine.sharding.fully_shard", "pretrained.load_pretrained", "estimate.estimate_memory"],
+    [
+        "engine.sharding.fully_shard",
+        "pretrained.load_pretrained",
+        "estimate.estimate_memory",
+        "engine.sharding_engine.ShardingEngine.clip_grad_norm_",
+    ],
 )
 def test_reference_functions_document_every_argument(function):
     """The functions the API reference documents argument by argument have an Args entry for each parameter, in
     the signature's order, none empty."""
-    obj = _resolve(f"lightning_fsdp.{function}")
-    signature = list(inspect.signature(obj).parameters)
+    module, _, name = f"lightning_fsdp.{function}".partition(".ShardingEngine.")
+    obj = getattr(_resolve(module + ".ShardingEngine"), name) if name else _resolve(module)
+    signature = [parameter for parameter in inspect.signature(obj).parameters if parameter != "self"]
     documented = _docstring_arguments(obj)
     assert list(documented) == signature
     assert all(len(text.split()) >= 3 for text in documented.values()), documented
