@@ -1,14 +1,18 @@
 """Fine-tune a Hugging Face causal language model with fsdp_custom, from safetensors to safetensors.
 
-    python examples/finetune_hf.py                     # CPU, 2 processes, a tiny Llama written on the spot
-    python examples/finetune_hf.py --pretrained path/to/llama --accelerator gpu --devices 8 --precision bf16-mixed
+    pip install -e ".[hf]"                             # transformers; once, so every rank can import it
+    python examples/finetune_hf.py                     # CPU, 2 processes, a tiny Llama written on the spot, 20 steps
+    python examples/finetune_hf.py --pretrained path/to/llama --accelerator gpu --devices 8 --precision bf16-mixed \
+        --activation-checkpointing --max-steps 200
 
 The model is built without weights (its parameters on the meta device), sharded one decoder layer per unit, filled
-from the safetensors files with each rank reading only its rows, trained, saved as a sharded checkpoint, and exported
-by rank 0 as a directory that ``from_pretrained`` loads. No rank ever holds the whole model. Each choice is explained
-in docs/choosing-options.md.
+from the safetensors files with each rank reading only its rows, trained for ``--max-steps`` optimizer steps (the
+data is reshuffled and repeated as often as that takes), saved as a sharded checkpoint, and exported by rank 0 as a
+directory that ``from_pretrained`` loads. No rank ever holds the whole model. Each choice is explained in
+docs/choosing-options.md.
 
-``--pretrained`` is a ``save_pretrained`` directory (config.json, safetensors files, and a tokenizer for real text).
+``--pretrained`` is a ``save_pretrained`` directory (config.json, safetensors files, and a tokenizer for real text);
+``--text`` a text file to train on instead of the bundled tiny-shakespeare excerpt.
 Without it the script writes a 2-layer byte-level Llama to ``OUT/tiny-llama`` first, so the same file runs anywhere.
 Lightning's launcher starts the other ranks by re-running this script, hence the ``__main__`` guard.
 """
@@ -31,21 +35,24 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from lightning_fsdp import FSDPStrategy, export_safetensors, load_pretrained  # noqa: E402
 from lightning_fsdp.demo.data import default_text_path  # noqa: E402
 
+# A usual rate for fine-tuning a pretrained Llama with AdamW; the tiny stand-in model learns little at it in 20 steps.
+LEARNING_RATE = 1e-5
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pretrained", default=None, help="a save_pretrained directory (default: a tiny Llama)")
+    parser.add_argument("--text", default=None, help="a UTF-8 text file to train on (default: tiny-shakespeare)")
     parser.add_argument("--out", default="finetune_hf_out", help="checkpoint, export and logs go here")
-    parser.add_argument("--accelerator", default="auto", help="cpu, gpu, hpu or auto")
+    parser.add_argument("--accelerator", default="cpu", help="cpu (default), gpu, hpu or auto")
     parser.add_argument("--devices", default="2", help="processes per node, or 'auto'")
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--precision", default="32-true", help="32-true, bf16-mixed, bf16-true, ...")
-    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--max-steps", type=int, default=20, help="optimizer steps, over as many epochs as needed")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank and step")
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=LEARNING_RATE, help="AdamW learning rate (default %(default)s)")
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer")
     args = parser.parse_args(argv)
     args.devices = args.devices if args.devices == "auto" else int(args.devices)
@@ -155,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         num_nodes=args.num_nodes,
         strategy=strategy,
         precision=args.precision,
-        max_epochs=1,  # with max_steps: whichever comes first; the progress bar then reads "Epoch 0/0"
+        max_epochs=-1,  # no epoch limit: max_steps alone ends training, however many epochs the data takes
         max_steps=args.max_steps,
         log_every_n_steps=5,
         default_root_dir=out,
@@ -165,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     with trainer.init_module(empty_init=True):  # parameters on the meta device: no rank builds the full model
         module = CausalLMFineTune(pretrained, args.lr)
 
-    data = TokenWindows(tokenise(pretrained, default_text_path().read_text()), args.seq_len)
+    text = Path(args.text) if args.text else default_text_path()
+    data = TokenWindows(tokenise(pretrained, text.read_text(encoding="utf-8")), args.seq_len)
     trainer.fit(module, DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True))
 
     checkpoint = out / "checkpoint"
@@ -177,7 +185,10 @@ def main(argv: list[str] | None = None) -> None:
             if (pretrained / name).is_file():
                 shutil.copy2(pretrained / name, out / "hf" / name)
         loss = trainer.callback_metrics.get("train_loss")
-        print(f"final train_loss {float(loss):.4f}; from_pretrained directory: {out / 'hf'}")
+        print(
+            f"final train_loss {float(loss):.4f} after {trainer.global_step} steps ({trainer.num_training_batches} "
+            f"per epoch); from_pretrained directory: {out / 'hf'}"
+        )
 
 
 if __name__ == "__main__":

@@ -65,9 +65,29 @@ def load_pretrained(
     """Load the tensors of a safetensors file or directory into ``target``'s parameters and buffers.
 
     Call on every rank, after the model was sharded and the optimizers built (``on_fit_start``), so parameters are
-    copied in place and the optimizer keeps its references. The arguments (``target``: a sharded module or submodule,
-    its ``ShardingEngine``, or an unsharded module; ``path``; the key ``prefix + rename(name)``; ``strict``) and how
-    dtypes and tied weights load: docs/pretrained.md."""
+    copied in place and the optimizer keeps its references. Each rank reads only the rows of its shards; values take
+    the model's dtype (``copy_``); tied weights are read once. The ranks agree on the checks before anything is
+    copied, so a bad file raises on every rank. More in docs/pretrained.md.
+
+    Args:
+        target: what to fill: the LightningModule, a submodule of it (``self.model``), its ``ShardingEngine``, or a
+            module that is not sharded (whole tensors are loaded, as under DDP or on one device).
+        path: a ``.safetensors`` file, or a directory holding ``model.safetensors`` or a sharded set with
+            ``model.safetensors.index.json``.
+        prefix: prepended to each file tensor's (renamed) name to give its key in ``target.state_dict()``: load into
+            the LightningModule with ``prefix="model."``. Default: ``""``.
+        rename: a dict or a function from a file tensor's name to the name to use; a function may return None to
+            skip the tensor. Default: None (names unchanged).
+        strict: raise one ``CheckpointMismatchError`` naming every missing, unexpected and wrongly shaped tensor;
+            with False they are returned instead and the rest is loaded. Default: True.
+
+    Returns:
+        A ``LoadResult(missing, unexpected, mismatched)``: what was not loaded (all empty after a strict load).
+
+    Raises:
+        CheckpointMismatchError: with ``strict``, when the file and the model do not match (names, shapes).
+        TypeError: an argument of the wrong type, on every rank before any collective.
+    """
     _check_arguments(target, path, prefix, rename, strict)
     module, engine = _resolve(target)
     coll = Collective() if engine is not None else Collective(alone=True)

@@ -88,9 +88,94 @@ log = logging.getLogger(__name__)
 class FSDPStrategy(ParallelStrategy):
     """Fully Sharded Data Parallel training with this project's own sharding engine.
 
-    Works on CPU (gloo), CUDA (NCCL) and HPU (HCCL). Every option is a keyword argument, described with its default
-    in docs/options.md; validated, they are ``strategy.options`` (a
-    :class:`~lightning_fsdp.engine.options.ShardingOptions`). The sharded model's engine is ``strategy.engine``."""
+    Works on CPU (gloo), CUDA (NCCL) and HPU (HCCL). Every option is a keyword argument, validated on every rank when
+    the strategy is built, so a bad value raises the same error everywhere before any collective. Validated, they are
+    ``strategy.options`` (a :class:`~lightning_fsdp.engine.options.ShardingOptions`); the sharded model's engine is
+    ``strategy.engine``. The arguments below say what docs/options.md says (tests/docs/test_docs_reference.py checks
+    it), which adds examples, the registered names and the measurements.
+
+    Args:
+        accelerator: filled in by the Trainer (its `accelerator`); by hand, a Lightning `Accelerator`.
+        parallel_devices: filled in by the Trainer (one device per local process); by hand, a list of `torch.device`.
+        cluster_environment: filled in by the Trainer (torchrun, SLURM, MPI or Lightning's own launcher); by hand, a
+            Lightning `ClusterEnvironment`.
+        checkpoint_io: filled in by the Trainer; by hand, a Lightning `CheckpointIO` (used by the full format).
+        precision_plugin: filled in by the Trainer from `Trainer(precision=...)`; by hand, a Lightning `Precision`.
+        process_group_backend: `gloo` on CPU, `nccl` on CUDA, `hccl` on HPU; a non-empty string. `"mpi"` only where
+            torch was built with MPI (`torch.distributed.is_mpi_available()`), else refused at construction; under an
+            `mpirun` launch the default backends work (see multi-node). Default: from the accelerator.
+        timeout: how long a collective waits for the other ranks before it fails: the fault-detection bound (a hung or
+            dead rank ends the job after it). A positive `datetime.timedelta`, or `None` (torch's default: 30 minutes,
+            10 for NCCL). It governs every collective after start-up, on the default group and on the groups the
+            strategy creates (hybrid, pipeline). It does not bound start-up. Default: Lightning's default (30 minutes).
+        start_method: `"popen"` re-runs your script per rank; `"spawn"`, `"fork"`, `"forkserver"` start processes from
+            Python. Default: `"popen"`.
+        sharding_strategy: `"FULL_SHARD"`: gather for forward, free, gather again for backward. `"SHARD_GRAD_OP"`: keep
+            a unit's full parameters from its forward to its backward. `"NO_SHARD"`: every rank holds the whole model;
+            gradients are all-reduced (like DDP). `"HYBRID_SHARD"` / `"HYBRID_SHARD_ZERO2"`: FULL_SHARD / SHARD_GRAD_OP
+            within a node's processes, replicated across nodes (see multi-node). Default: `"FULL_SHARD"`.
+        auto_wrap_policy: a set of module classes (or their import paths), a callable `(module, recurse,
+            nonwrapped_numel) -> bool` as in torch FSDP (torch's `size_based_auto_wrap_policy` partials work), or an
+            int: a module with at least that many parameters not already in a unit becomes one. Default: `None` (the
+            root is the only unit).
+        activation_checkpointing_policy: a set of module classes (or import paths) or a callable `(module) -> bool`; see
+            activation checkpointing. Default: `None`.
+        state_dict_type: checkpoint format: `"full"`, `"sharded"` or `"local"`; see checkpoints. Default: `"full"`.
+        mixed_precision: a `lightning_fsdp.MixedPrecision`; or let `Trainer(precision=...)` imply one (below). Giving
+            both a non-default flag and this option is an error. Default: `None`.
+        sync_module_states: broadcast rank 0's parameters and buffers before sharding, so ranks that initialised
+            differently train identically. Default: `False`.
+        param_init_fn: called as `param_init_fn(module)` for each module with meta-device tensors, instead of
+            `module.reset_parameters()`; materialisation goes unit by unit. Default: `None`.
+        backward_prefetch: `"BACKWARD_PRE"`: when a unit's backward starts, issue the all-gather of the next unit of
+            backward asynchronously; `"BACKWARD_POST"`: issue it once the current unit's gradients are reduced; `None`:
+            gather each unit only when its backward starts. Default: `"BACKWARD_PRE"`.
+        forward_prefetch: issue the next unit's all-gather (in the order recorded on the first training step) before the
+            current unit computes. Default: `False`.
+        limit_all_gathers: at most two units' full parameters (besides the root's) gathered or in flight: a prefetch
+            waits when two are alive, and a prefetch the order no longer needs is dropped before a needed gather.
+            Default: `True`.
+        cpu_offload: `True` or torch's `CPUOffload(offload_params=True)`: shards, gradients and so optimizer state live
+            in host memory; a unit's shard is copied to the device only to be gathered, reduced gradients are copied
+            back. On a CPU run it is accepted and changes nothing. On an accelerator the host shards and gradients are
+            pinned and the copies run asynchronously on the collectives' streams; the host waits for them at the end of
+            backward (how it works). The accelerator path has not been run on a GPU yet. Default: `False`.
+        ignored_modules: modules (objects, or their names in the LightningModule) whose parameters stay whole on every
+            rank and are not sharded. Default: `None`.
+        ignored_states: parameters or modules (objects or names), same meaning for single parameters. Default: `None`.
+        process_group: the shard group: every engine collective runs on it only (sharding and gradient averaging are
+            restricted to it), or a callable returning it, called once the default group exists. Default: `None` (all
+            ranks).
+        device_mesh: for the hybrid strategies: a 2-D `DeviceMesh` with dims (replicate, shard) instead of the default
+            node layout; or pass `process_group=(shard_group, replicate_group)`. Default: `None`.
+        device_id: an int or a `torch.device` (HPU needs a device object). Lightning's accelerator and `devices` already
+            choose each rank's device; `device_id` must name that device, else a `ValueError` names both. Default:
+            `None`.
+        use_orig_params: original parameters are always kept (`named_parameters()` gives the unwrapped model's names);
+            `False` raises `ValueError`, since a flattened-parameter view is not offered. Default: `True`.
+        pipeline_parallel_size: P, the number of pipeline ranks; must divide `devices x num_nodes`. Default: `1`.
+        pipeline_schedule: `"GPipe"`, `"1F1B"` or `"Interleaved1F1B"` (torch.distributed.pipelining). Default: `"1F1B"`.
+        pipeline_microbatches: M, microbatches per rank's batch (1F1B needs M >= stages). Default: stages.
+        pipeline_stages_per_rank: stages on each pipeline rank (stage s on pipeline rank s % P). Default: 1, or 2
+            interleaved.
+        pipeline_split: the pieces where stages 1, 2, ... start, e.g. `["blocks.2"]`. Default: balanced.
+        pipeline_module: the LightningModule attribute holding the model to cut. Default: `"model"`.
+        sync_gradients_while_accumulating: `False`: under `accumulate_grad_batches`, batches that accumulate add
+            full-size gradients locally and the batch before the optimizer step reduces the sum once (memory for
+            communication; measured in pipeline parallelism). Default: `True`.
+        reshard_after_forward: `None`: as the sharding strategy says (`FULL_SHARD` frees after forward, `SHARD_GRAD_OP`
+            keeps); `True` / `False` override it; an int N (dividing the shard group, 1 < N < its size) keeps 1/N of
+            each unit after forward, so backward gathers within N consecutive ranks only (ZeRO++ hpZ). Default: `None`.
+        startup_timeout: how long after the first rank the others may reach the rendezvous: process start, imports, the
+            TCP store, the process group's connections and a first barrier. A positive `datetime.timedelta`, or `None`
+            (torch's default). Independent of `timeout`, so `timeout=timedelta(seconds=30)` does not make a slow start
+            fail. See Timeouts. Default: Lightning's default (30 minutes).
+        weights_after_stage: what the module holds when `fit`, `validate`, `test` or `predict` ends normally: `"full"`
+            (every rank: the full weights on the host, the engine removed), `"rank0"` (rank 0: the full weights on the
+            host; the other ranks: meta-device parameters, no engine), `"sharded"` (the module keeps its shards and
+            engine; later stages on it work), `"auto"` (`"full"` if it fits in the node's free host memory, else
+            `"sharded"` with a warning). See After a stage. Default: `"auto"`.
+    """
 
     strategy_name = "fsdp_custom"
 

@@ -50,8 +50,53 @@ def fully_shard(
     """Shard ``module``'s parameters in place across ``process_group`` (default: the whole world).
 
     Each ``nn.Parameter`` keeps its identity and name and holds this rank's rows; meta modules are materialised one
-    unit at a time (docs/how-it-works.md). Options: docs/options.md. With an int ``reshard_after_forward``, call on
-    every rank of the world (it creates process groups)."""
+    unit at a time (docs/how-it-works.md). Call it on every rank of the group, after
+    ``torch.distributed.init_process_group``, then build the optimizer from ``module.parameters()``. The options
+    shared with ``FSDPStrategy`` mean what docs/options.md says; every value is checked before the first collective.
+    With an int ``reshard_after_forward``, call on every rank of the world (it creates process groups).
+
+    Args:
+        module: the model to shard, in place; its submodules chosen by ``auto_wrap_policy`` become units.
+        process_group: the shard group: every collective of the engine runs on it. Default: the default group.
+        replicate_group: for the hybrid strategies, the group of ranks holding the same shard (one per node
+            position); gradients are averaged over it after the reduce-scatter. Required with ``HYBRID_SHARD`` and
+            ``HYBRID_SHARD_ZERO2``. Default: None.
+        sharding_strategy: a ``ShardingStrategy`` or its name: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``,
+            ``"NO_SHARD"``, ``"HYBRID_SHARD"``, ``"HYBRID_SHARD_ZERO2"``. Default: ``"FULL_SHARD"``.
+        auto_wrap_policy: which submodules become units: a set of module classes (or import paths), a callable
+            ``(module, recurse, nonwrapped_numel) -> bool`` as in torch FSDP, or an int (a module with at least that
+            many parameters not already in a unit). Default: None (the root is the only unit).
+        ignored_modules: modules whose parameters stay whole on every rank and are not sharded. Default: None.
+        ignored_states: parameters or modules kept whole, as ``ignored_modules``. Default: None.
+        cpu_offload: keep shards, gradients and so optimizer state in host memory, copied to ``device`` only to be
+            gathered. Default: False.
+        device: where units are gathered, computed and reduced, and where meta-device modules are materialised: a
+            ``torch.device`` or a string such as ``"cpu"`` or ``"cuda:0"``; with ``cpu_offload`` the shards stay on
+            the host. It must be the device the process group's backend communicates on (CPU for gloo, this rank's
+            GPU for NCCL). ``FSDPStrategy`` passes the rank's root device. Default: ``"cpu"``.
+        sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: False.
+        param_init_fn: called as ``param_init_fn(module)`` for each module with meta-device tensors, instead of
+            ``module.reset_parameters()``. Default: None.
+        mixed_precision: a ``MixedPrecision``: the dtypes of gathered parameters, of the reduction and of buffers.
+            Default: None (everything in the parameters' dtype).
+        forward_prefetch: gather the next unit of the forward (in the order recorded on the first step) before the
+            current one computes. Default: False.
+        backward_prefetch: ``"BACKWARD_PRE"``, ``"BACKWARD_POST"`` (or the ``BackwardPrefetch`` member) or None:
+            when the next unit of the backward is gathered. Default: ``"BACKWARD_PRE"``.
+        limit_all_gathers: at most two units' full parameters (besides the root's) gathered or in flight.
+            Default: True.
+        reshard_after_forward: None (as the sharding strategy says), True / False, or an int N keeping 1/N of each
+            unit after the forward (ZeRO++ hpZ). Default: None.
+
+    Returns:
+        The ``ShardingEngine`` holding the units; ``get_engine(module)`` returns it too. Its methods are the
+        controls torch FSDP2 puts on the module (``unsharded``, ``no_sync``, ``clip_grad_norm_``, ...).
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, or an option has the wrong type.
+        ValueError: an option has an invalid value (the message names it and the valid choices), the module is
+            already sharded, or ``device`` is not a device.
+    """
     # See [Note: validate before the first collective] in engine/options.py.
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard(module={module!r}) is not valid; expected an nn.Module.")

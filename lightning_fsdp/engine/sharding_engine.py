@@ -533,7 +533,14 @@ class ShardingEngine:
         stage_group: dist.ProcessGroup | None = None,
     ) -> torch.Tensor:
         """Clip gradients by the global norm over all shards (and over ``stage_group``, the other pipeline stages):
-        the value an unsharded run computes. Call on every rank with the same parameters (see ``clip.py``)."""
+        the value an unsharded run computes (torch FSDP1's ``clip_grad_norm_``). Call on every rank. Returns the
+        total norm before clipping, the same on every rank.
+
+        Args:
+            parameters: the parameters whose gradients to clip, the same on every rank (``model.parameters()``).
+            max_norm: the largest total norm left.
+            norm_type: the p of the p-norm (``inf``: the largest absolute value). Default: 2.0.
+            stage_group: the group of the other pipeline stages, whose norms join the total. Default: None."""
         return clip_grad_norm_(
             parameters,
             max_norm,

@@ -49,8 +49,16 @@ def test_docs_build_strict(tmp_path):
         "none for processes started by someone else",  # choose_launcher's docstring
         "fully_shard",
         "MixedPrecision",
+        # Arguments, from the Args sections: FSDPStrategy's (as docs/options.md), fully_shard's device,
+        # load_pretrained's path.
+        "filled in by the Trainer",
+        "gather for forward, free, gather again for backward",
+        "where units are gathered, computed and reduced",
+        "a directory holding model.safetensors",
     ):
         assert expected in api, expected
+    # Development notes are built but are not part of the user's navigation.
+    assert "contributing.md" not in _nav_pages(config["nav"])
 
     # The pages this manual adds: the notebook and gathered-peak diagrams, the CLI's strategy spellings.
     assert "-- fork --> rank 0" in _text(site / "notebooks" / "index.html")

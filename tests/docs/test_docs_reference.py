@@ -95,6 +95,73 @@ def test_every_documented_option_has_its_documented_default():
     assert compared >= 30  # the table is parsed, not skipped
 
 
+def _documented_meanings() -> dict[str, tuple[str, str]]:
+    """option -> (default cell, meaning cell) from options.md's table, the shared pipeline row taken from
+    pipeline.md's table."""
+    meanings = {}
+    for page in ("options.md", "pipeline.md"):
+        for row in _table_rows((DOCS / page).read_text(), "| option | default | meaning |"):
+            names = re.findall(r"`(\w+)`", row[0])
+            if len(names) == 1:
+                meanings[names[0]] = (row[1], row[2])
+    return meanings
+
+
+def _docstring_arguments(obj: object) -> dict[str, str]:
+    """name -> description of the Args section of ``obj``'s docstring, parsed as the API reference parses it
+    (griffe, Google style)."""
+    import griffe
+
+    sections = griffe.Docstring(inspect.cleandoc(obj.__doc__ or ""), lineno=1).parse("google")
+    found = [section for section in sections if section.kind.value == "parameters"]
+    assert len(found) == 1, f"{obj!r}: one Args section expected"
+    return {parameter.name: parameter.description for parameter in found[0].value}
+
+
+def _plain(markdown: str) -> str:
+    """Markdown as its words: links reduced to their text, whitespace collapsed, no final full stop."""
+    return " ".join(re.sub(r"\[([^\]]+)\]\([^)]+\)", r"\1", markdown).split()).rstrip(".")
+
+
+def test_every_keyword_argument_is_documented_alike_in_the_docstring_and_options_page():
+    """Each FSDPStrategy argument has an entry in the class docstring (what help(), IDEs and the API reference
+    show); for an option of the table it says what the table says, meaning and default; for one the Trainer fills
+    in, that the Trainer fills it in, as options.md's paragraph does."""
+    signature = [name for name in inspect.signature(FSDPStrategy.__init__).parameters if name != "self"]
+    docstring = _docstring_arguments(FSDPStrategy)
+    assert list(docstring) == signature, "docstring arguments differ from the signature (or its order)"
+    meanings = _documented_meanings()
+    compared = 0
+    for name in signature:
+        if name in TRAINER_FILLED:
+            assert docstring[name].startswith("filled in by the Trainer"), name
+        else:
+            default, meaning = meanings[name]
+            assert _plain(docstring[name]) == f"{_plain(meaning)}. Default: {_plain(default)}", name
+        compared += 1
+    assert compared == len(signature) >= 35
+
+
+@pytest.mark.parametrize(
+    "function",
+    [
+        "engine.sharding.fully_shard",
+        "pretrained.load_pretrained",
+        "estimate.estimate_memory",
+        "engine.sharding_engine.ShardingEngine.clip_grad_norm_",
+    ],
+)
+def test_reference_functions_document_every_argument(function):
+    """The functions the API reference documents argument by argument have an Args entry for each parameter, in
+    the signature's order, none empty."""
+    module, _, name = f"lightning_fsdp.{function}".partition(".ShardingEngine.")
+    obj = getattr(_resolve(module + ".ShardingEngine"), name) if name else _resolve(module)
+    signature = [parameter for parameter in inspect.signature(obj).parameters if parameter != "self"]
+    documented = _docstring_arguments(obj)
+    assert list(documented) == signature
+    assert all(len(text.split()) >= 3 for text in documented.values()), documented
+
+
 def test_prose_defaults_mean_what_they_say():
     import torch
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -226,27 +293,3 @@ def test_marked_block_runs(page, line, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # As a script would run it, guard included: a marked block must be complete and launch no processes.
     exec(compile(code, f"{page}:{line}", "exec"), {"__name__": "__main__"})
-
-
-def test_finetune_hf_example_runs_and_exports_trained_weights(tmp_path):
-    """examples/finetune_hf.py as the quick start runs it, 2 CPU ranks and 2 steps: it ends with a from_pretrained
-    directory holding weights that differ from the pretrained ones it started from."""
-    import sys
-
-    import torch
-    from safetensors.torch import load_file
-
-    from benchmarks.ranks import clean_env, free_port
-    from tests.toolbox.launch import run_command
-
-    out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "examples" / "finetune_hf.py"), "--max-steps", "2", "--out", str(out)]
-    env = clean_env(MASTER_PORT=str(free_port()))
-    proc = run_command(cmd, cwd=tmp_path, env=env, timeout=300)
-    assert "final train_loss" in proc.stdout
-    exported = load_file(out / "hf" / "model.safetensors")
-    initial = load_file(out / "tiny-llama" / "model.safetensors")
-    assert sorted(exported) == sorted(initial) and len(initial) > 10
-    assert (out / "hf" / "config.json").is_file()
-    changed = [name for name in initial if not torch.equal(exported[name], initial[name])]
-    assert len(changed) == len(initial), sorted(set(initial) - set(changed))  # AdamW moved every tensor

@@ -101,3 +101,39 @@ def test_policy_validation():
         parse_checkpointing_policy("Block")
     assert parse_checkpointing_policy({"torch.nn.Linear"})(nn.Linear(1, 1))
     assert parse_checkpointing_policy(lambda m: False)(nn.Linear(1, 1)) is False
+
+
+class CachingModel(nn.Module):
+    """A model whose forward takes ``use_cache`` as transformers' do, and records what it was called with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block(4, 4)
+        self.seen: list[object] = []
+
+    def forward(self, x: torch.Tensor, use_cache: bool | None = None) -> torch.Tensor:
+        self.seen.append(use_cache)
+        return self.block(x)
+
+
+def test_use_cache_is_off_only_while_training_with_gradients():
+    """transformers' rule: the cache is off in training with gradients (a recompute would append to it twice), and
+    left as the caller gave it in evaluation and under no_grad (generate())."""
+    model = CachingModel()
+    assert apply_activation_checkpointing(model, parse_checkpointing_policy({Block})) == [model.block]
+    x = torch.randn(2, 3, 4)
+    model.train()
+    model(x)  # the default (None: the config's, True for causal LMs) becomes False
+    with pytest.warns(UserWarning, match="use_cache=True while training with activation checkpointing"):
+        model(x, True)  # given by position, and explicitly True
+    with torch.no_grad():
+        model(x, use_cache=True)
+    model.eval()
+    model(x, use_cache=True)
+    model(x)
+    assert model.seen == [False, False, True, True, None]
+    assert len(model._forward_pre_hooks) == 1  # one hook, on the module above the checkpointed one
+    # A module whose forward takes no such argument gets no hook.
+    plain = nn.Sequential(Block(4, 4))
+    assert len(apply_activation_checkpointing(plain, parse_checkpointing_policy({Block}))) == 1
+    assert not plain._forward_pre_hooks

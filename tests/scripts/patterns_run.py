@@ -81,6 +81,7 @@ PATTERNS = [
     "calls_between_held_accumulation",
     "rank0_in_full_weights",
     "hf_generate",
+    "hf_activation_checkpointing",
     "rank0_inference",  # last: when broken, rank 0 waits in a collective no other rank joins
 ]
 
@@ -570,6 +571,24 @@ class HFLlama(Base):
         return loss
 
 
+class HFLlamaCountingLayerCalls(HFLlama):
+    """The Llama, counting its MLPs' calls made while training with gradients: with activation checkpointing each
+    decoder layer runs twice per step (forward and recompute), without it once. Eager attention: its mask has the
+    query's length, so a recompute that appended to the key/value cache a second time fails instead of attending to
+    the keys twice (as sdpa's causal path would, unnoticed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.set_attn_implementation("eager")
+        self.training_mlp_calls = 0
+        for layer in self.net.model.layers:
+            layer.mlp.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.training_mlp_calls += 1
+
+
 class GenerateAtEpochEnd(L.Callback):
     """transformers' generate() in a callback, on every rank, as text samplers do."""
 
@@ -724,6 +743,15 @@ def run_pattern(name: str, run: Runner) -> dict:
 
         trainer = run.trainer(max_epochs=2, wrap={LlamaDecoderLayer}, callbacks=[GenerateAtEpochEnd()])
         return run.fit(HFLlama(), trainer)
+    if base == "hf_activation_checkpointing":  # the one-device reference runs without checkpointing
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        options = {"activation_checkpointing_policy": {LlamaDecoderLayer}}
+        trainer = run.trainer(options=options, max_epochs=2, wrap={LlamaDecoderLayer}, callbacks=[GenerateAtEpochEnd()])
+        module = HFLlamaCountingLayerCalls()
+        result = run.fit(module, trainer)
+        result["training_mlp_calls"] = module.training_mlp_calls
+        return result
     if base == "rank0_inference":
         module = Base()
         trainer = run.trainer(max_epochs=1)

@@ -266,6 +266,10 @@ def test_reference_exercises_the_patterns(sides):
         assert len(ref[name]["values"]["probes"]) == 2 * 2 * 2, name
     assert len(ref["rank0_in_full_weights"]["values"]["probes"]) == 2 * 3
     assert len(ref["hf_generate"]["values"]["probes"]) == 2 * 2 * (3 + 4)
+    # The Llama with activation checkpointing: 8 steps of 2 decoder layers, and generate() (its cache on) still works.
+    checkpointed = ref["hf_activation_checkpointing"]
+    assert checkpointed["training_mlp_calls"] == 8 * 2 and checkpointed["steps"] == 8
+    assert len(checkpointed["values"]["probes"]) == 2 * 2 * (3 + 4)
     assert set(OPTIONS) >= {
         "default",
         "forward_prefetch",
@@ -273,6 +277,17 @@ def test_reference_exercises_the_patterns(sides):
         "no_backward_prefetch",
         "no_limit_all_gathers",
     }
+
+
+def test_hf_activation_checkpointing_recomputes_each_layer(sides):
+    """The 2-rank Llama run ran each decoder layer twice per step on every rank (forward and recompute: the policy was
+    applied) where the one-device run ran it once; test_pattern_matches_one_device compares their weights."""
+    ref = sides["ref"]["hf_activation_checkpointing"]["ranks"][0]
+    entry = sides["fsdp"]["hf_activation_checkpointing"]
+    assert "crash" not in entry, entry.get("crash")
+    ranks = entry["ranks"]
+    assert set(ranks) == {0, 1} and all("error" not in r for r in ranks.values()), ranks
+    assert [r["training_mlp_calls"] for r in ranks.values()] == [2 * ref["training_mlp_calls"]] * 2
 
 
 def test_launches_end_cleanly(sides):
