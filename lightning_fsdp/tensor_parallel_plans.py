@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -55,98 +56,132 @@ class _Plan:
 
 
 def apply_tensor_parallel_plan(
-    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True, loss_parallel: bool = False
+    module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True, loss_parallel: bool = False
 ) -> nn.Module:
-    """Split ``model``'s layers over ``tp_mesh`` (a 1-D mesh: the tensor-parallel group) with the built-in plan of
-    its family; returns ``model``, parallelized in place (its parameters become DTensors).
+    """Split the layers of ``module`` over ``tp_mesh`` (a 1-D mesh: the tensor-parallel group) with the built-in
+    plan of its family; returns ``module``, parallelized in place (its parameters become DTensors).
 
-    ``sequence_parallel``: the norms and the residual stream between layers hold ``1/T`` of the sequence (sequence
-    length must divide ``T``); otherwise they are replicated. ``loss_parallel``: the logits stay a DTensor sharded
-    over the vocabulary; compute the loss and run backward inside ``torch.distributed.tensor.parallel.
-    loss_parallel()``. Every rank must hold the same values before the call (seed them alike).
+    ``module`` is a supported model, or any module holding supported models (a LightningModule with the model as an
+    attribute): each outermost supported submodule gets its family's plan, and a parameter outside them is refused.
 
-    Raises ``TypeError`` for a model no built-in plan covers (and names what it lacks or has in excess), and
-    ``ValueError`` naming the module and the size when a head count, hidden or vocabulary size does not divide
-    ``T``; both before any collective.
+    ``sequence_parallel``: the norms and the residual stream between layers hold ``1/T`` of the sequence (the
+    sequence length must divide ``T``); otherwise they are replicated. ``loss_parallel``: the logits stay a DTensor
+    sharded over the vocabulary; compute the loss and run backward inside
+    ``torch.distributed.tensor.parallel.loss_parallel()``. Every rank must hold the same values before the call
+    (seed them alike): the split weights are scattered from rank 0, the replicated norms are taken as they are.
+
+    Raises ``TypeError`` for a model no built-in plan covers (naming what it lacks or the parameters the plan does
+    not know), and ``ValueError`` naming the module and the size when a head count, the intermediate or the
+    vocabulary size does not divide ``T``; both from shapes alone, before any collective, so on every rank.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"tp_mesh must be the 1-D tensor-parallel mesh, got a {tp_mesh.ndim}-D mesh {tp_mesh}.")
-    tp_size = tp_mesh.size()
-    plan = _plan_for(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    _check_divisible(plan, tp_size)
-    _check_covered(model, plan)
-    tied = _tied_head(model)
-    parallelize_module(model, tp_mesh, plan.styles)
-    if tied is not None:
-        # The embedding's style replaced its weight with a DTensor; lm_head's made a second one. Both are rows of
-        # the vocabulary (Shard(0)), so the tie is restored on the embedding's.
-        embedding, head = tied
-        head.weight = embedding.weight
-    for fix in plan.after:
-        fix(tp_mesh)
-    return model
+    models = _supported_models(module)
+    if not models:
+        raise TypeError(
+            f"No built-in tensor-parallel plan for {type(module).__name__}: neither it nor any of its submodules is "
+            f"a transformers Llama-family causal LM ({_llama_family_mismatch(module)}) or a litgpt GPT "
+            f"({_litgpt_mismatch(module)}). {WRITE_YOUR_OWN}"
+        )
+    plans = [(prefix, model, _plan_for(model, sequence_parallel, loss_parallel)) for prefix, model in models]
+    for prefix, _, plan in plans:
+        _check_divisible(plan, prefix, tp_mesh.size())
+    _check_covered(module, [(prefix, plan) for prefix, _, plan in plans])
+    for _, model, plan in plans:
+        tied = _tied_head(model)
+        parallelize_module(model, tp_mesh, plan.styles)
+        if tied is not None:
+            # The embedding's style replaced its weight with a DTensor; lm_head's made a second one. Both are rows
+            # of the vocabulary (Shard(0)), so the tie is restored on the embedding's.
+            embedding, head = tied
+            head.weight = embedding.weight
+        for fix in plan.after:
+            fix(tp_mesh)
+    return module
 
 
-def _plan_for(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> _Plan:
-    llama_reason = _llama_family_mismatch(model)
-    if llama_reason is None:
+def _supported_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost submodules of ``module`` (itself included, named ``""``) that a built-in plan covers."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, submodule in module.named_modules():
+        if any(prefix == "" or name.startswith(f"{prefix}.") for prefix, _ in found):
+            continue
+        if _llama_family_mismatch(submodule) is None or _litgpt_mismatch(submodule) is None:
+            found.append((name, submodule))
+    return found
+
+
+def _plan_for(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> _Plan:
+    if _llama_family_mismatch(model) is None:
         return _llama_family_plan(model, sequence_parallel, loss_parallel)
-    litgpt_reason = _litgpt_mismatch(model)
-    if litgpt_reason is None:
-        return _litgpt_plan(model, sequence_parallel, loss_parallel)
-    raise TypeError(
-        f"No built-in tensor-parallel plan for {type(model).__name__}: it is neither a transformers Llama-family "
-        f"causal LM ({llama_reason}) nor a litgpt GPT ({litgpt_reason}). {WRITE_YOUR_OWN}"
-    )
+    return _litgpt_plan(model, sequence_parallel, loss_parallel)
 
 
-def _check_divisible(plan: _Plan, tp_size: int) -> None:
+def _qualified(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _check_divisible(plan: _Plan, prefix: str, tp_size: int) -> None:
     for module_name, what, size in plan.split_sizes:
         if size % tp_size != 0:
             raise ValueError(
-                f"tensor_parallel_size={tp_size} does not divide {what} of {module_name} ({size}): the "
-                f"{plan.family} plan splits it over the tensor-parallel ranks. Choose a tensor_parallel_size that "
-                f"divides {size}."
+                f"tensor_parallel_size={tp_size} does not divide {what} of {_qualified(prefix, module_name)} "
+                f"({size}): the {plan.family} plan splits it over the tensor-parallel ranks. Choose a "
+                f"tensor_parallel_size that divides {size}."
             )
 
 
-def _check_covered(model: nn.Module, plan: _Plan) -> None:
-    """Every parameter is split or replicated by one of the plan's styles, or left plain on purpose: a parameter
-    the plan does not know (a QK-norm, an adapter) would train on partial gradients without an error."""
-    styled = tuple(f"{name}." for name, style in plan.styles.items() if not isinstance(style, PrepareModuleInput))
+def _check_covered(module: nn.Module, plans: list[tuple[str, _Plan]]) -> None:
+    """Every parameter is split or replicated by one of the plans' styles, or left plain on purpose: a parameter
+    no plan knows (a QK-norm, an adapter, a head outside the model) would train on partial gradients silently."""
+    styled: list[str] = []
+    plain: set[str] = set()
+    for prefix, plan in plans:
+        styled += [
+            f"{_qualified(prefix, name)}."
+            for name, style in plan.styles.items()
+            if not isinstance(style, PrepareModuleInput)
+        ]
+        plain.update(_qualified(prefix, name) for name in plan.plain)
     unknown = [
         name
-        for name, _ in model.named_parameters()
-        if name not in plan.plain and not any(name.startswith(prefix) for prefix in styled)
+        for name, _ in module.named_parameters()
+        if name not in plain and not any(name.startswith(prefix) for prefix in styled)
     ]
     if unknown:
+        families = " and ".join(sorted({plan.family for _, plan in plans}))
         raise TypeError(
-            f"The {plan.family} tensor-parallel plan does not cover these parameters of {type(model).__name__}: "
+            f"The {families} tensor-parallel plan does not cover these parameters of {type(module).__name__}: "
             f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}. {WRITE_YOUR_OWN}"
         )
 
 
-def _tied_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+def _tied_head(model: nn.Module) -> tuple[nn.Embedding, nn.Linear] | None:
     """(embedding, lm_head) when the output head shares the input embedding's weight."""
-    head = getattr(model, "lm_head", None)
-    embedding = _embedding_of(model)
-    if head is not None and embedding is not None and head.weight is embedding.weight:
-        return embedding, head
+    head = _part(model, "lm_head", nn.Linear)
+    for path in ("model.embed_tokens", "transformer.wte"):
+        if _has(model, path, nn.Embedding):
+            embedding = _part(model, path, nn.Embedding)
+            return (embedding, head) if head.weight is embedding.weight else None
     return None
 
 
-def _embedding_of(model: nn.Module) -> nn.Module | None:
-    inner = getattr(model, "model", None)
-    if inner is not None and isinstance(getattr(inner, "embed_tokens", None), nn.Embedding):
-        return inner.embed_tokens
-    transformer = getattr(model, "transformer", None)
-    if isinstance(transformer, nn.ModuleDict) and "wte" in transformer and isinstance(transformer["wte"], nn.Embedding):
-        return transformer["wte"]
-    return None
+M = TypeVar("M", bound=nn.Module)
 
 
-def _is_linear(module: object) -> bool:
-    return isinstance(module, nn.Linear)
+def _part(module: nn.Module, path: str, kind: type[M]) -> M:
+    """``module``'s submodule at ``path``, which the family's structure check found to be a ``kind``."""
+    found = module.get_submodule(path)
+    if not isinstance(found, kind):
+        raise TypeError(f"{path} of {type(module).__name__} is a {type(found).__name__}, not a {kind.__name__}.")
+    return found
+
+
+def _has(module: nn.Module, path: str, kind: type[nn.Module]) -> bool:
+    try:
+        return isinstance(module.get_submodule(path), kind)
+    except AttributeError:
+        return False
 
 
 def _has_parameters(module: nn.Module) -> bool:
@@ -155,42 +190,31 @@ def _has_parameters(module: nn.Module) -> bool:
 
 # --- transformers' Llama family -------------------------------------------------------------------------------
 
-_LLAMA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-_LLAMA_MLP = ("gate_proj", "up_proj", "down_proj")
+_LLAMA_LINEARS = (
+    *("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+    *("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+)
+_LLAMA_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 def _llama_family_mismatch(model: nn.Module) -> str | None:
     """None if ``model`` has LlamaForCausalLM's module structure, else what it lacks."""
-    inner = getattr(model, "model", None)
-    if not isinstance(inner, nn.Module):
-        return "no .model"
-    if not _is_linear(getattr(model, "lm_head", None)):
-        return "no .lm_head Linear"
-    if not isinstance(getattr(inner, "embed_tokens", None), nn.Embedding):
-        return "no .model.embed_tokens Embedding"
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        return "no .model.layers"
-    if not isinstance(getattr(inner, "norm", None), nn.Module):
-        return "no .model.norm"
+    for path, kind in (("lm_head", nn.Linear), ("model.embed_tokens", nn.Embedding), ("model.layers", nn.ModuleList)):
+        if not _has(model, path, kind):
+            return f"no {path} {kind.__name__}"
+    layers = _part(model, "model.layers", nn.ModuleList)
+    if len(layers) == 0 or not _has(model, "model.norm", nn.Module):
+        return "no model.layers or no model.norm"
     for index, layer in enumerate(layers):
-        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attention is None or not all(_is_linear(getattr(attention, n, None)) for n in _LLAMA_ATTENTION):
-            return f"model.layers.{index}.self_attn lacks {'/'.join(_LLAMA_ATTENTION)} Linears"
-        if mlp is None or not all(_is_linear(getattr(mlp, n, None)) for n in _LLAMA_MLP):
-            return f"model.layers.{index}.mlp lacks {'/'.join(_LLAMA_MLP)} Linears"
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            if not isinstance(getattr(layer, norm, None), nn.Module):
-                return f"model.layers.{index} has no {norm}"
+        for path in _LLAMA_LINEARS:
+            if not _has(layer, path, nn.Linear):
+                return f"model.layers.{index} has no {path} Linear"
+        for path in _LLAMA_NORMS:
+            if not _has(layer, path, nn.Module):
+                return f"model.layers.{index} has no {path}"
+        if not isinstance(getattr(layer.get_submodule("self_attn"), "head_dim", None), int):
+            return f"model.layers.{index}.self_attn has no head_dim"
     return None
-
-
-def _llama_head_dim(attention: nn.Module, model: nn.Module) -> int:
-    head_dim = getattr(attention, "head_dim", None)
-    if isinstance(head_dim, int):
-        return head_dim
-    config = model.config  # type: ignore[union-attr]  # a transformers model: its config holds the head count
-    return attention.q_proj.out_features // config.num_attention_heads
 
 
 def _llama_family_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> _Plan:
@@ -198,11 +222,10 @@ def _llama_family_plan(model: nn.Module, sequence_parallel: bool, loss_parallel:
     DTensor (``use_local_output=False``): transformers builds positions and the causal mask from the embedding
     output's shape, which must be the global sequence length."""
     plan = _Plan("transformers Llama-family")
-    inner = model.model  # type: ignore[union-attr]  # checked by _llama_family_mismatch
     sequence = Shard(1) if sequence_parallel else Replicate()
-    keep_dtensor = not sequence_parallel  # local tensors when replicated, DTensors on sequence shards
+    local_residual = not sequence_parallel  # local tensors when replicated, DTensors on sequence shards
     plan.styles["model.embed_tokens"] = RowwiseParallel(
-        input_layouts=Replicate(), output_layouts=sequence, use_local_output=keep_dtensor
+        input_layouts=Replicate(), output_layouts=sequence, use_local_output=local_residual
     )
     plan.styles["lm_head"] = ColwiseParallel(
         input_layouts=sequence,
@@ -210,28 +233,30 @@ def _llama_family_plan(model: nn.Module, sequence_parallel: bool, loss_parallel:
         use_local_output=not loss_parallel,
     )
     plan.split_sizes += [
-        ("model.embed_tokens", "the vocabulary size", inner.embed_tokens.num_embeddings),
-        ("lm_head", "the vocabulary size", model.lm_head.out_features),  # type: ignore[union-attr]
+        ("model.embed_tokens", "the vocabulary size", _part(model, "model.embed_tokens", nn.Embedding).num_embeddings),
+        ("lm_head", "the vocabulary size", _part(model, "lm_head", nn.Linear).out_features),
     ]
     norms = ["model.norm"]
-    for index, layer in enumerate(inner.layers):
+    for index, layer in enumerate(_part(model, "model.layers", nn.ModuleList)):
         prefix = f"model.layers.{index}"
-        attention = layer.self_attn
-        head_dim = _llama_head_dim(attention, model)
+        attention = layer.get_submodule("self_attn")
+        head_dim: int = getattr(attention, "head_dim")  # noqa: B009 - an int, checked by _llama_family_mismatch
         plan.split_sizes += [
-            (f"{prefix}.self_attn", "the number of attention heads", attention.q_proj.out_features // head_dim),
-            (f"{prefix}.self_attn", "the number of key/value heads", attention.k_proj.out_features // head_dim),
-            (f"{prefix}.mlp", "the intermediate size", layer.mlp.gate_proj.out_features),
+            (f"{prefix}.self_attn", "the number of attention heads", _out(layer, "self_attn.q_proj") // head_dim),
+            (f"{prefix}.self_attn", "the number of key/value heads", _out(layer, "self_attn.k_proj") // head_dim),
+            (f"{prefix}.mlp", "the intermediate size", _out(layer, "mlp.gate_proj")),
         ]
         for name in ("q_proj", "k_proj", "v_proj"):
             plan.styles[f"{prefix}.self_attn.{name}"] = ColwiseParallel()
         plan.styles[f"{prefix}.self_attn.o_proj"] = RowwiseParallel(
-            output_layouts=sequence, use_local_output=keep_dtensor
+            output_layouts=sequence, use_local_output=local_residual
         )
         for name in ("gate_proj", "up_proj"):
             plan.styles[f"{prefix}.mlp.{name}"] = ColwiseParallel()
-        plan.styles[f"{prefix}.mlp.down_proj"] = RowwiseParallel(output_layouts=sequence, use_local_output=keep_dtensor)
-        norms += [f"{prefix}.input_layernorm", f"{prefix}.post_attention_layernorm"]
+        plan.styles[f"{prefix}.mlp.down_proj"] = RowwiseParallel(
+            output_layouts=sequence, use_local_output=local_residual
+        )
+        norms += [f"{prefix}.{name}" for name in _LLAMA_NORMS]
         if sequence_parallel:
             # transformers passes the attention's input as the keyword hidden_states, the MLP's positionally.
             plan.styles[f"{prefix}.self_attn"] = PrepareModuleInput(
@@ -245,6 +270,10 @@ def _llama_family_plan(model: nn.Module, sequence_parallel: bool, loss_parallel:
         plan.after.append(_local_head_counts(attention))
     _norm_styles(model, plan, norms, sequence_parallel, local_output=False)
     return plan
+
+
+def _out(module: nn.Module, path: str) -> int:
+    return _part(module, path, nn.Linear).out_features
 
 
 def _local_head_counts(attention: nn.Module) -> Callable[[DeviceMesh], None]:
@@ -280,29 +309,42 @@ _LITGPT_MLPS = {("fc_1", "fc_2"): "proj", ("fc",): "proj"}
 _LITGPT_NORMS = ("norm_1", "post_attention_norm", "norm_2", "post_mlp_norm")
 
 
+class _HeadCounts(Protocol):
+    """What litgpt's attention reads from its ``config`` to lay out its heads."""
+
+    n_head: int
+    n_query_groups: int
+    head_size: int
+
+
+def _litgpt_heads(attention: nn.Module) -> _HeadCounts | None:
+    config = getattr(attention, "config", None)
+    if all(isinstance(getattr(config, name, None), int) for name in ("n_head", "n_query_groups", "head_size")):
+        return config
+    return None
+
+
 def _litgpt_mismatch(model: nn.Module) -> str | None:
     """None if ``model`` has litgpt GPT's module structure (with a plan for its attention and MLP), else what
     differs."""
-    transformer = getattr(model, "transformer", None)
-    if not isinstance(transformer, nn.ModuleDict) or not _is_linear(getattr(model, "lm_head", None)):
-        return "no .transformer ModuleDict and .lm_head Linear"
-    if not all(key in transformer for key in ("wte", "h", "ln_f")) or not isinstance(transformer["wte"], nn.Embedding):
-        return "no transformer.wte Embedding, transformer.h and transformer.ln_f"
-    for index, block in enumerate(transformer["h"]):
-        attention = getattr(block, "attn", None)
-        config = getattr(attention, "config", None)
-        if not (_is_linear(getattr(attention, "qkv", None)) and _is_linear(getattr(attention, "proj", None))):
+    for path, kind in (("lm_head", nn.Linear), ("transformer.wte", nn.Embedding), ("transformer.h", nn.ModuleList)):
+        if not _has(model, path, kind):
+            return f"no {path} {kind.__name__}"
+    if not _has(model, "transformer.ln_f", nn.Module):
+        return "no transformer.ln_f"
+    for index, block in enumerate(_part(model, "transformer.h", nn.ModuleList)):
+        if not (_has(block, "attn.qkv", nn.Linear) and _has(block, "attn.proj", nn.Linear)):
             return f"transformer.h.{index}.attn has no qkv and proj Linears (multi-head latent attention?)"
-        if not all(isinstance(getattr(config, n, None), int) for n in ("n_head", "n_query_groups", "head_size")):
+        if _litgpt_heads(block.get_submodule("attn")) is None:
             return f"transformer.h.{index}.attn.config has no n_head, n_query_groups and head_size"
-        if _litgpt_mlp_layout(block.mlp) is None:
-            return f"transformer.h.{index}.mlp is {type(block.mlp).__name__}, not LLaMAMLP/GemmaMLP/GptNeoxMLP"
+        if not _has(block, "mlp", nn.Module) or _litgpt_mlp_layout(block.get_submodule("mlp")) is None:
+            return f"transformer.h.{index}.mlp is not an LLaMAMLP, GemmaMLP or GptNeoxMLP"
     return None
 
 
 def _litgpt_mlp_layout(mlp: nn.Module) -> tuple[tuple[str, ...], str] | None:
     for colwise, rowwise in _LITGPT_MLPS.items():
-        if all(_is_linear(getattr(mlp, n, None)) for n in (*colwise, rowwise)):
+        if all(_has(mlp, name, nn.Linear) for name in (*colwise, rowwise)):
             return colwise, rowwise
     return None
 
@@ -311,7 +353,6 @@ def _litgpt_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool)
     """Megatron's split of litgpt's blocks; the residual stream between blocks holds local tensors (litgpt takes the
     sequence length from the token ids, not from the activations)."""
     plan = _Plan("litgpt GPT")
-    transformer = model.transformer  # type: ignore[union-attr]  # checked by _litgpt_mismatch
     sequence = Shard(1) if sequence_parallel else Replicate()
     plan.styles["transformer.wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence)
     plan.styles["lm_head"] = ColwiseParallel(
@@ -319,27 +360,33 @@ def _litgpt_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool)
         output_layouts=Shard(-1) if loss_parallel else Replicate(),
         use_local_output=not loss_parallel,
     )
+    vocabulary = _part(model, "transformer.wte", nn.Embedding).num_embeddings
     plan.split_sizes += [
-        ("transformer.wte", "the (padded) vocabulary size", transformer["wte"].num_embeddings),
-        ("lm_head", "the (padded) vocabulary size", model.lm_head.out_features),  # type: ignore[union-attr]
+        ("transformer.wte", "the (padded) vocabulary size", vocabulary),
+        ("lm_head", "the (padded) vocabulary size", _out(model, "lm_head")),
     ]
     norms = ["transformer.ln_f"]
-    for index, block in enumerate(transformer["h"]):
+    for index, block in enumerate(_part(model, "transformer.h", nn.ModuleList)):
         prefix = f"transformer.h.{index}"
-        config = block.attn.config
+        attention = block.get_submodule("attn")
+        heads = _litgpt_heads(attention)
+        assert heads is not None  # checked by _litgpt_mismatch
         plan.split_sizes += [
-            (f"{prefix}.attn", "the number of attention heads (n_head)", config.n_head),
-            (f"{prefix}.attn", "the number of key/value heads (n_query_groups)", config.n_query_groups),
+            (f"{prefix}.attn", "the number of attention heads (n_head)", heads.n_head),
+            (f"{prefix}.attn", "the number of key/value heads (n_query_groups)", heads.n_query_groups),
         ]
         # qkv's output is taken apart by _take_local_heads, which needs it as a DTensor.
         plan.styles[f"{prefix}.attn.qkv"] = ColwiseParallel(use_local_output=False)
         plan.styles[f"{prefix}.attn.proj"] = RowwiseParallel(output_layouts=sequence)
-        colwise, rowwise = _litgpt_mlp_layout(block.mlp)  # type: ignore[misc]  # checked by _litgpt_mismatch
-        plan.split_sizes.append((f"{prefix}.mlp", "the intermediate size", getattr(block.mlp, colwise[0]).out_features))
+        mlp = block.get_submodule("mlp")
+        layout = _litgpt_mlp_layout(mlp)
+        assert layout is not None  # checked by _litgpt_mismatch
+        colwise, rowwise = layout
+        plan.split_sizes.append((f"{prefix}.mlp", "the intermediate size", _out(mlp, colwise[0])))
         for name in colwise:
             plan.styles[f"{prefix}.mlp.{name}"] = ColwiseParallel()
         plan.styles[f"{prefix}.mlp.{rowwise}"] = RowwiseParallel(output_layouts=sequence)
-        norms += [f"{prefix}.{n}" for n in _LITGPT_NORMS if isinstance(getattr(block, n, None), nn.Module)]
+        norms += [f"{prefix}.{name}" for name in _LITGPT_NORMS if _has(block, name, nn.Module)]
         if sequence_parallel:
             # The block calls attn(x, cos, sin, mask, input_pos, input_pos_maxp1): only x is sequence-sharded.
             plan.styles[f"{prefix}.attn"] = PrepareModuleInput(
@@ -350,24 +397,23 @@ def _litgpt_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool)
             plan.styles[f"{prefix}.mlp"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
             )
-        plan.after.append(_litgpt_local_heads(block.attn))
+        plan.after.append(_litgpt_local_heads(attention, heads))
     _norm_styles(model, plan, norms, sequence_parallel, local_output=True)
     return plan
 
 
-def _litgpt_local_heads(attention: nn.Module) -> Callable[[DeviceMesh], None]:
+def _litgpt_local_heads(attention: nn.Module, heads: _HeadCounts) -> Callable[[DeviceMesh], None]:
     """After the split: the attention reads its head counts from ``self.config`` (shared by the whole model), so it
     gets a copy holding this rank's counts, and its ``qkv`` output is narrowed to this rank's heads."""
 
     def fix(tp_mesh: DeviceMesh) -> None:
         tp_size = tp_mesh.size()
-        config = attention.config
-        q_size = config.n_head * config.head_size
-        kv_size = config.n_query_groups * config.head_size
-        local = copy.copy(config)
-        local.n_head, local.n_query_groups = config.n_head // tp_size, config.n_query_groups // tp_size
-        attention.config = local
-        attention.qkv.register_forward_hook(_take_local_heads(q_size, kv_size, tp_mesh))
+        q_size = heads.n_head * heads.head_size
+        kv_size = heads.n_query_groups * heads.head_size
+        local = copy.copy(heads)
+        local.n_head, local.n_query_groups = heads.n_head // tp_size, heads.n_query_groups // tp_size
+        setattr(attention, "config", local)  # noqa: B010 - a plain attribute of litgpt's module
+        attention.get_submodule("qkv").register_forward_hook(_take_local_heads(q_size, kv_size, tp_mesh))
 
     return fix
 

@@ -28,12 +28,30 @@ from tests.toolbox.training import sgd_with_momentum
 
 TP = 2
 STEPS = 3
+PAD = 2  # padded tokens at the start of the first sequence of the transformers cases
 
 
 def _hf_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # What a user writes: transformers shifts the labels itself.
-    out = model(input_ids=ids, labels=ids)
+    """What a user writes, with a left-padded first row: the padding mask, and labels ignoring the padding
+    (transformers shifts them itself)."""
+    mask = torch.ones_like(ids)
+    mask[0, :PAD] = 0
+    out = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
     return out.logits, out.loss
+
+
+class Holder(nn.Module):
+    """A module holding the model as an attribute, as a LightningModule does (``self.model``)."""
+
+    def __init__(self, model: nn.Module, extra_head: bool = False) -> None:
+        super().__init__()
+        self.model = model
+        if extra_head:
+            self.value_head = nn.Linear(32, 1)
+
+
+def _held_litgpt_loss(holder: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _litgpt_loss(holder.model, ids, labels)
 
 
 def _litgpt_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +71,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable, bool, bool]] = {
     ),
     "litgpt-llama": (lambda: litgpt_gpt("LLaMAMLP"), _litgpt_loss, True, False),
     "litgpt-neox-loss-parallel": (lambda: litgpt_gpt("GptNeoxMLP", n_query_groups=4), _litgpt_loss, True, True),
-    "litgpt-llama-replicated-norms": (lambda: litgpt_gpt("LLaMAMLP"), _litgpt_loss, False, False),
+    "held-litgpt-llama-replicated-norms": (lambda: Holder(litgpt_gpt("LLaMAMLP")), _held_litgpt_loss, False, False),
 }
 
 # name: (model builder, error type, fragments the message must hold)
@@ -74,10 +92,15 @@ BAD_MODELS: dict[str, tuple[Callable[[], nn.Module], type, tuple[str, ...]]] = {
         ("transformer.h.0.attn", "attention heads", "(3)"),
     ),
     "qwen3-qk-norm": (lambda: hf_causal_lm("qwen3"), TypeError, ("q_norm", "parallelize_module", "configure_model")),
+    "extra-head": (
+        lambda: Holder(hf_causal_lm("llama"), extra_head=True),
+        TypeError,
+        ("value_head.weight", "value_head.bias", "parallelize_module"),
+    ),
     "plain-module": (
         lambda: nn.Sequential(nn.Linear(4, 4)),
         TypeError,
-        ("No built-in tensor-parallel plan for Sequential", "parallelize_module", "configure_model"),
+        ("No built-in tensor-parallel plan for Sequential", "no lm_head Linear", "configure_model"),
     ),
 }
 
