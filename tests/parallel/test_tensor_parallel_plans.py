@@ -1,9 +1,9 @@
 """The built-in tensor-parallel plans (``apply_tensor_parallel_plan``) against one device.
 
 One launch of 2 gloo ranks, one tensor-parallel group of 2 (no data parallelism, no sharding engine), runs every
-case: a tiny real model (transformers' Llama, Mistral and Qwen2 causal LMs, litgpt's GPT with LLaMAMLP and with
-GptNeoxMLP) is split by the plan and trained 3 steps with SGD with momentum on batches both ranks share. The
-reference is the same model, unsplit, trained in the test process on the same batches. Compared, on each rank, in
+case: a tiny real model (transformers' Llama, Mistral, Qwen2, Gemma and Granite causal LMs, litgpt's GPT with
+LLaMAMLP and with GptNeoxMLP) is split by the plan and trained 3 steps with SGD with momentum on batches both ranks
+share. The reference is the same model, unsplit, trained in the test process on the same batches. Compared, on each rank, in
 float32 at rtol 1e-5: the first step's logits, every step's loss, the first step's gradient of every parameter
 (DTensors gathered with ``full_tensor()``) and every parameter after the 3 steps; and the split itself (each
 projection's local rows or columns are half of the full ones), so that a plan that split nothing cannot pass.
@@ -69,6 +69,8 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable, bool, bool]] = {
         False,
         False,
     ),
+    "gemma": (lambda: hf_causal_lm("gemma"), _hf_loss, True, False),
+    "granite-replicated-norms": (lambda: hf_causal_lm("granite"), _hf_loss, False, False),
     "litgpt-llama": (lambda: litgpt_gpt("LLaMAMLP"), _litgpt_loss, True, False),
     "litgpt-neox-loss-parallel": (lambda: litgpt_gpt("GptNeoxMLP", n_query_groups=4), _litgpt_loss, True, True),
     "held-litgpt-llama-replicated-norms": (lambda: Holder(litgpt_gpt("LLaMAMLP")), _held_litgpt_loss, False, False),
@@ -90,6 +92,11 @@ BAD_MODELS: dict[str, tuple[Callable[[], nn.Module], type, tuple[str, ...]]] = {
         lambda: litgpt_gpt("LLaMAMLP", n_head=3, n_query_groups=3, head_size=8),
         ValueError,
         ("transformer.h.0.attn", "attention heads", "(3)"),
+    ),
+    "phi3-fused-qkv": (
+        lambda: hf_causal_lm("phi3"),
+        TypeError,
+        ("Phi3ForCausalLM", "model.layers.0 has no self_attn.q_proj Linear", "configure_model"),
     ),
     "qwen3-qk-norm": (lambda: hf_causal_lm("qwen3"), TypeError, ("q_norm", "parallelize_module", "configure_model")),
     "extra-head": (

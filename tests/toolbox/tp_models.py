@@ -27,8 +27,9 @@ def perturbed(model: nn.Module, seed: int = 0) -> nn.Module:
 
 
 def hf_causal_lm(family: str, **overrides: object) -> nn.Module:
-    """A 2-layer transformers causal LM of ``family`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``): hidden 32,
-    4 heads, 2 key/value heads, intermediate 48, the vocabulary ``VOCAB``; ``overrides`` change the config."""
+    """A 2-layer transformers causal LM of ``family`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma``,
+    ``granite``, ``phi3``): hidden 32, 4 heads of 8, 2 key/value heads, intermediate 48, the vocabulary ``VOCAB``
+    (padding token 0); ``overrides`` change the config."""
     import transformers
 
     classes = {
@@ -36,6 +37,9 @@ def hf_causal_lm(family: str, **overrides: object) -> nn.Module:
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }
     config_class, model_class = classes[family]
     settings: dict[str, object] = dict(
@@ -45,8 +49,12 @@ def hf_causal_lm(family: str, **overrides: object) -> nn.Module:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=8,
         max_position_embeddings=4 * SEQ,
         tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     settings.update(overrides)
     torch.manual_seed(0)
