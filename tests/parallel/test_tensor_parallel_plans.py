@@ -2,12 +2,12 @@
 
 One launch of 2 gloo ranks, one tensor-parallel group of 2 (no data parallelism, no sharding engine), runs every
 case: a tiny real model (transformers' Llama, Mistral, Qwen2, Gemma and Granite causal LMs, litgpt's GPT with
-LLaMAMLP and with GptNeoxMLP) is split by the plan and trained 3 steps with SGD with momentum on batches both ranks
-share. The reference is the same model, unsplit, trained in the test process on the same batches. Compared, on each rank, in
-float32 at rtol 1e-5: the first step's logits, every step's loss, the first step's gradient of every parameter
-(DTensors gathered with ``full_tensor()``) and every parameter after the 3 steps; and the split itself (each
-projection's local rows or columns are half of the full ones), so that a plan that split nothing cannot pass.
-The same launch checks the errors: sizes that 2 does not divide, and models without a built-in plan.
+LLaMAMLP and with GptNeoxMLP) is split by the plan and trained 3 steps with SGD with momentum on batches both
+ranks share. The reference is the same model, unsplit, trained in the test process on the same batches. Compared,
+on each rank, in float32 at rtol 1e-5: the first step's logits, every step's loss, the first step's gradient of
+every parameter (DTensors gathered with ``full_tensor()``) and every parameter after the 3 steps; and the split
+itself (each projection's local rows or columns are half of the full ones), so that a plan that split nothing
+cannot pass. The same launch checks the errors: sizes that 2 does not divide, and models without a built-in plan.
 """
 
 from __future__ import annotations
