@@ -76,6 +76,12 @@ def apply_tensor_parallel_plan(
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"tp_mesh must be the 1-D tensor-parallel mesh, got a {tp_mesh.ndim}-D mesh {tp_mesh}.")
+    already = next((name for name, p in module.named_parameters() if isinstance(p, DTensor)), None)
+    if already is not None:
+        raise ValueError(
+            f"{type(module).__name__} is already parallelized ({already} is a DTensor): apply one plan, either "
+            'tensor_parallel_plan="auto" or your own parallelize_module call, not both.'
+        )
     models = _supported_models(module)
     if not models:
         raise TypeError(
@@ -97,7 +103,29 @@ def apply_tensor_parallel_plan(
             head.weight = embedding.weight
         for fix in plan.after:
             fix(tp_mesh)
+        if sequence_parallel:
+            model.register_forward_pre_hook(_sequence_divides(tp_mesh.size()), with_kwargs=True)
     return module
+
+
+def _sequence_divides(tp_size: int) -> Callable[[nn.Module, tuple[object, ...], dict[str, object]], None]:
+    """A forward pre-hook refusing a sequence length ``T`` does not divide: sequence parallelism would otherwise send
+    shards of different sizes (gloo aborts the process, NCCL hangs). The ranks of a tensor-parallel group share
+    their batch, so every rank raises, before the forward's first collective."""
+
+    def check(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        tokens = args[0] if args else next((kwargs[k] for k in _TOKEN_ARGUMENTS if kwargs.get(k) is not None), None)
+        if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and tokens.shape[1] % tp_size != 0:
+            raise ValueError(
+                f"sequence_parallel=True splits the sequence over the {tp_size} tensor-parallel ranks, and "
+                f"{tp_size} does not divide this batch's sequence length ({tokens.shape[1]}). Pad the sequences to a "
+                f"multiple of {tp_size}, or apply the plan with sequence_parallel=False."
+            )
+
+    return check
+
+
+_TOKEN_ARGUMENTS = ("input_ids", "inputs_embeds", "idx")
 
 
 def _supported_models(module: nn.Module) -> list[tuple[str, nn.Module]]:

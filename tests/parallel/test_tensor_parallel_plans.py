@@ -162,6 +162,7 @@ def _ranks_run(rank: int, world_size: int) -> dict[str, Any]:
         except bad_type as error:
             untouched = not any(isinstance(p, DTensor) for p in model.parameters())
             results["errors"][name] = (str(error), untouched)
+    results["misuse"] = _misuse(mesh)
     for name, (build, loss_of, sequence_parallel, loss_parallel) in CASES.items():
         model = apply_tensor_parallel_plan(
             build(), mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
@@ -169,6 +170,26 @@ def _ranks_run(rank: int, world_size: int) -> dict[str, Any]:
         results["layouts"][name] = _layout(model)
         results["runs"][name] = _train(model, loss_of, loss_parallel)
     return results
+
+
+def _misuse(mesh: Any) -> dict[str, str]:
+    """The errors of a plan applied twice, and of a sequence length 2 does not divide under sequence parallelism
+    (for transformers and litgpt); then the same models run a sequence of even length."""
+    from lightning_fsdp.tensor_parallel_plans import apply_tensor_parallel_plan
+
+    errors = {}
+    llama = apply_tensor_parallel_plan(hf_causal_lm("llama"), mesh)
+    gpt = apply_tensor_parallel_plan(litgpt_gpt(), mesh)
+    with pytest.raises(ValueError) as twice:
+        apply_tensor_parallel_plan(llama, mesh)
+    errors["twice"] = str(twice.value)
+    ids, _ = token_batch(0)
+    for name, run in (("uneven-hf", lambda x: llama(input_ids=x)), ("uneven-litgpt", gpt)):
+        with pytest.raises(ValueError) as uneven:
+            run(ids[:, :-1])
+        errors[name] = str(uneven.value)
+        run(ids)  # the models still work
+    return errors
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +256,18 @@ def test_refused_before_any_change(ranks: list[dict[str, Any]], bad: str) -> Non
     assert untouched, f"{bad}: the model was changed before the error"
     for fragment in fragments:
         assert fragment in message, f"{bad}: {fragment!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("misuse", ["twice", "uneven-hf", "uneven-litgpt"])
+def test_misuse_is_refused(ranks: list[dict[str, Any]], misuse: str) -> None:
+    """A second plan on a parallelized model, and a sequence length the tensor-parallel size does not divide under
+    sequence parallelism (which would otherwise abort gloo with mismatched collectives): clear errors on every rank."""
+    expected = {
+        "twice": ("LlamaForCausalLM is already parallelized", "model.embed_tokens.weight is a DTensor"),
+        "uneven-hf": ("sequence length (7)", "sequence_parallel=False"),
+        "uneven-litgpt": ("sequence length (7)", "multiple of 2"),
+    }[misuse]
+    for rank, result in enumerate(ranks):
+        message = result["misuse"][misuse]
+        for fragment in expected:
+            assert fragment in message, f"rank {rank} {misuse}: {fragment!r} not in {message!r}"
