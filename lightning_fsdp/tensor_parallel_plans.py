@@ -5,15 +5,15 @@ model families whose module structure is known, as torchtitan's ``apply_tp`` doe
 size the plan splits divides the tensor-parallel size, then calls ``parallelize_module`` with the family's plan:
 
 - transformers' Llama family (``LlamaForCausalLM`` and every causal LM with its module names and no other
-  parameters: Mistral, Qwen2, ...): attention ``q_proj``/``k_proj``/``v_proj`` colwise and ``o_proj`` rowwise, MLP
+  parameters: Mistral, Qwen2, Gemma, Granite, ...): attention ``q_proj``/``k_proj``/``v_proj`` colwise and ``o_proj`` rowwise, MLP
   ``gate_proj``/``up_proj`` colwise and ``down_proj`` rowwise, the embedding rowwise (vocabulary rows), ``lm_head``
   colwise, and with sequence parallelism the RMSNorms on sequence shards.
 - litgpt's ``GPT`` (``CausalSelfAttention`` with its fused ``qkv``, ``LLaMAMLP``/``GemmaMLP`` or ``GptNeoxMLP``,
   RMSNorm or LayerNorm): the same split, ``qkv`` colwise with each rank taking its own heads out of the gathered
   ``[q | k | v]`` output (see :func:`_take_local_heads`).
 
-Everything raised here is raised from the model's shapes and the mesh's size alone, before any collective, so
-every rank raises the same error at the same point.
+Every error is raised from what all ranks of the group share (the model's shapes, the mesh's size, the batch's
+sequence length), before any collective, so every rank raises the same error at the same point.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-WRITE_YOUR_OWN = (
+_WRITE_YOUR_OWN = (
     "Write the plan yourself: call torch.distributed.tensor.parallel.parallelize_module(model, "
     'self.device_mesh["tensor_parallel"], plan) in your LightningModule\'s configure_model (docs/parallelism.md).'
 )
@@ -64,8 +64,8 @@ def apply_tensor_parallel_plan(
     ``module`` is a supported model, or any module holding supported models (a LightningModule with the model as an
     attribute): each outermost supported submodule gets its family's plan, and a parameter outside them is refused.
 
-    ``sequence_parallel``: the norms and the residual stream between layers hold ``1/T`` of the sequence (the
-    sequence length must divide ``T``); otherwise they are replicated. ``loss_parallel``: the logits stay a DTensor
+    ``sequence_parallel``: the norms and the residual stream between layers hold ``1/T`` of the sequence (``T``
+    must divide the sequence length, checked at each forward); otherwise they are replicated. ``loss_parallel``: the logits stay a DTensor
     sharded over the vocabulary; compute the loss and run backward inside
     ``torch.distributed.tensor.parallel.loss_parallel()``. Every rank must hold the same values before the call
     (seed them alike): the split weights are scattered from rank 0, the replicated norms are taken as they are.
@@ -87,7 +87,7 @@ def apply_tensor_parallel_plan(
         raise TypeError(
             f"No built-in tensor-parallel plan for {type(module).__name__}: neither it nor any of its submodules is "
             f"a transformers Llama-family causal LM ({_llama_family_mismatch(module)}) or a litgpt GPT "
-            f"({_litgpt_mismatch(module)}). {WRITE_YOUR_OWN}"
+            f"({_litgpt_mismatch(module)}). {_WRITE_YOUR_OWN}"
         )
     plans = [(prefix, model, _plan_for(model, sequence_parallel, loss_parallel)) for prefix, model in models]
     for prefix, _, plan in plans:
@@ -180,7 +180,7 @@ def _check_covered(module: nn.Module, plans: list[tuple[str, _Plan]]) -> None:
         families = " and ".join(sorted({plan.family for _, plan in plans}))
         raise TypeError(
             f"The {families} tensor-parallel plan does not cover these parameters of {type(module).__name__}: "
-            f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}. {WRITE_YOUR_OWN}"
+            f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}. {_WRITE_YOUR_OWN}"
         )
 
 
