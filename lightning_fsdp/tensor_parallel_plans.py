@@ -5,9 +5,9 @@ model families whose module structure is known, as torchtitan's ``apply_tp`` doe
 size the plan splits divides the tensor-parallel size, then calls ``parallelize_module`` with the family's plan:
 
 - transformers' Llama family (``LlamaForCausalLM`` and every causal LM with its module names and no other
-  parameters: Mistral, Qwen2, Gemma, Granite, ...): attention ``q_proj``/``k_proj``/``v_proj`` colwise and ``o_proj`` rowwise, MLP
-  ``gate_proj``/``up_proj`` colwise and ``down_proj`` rowwise, the embedding rowwise (vocabulary rows), ``lm_head``
-  colwise, and with sequence parallelism the RMSNorms on sequence shards.
+  parameters: Mistral, Qwen2, Gemma, Granite, ...): attention ``q_proj``/``k_proj``/``v_proj`` colwise and
+  ``o_proj`` rowwise, MLP ``gate_proj``/``up_proj`` colwise and ``down_proj`` rowwise, the embedding rowwise
+  (vocabulary rows), ``lm_head`` colwise, and with sequence parallelism the RMSNorms on sequence shards.
 - litgpt's ``GPT`` (``CausalSelfAttention`` with its fused ``qkv``, ``LLaMAMLP``/``GemmaMLP`` or ``GptNeoxMLP``,
   RMSNorm or LayerNorm): the same split, ``qkv`` colwise with each rank taking its own heads out of the gathered
   ``[q | k | v]`` output (see :func:`_take_local_heads`).
@@ -65,8 +65,8 @@ def apply_tensor_parallel_plan(
     attribute): each outermost supported submodule gets its family's plan, and a parameter outside them is refused.
 
     ``sequence_parallel``: the norms and the residual stream between layers hold ``1/T`` of the sequence (``T``
-    must divide the sequence length, checked at each forward); otherwise they are replicated. ``loss_parallel``: the logits stay a DTensor
-    sharded over the vocabulary; compute the loss and run backward inside
+    must divide the sequence length, checked at each forward); otherwise they are replicated. ``loss_parallel``:
+    the logits stay a DTensor sharded over the vocabulary; compute the loss and run backward inside
     ``torch.distributed.tensor.parallel.loss_parallel()``. Every rank must hold the same values before the call
     (seed them alike): the split weights are scattered from rank 0, the replicated norms are taken as they are.
 
