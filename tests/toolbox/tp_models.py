@@ -8,8 +8,6 @@ model's parameters, DTensors or plain, into ordinary tensors by name.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -108,5 +106,3 @@ def parameters_and_grads(model: nn.Module) -> tuple[dict[str, torch.Tensor], dic
     assert len(grads) == len(params), f"parameters without a gradient: {sorted(set(params) - set(grads))}"
     return full_values(params), full_values(grads)
 
-
-ModelFactory = Callable[[], nn.Module]
