@@ -105,4 +105,3 @@ def parameters_and_grads(model: nn.Module) -> tuple[dict[str, torch.Tensor], dic
     grads = {name: p.grad for name, p in params.items() if p.grad is not None}
     assert len(grads) == len(params), f"parameters without a gradient: {sorted(set(params) - set(grads))}"
     return full_values(params), full_values(grads)
-
