@@ -12,11 +12,17 @@ export OMP_NUM_THREADS ?= 1
 
 .PHONY: demo test lint typecheck docs setup clean gpu-check
 
+# litgpt (tests/parallel/test_tensor_parallel_plans.py) without its dependencies: litgpt 0.5 pins huggingface-hub<1.4
+# and transformers 5 needs >=2.4, so the test extra cannot hold both. Its model code needs neither the pin nor
+# anything the test extra lacks (lightning, jsonargparse, safetensors, tokenizers, psutil, tqdm).
+LITGPT_SPEC ?= litgpt==0.5.13
+
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet --no-deps "$(LITGPT_SPEC)"
 	touch $@
 
 # tests/strategy/test_mpi.py launches with mpirun, which needs OpenMPI and mpi4py (the `mpi` extra). Best effort: OpenMPI from

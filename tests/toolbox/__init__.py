@@ -8,6 +8,8 @@
 - ``fault_jobs``: jobs whose ranks report fault events (the fault and mpirun tests).
 - ``lightning_scripts``: what the Lightning scripts in tests/scripts/ share (a quiet Trainer, ToyLM's module).
 - ``compare``: named tensors and optimizer states compared, with a count of what was compared.
+- ``tp_models``: tiny transformers and litgpt models for the tensor-parallel tests, and a model's tensors gathered
+  in full (DTensors with ``full_tensor()``).
 
 The process harness under ``launch`` and ``distributed`` is the benchmarks' own (benchmarks/ranks.py), imported from
 there.
