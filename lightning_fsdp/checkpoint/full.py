@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint import Checkpoint, StateDict
@@ -54,13 +55,17 @@ def full_model_state_dict(engine: ShardingEngine, *, rank0_only: bool = True, ke
             keys.setdefault(id(slot), []).append(key)
         for unit in engine.units:
             fulls = unit.full_tensors()  # one unit at a time, in the master dtype
-            if keep:
-                for slot, full in zip(unit.slots, fulls):
+            for slot, full in zip(unit.slots, fulls):
+                if slot.tensor_parallel is not None:  # the unsplit model's tensor: every TP rank's piece joined
+                    full = slot.tensor_parallel.full_tensor(full)
+                if keep:
                     full = full.to("cpu", copy=True)
                     for key in keys.get(id(slot), []):
                         if key in state:
                             state[key] = full
             del fulls
+    # After a stage a tensor-parallel module holds DTensor parameters again: the unsplit ones are saved.
+    state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
     if not keep:
         return {}
     return {

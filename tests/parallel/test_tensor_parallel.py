@@ -1,0 +1,70 @@
+"""Tensor parallelism composed with the engine's sharding: TP=2 x DP=2 on 4 gloo ranks against one device on the
+same global batch (fp32, SGD with momentum and AdamW, norm clipping). The model is parallelized as a user does it,
+with torch's ``parallelize_module`` on the tensor-parallel sub-mesh, then sharded over the data-parallel one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_fsdp.checkpoint.full import full_model_state_dict
+from lightning_fsdp.engine import fully_shard
+from tests.toolbox.compare import assert_all_close
+from tests.toolbox.distributed import run_distributed
+from tests.toolbox.models import Block, ToyLM, parallelize_toy_lm
+from tests.toolbox.one_device import toy_lm_on_step_batches
+from tests.toolbox.training import sgd_with_momentum, train_on_shares
+
+STEPS, BATCH, CLIP = 3, 8, 0.05
+adamw: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = partial(torch.optim.AdamW, lr=0.01)
+OPTIMIZERS = {"sgd": sgd_with_momentum, "adamw": adamw}
+
+
+def tp2_dp2(rank: int, world_size: int) -> dict:
+    """Per optimizer, what ``train_tp_dp`` returns."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    return {name: train_tp_dp(mesh, make_optimizer) for name, make_optimizer in OPTIMIZERS.items()}
+
+
+def train_tp_dp(mesh: DeviceMesh, make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]) -> tuple:
+    """ToyLM parallelized over ``mesh['tensor_parallel']`` and sharded over ``mesh['data_parallel']``, trained with
+    clipping: the mean loss over the data-parallel ranks at each step, the full state dict, each step's norm, and how
+    many parameters this rank holds as TP pieces."""
+    dp = mesh["data_parallel"]
+    torch.manual_seed(0)
+    model = parallelize_toy_lm(ToyLM(), mesh["tensor_parallel"])
+    engine = fully_shard(model, auto_wrap_policy={Block}, process_group=dp.get_group())
+    norms = []
+
+    def clip() -> None:
+        norms.append(float(engine.clip_grad_norm_(model.parameters(), CLIP)))
+
+    optimizer = make_optimizer(model.parameters())
+    losses = train_on_shares(model, optimizer, STEPS, BATCH, dp.get_local_rank(), dp.size(), before_step=clip)
+    means = []
+    for loss in losses:
+        dist.all_reduce(loss, group=dp.get_group())
+        means.append(float(loss) / dp.size())
+    specs = [slot.tensor_parallel for p in model.parameters() if (slot := engine.slot_of(p)) is not None]
+    pieces = sum(spec is not None and spec.is_split for spec in specs)
+    return means, full_model_state_dict(engine), norms, pieces
+
+
+def test_tp2_dp2_matches_one_device():
+    results = run_distributed(tp2_dp2, 4)
+    compared = 0
+    for name, make_optimizer in OPTIMIZERS.items():
+        ref = toy_lm_on_step_batches(STEPS, BATCH, clip_norm=CLIP, optimizer=make_optimizer)
+        losses, state, norms, pieces = results[0][name]
+        # block1.fc1 weight and bias, block1.fc2 weight (its bias is replicated), block2.fc1 weight and bias
+        assert pieces == 5, f"{name}: {pieces} parameters held as TP pieces"
+        torch.testing.assert_close(losses, ref.losses, rtol=1e-5, atol=1e-6)
+        compared += assert_all_close(state, ref.model.state_dict(), f"TP=2 x DP=2 {name}")
+        for rank in range(1, 4):
+            assert results[rank][name][2] == norms, f"{name}: rank {rank} clipped by another norm"
+    assert compared == 2 * len(ToyLM().state_dict())
