@@ -17,6 +17,7 @@ from lightning_fsdp.checkpoint import StateDict
 from lightning_fsdp.checkpoint.common import CheckpointFormat
 from lightning_fsdp.engine import MixedPrecision, ShardingEngine, ShardingOptions
 from lightning_fsdp.options import PipelineOptions, check_pipeline_composition, check_pipeline_precision
+from lightning_fsdp.parallel_dims import ParallelGroups
 from lightning_fsdp.pipeline.checkpoint import (
     PipelineCheckpoint,
     check_pipeline_format,
@@ -42,6 +43,7 @@ class SplitContext(NamedTuple):
     timeout: timedelta | None  # the strategy's, for the pipeline's groups
     precision: str  # the Trainer's precision flag
     mixed_precision: MixedPrecision | None  # the engine's: the stages' shapes are worked out in its compute dtype
+    parallel: ParallelGroups | None = None  # under tensor parallelism, the layout's groups (parallel_dims.py)
 
 
 def pipeline_role(
