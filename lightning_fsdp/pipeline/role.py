@@ -24,7 +24,7 @@ from lightning_fsdp.pipeline.checkpoint import (
     pipeline_model_state_dict,
     pipeline_optimizer_state,
 )
-from lightning_fsdp.pipeline.runtime import PipelineRuntime, pipeline_layout
+from lightning_fsdp.pipeline.runtime import PipelineRuntime, pipeline_layout, pipeline_layout_on
 from lightning_fsdp.pipeline.split import plan_stages
 from lightning_fsdp.process_groups import ShardGroups
 
@@ -140,7 +140,10 @@ class StageRole(PipelineRole):
         options.check_world(run.world_size)
         check_pipeline_precision(options, run.precision)
         plan_stages(model, options.num_stages, options.split)  # a bad cut raises here, before the groups exist
-        layout = pipeline_layout(options.size, run.world_size, run.rank, run.device.type, run.timeout)
+        if run.parallel is not None:  # tensor parallelism: the stages' groups are the layout's
+            layout = pipeline_layout_on(run.parallel)
+        else:
+            layout = pipeline_layout(options.size, run.world_size, run.rank, run.device.type, run.timeout)
         dtype = run.mixed_precision.param_dtype if run.mixed_precision is not None else None
         self.runtime = PipelineRuntime(model, options, layout, run.device, compute_dtype=dtype)
         self.runtime.accumulation = lambda: _loss_divisor(module)
