@@ -1,6 +1,8 @@
-"""Tensor parallelism composed with the engine's sharding: TP=2 x DP=2 on 4 gloo ranks against one device on the
-same global batch (fp32, SGD with momentum and AdamW, norm clipping). The model is parallelized as a user does it,
-with torch's ``parallelize_module`` on the tensor-parallel sub-mesh, then sharded over the data-parallel one."""
+"""Tensor parallelism composed with the engine's sharding, on 4 gloo ranks against one device on the same global batch
+(fp32, SGD with momentum and AdamW, norm clipping): TP=2 x DP=2 with FULL_SHARD, and TP=2 x HYBRID_SHARD (each
+data-parallel rank its own shard group, the two replicas all-reducing). The model is parallelized as a user does it,
+with torch's ``parallelize_module`` on the tensor-parallel sub-mesh, then sharded over the data-parallel one. One
+launch carries every case."""
 
 from __future__ import annotations
 
@@ -26,19 +28,36 @@ OPTIMIZERS = {"sgd": sgd_with_momentum, "adamw": adamw}
 
 
 def tp2_dp2(rank: int, world_size: int) -> dict:
-    """Per optimizer, what ``train_tp_dp`` returns."""
+    """Per case, what ``train_tp_dp`` returns."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
-    return {name: train_tp_dp(mesh, make_optimizer) for name, make_optimizer in OPTIMIZERS.items()}
+    results = {name: train_tp_dp(mesh, make_optimizer) for name, make_optimizer in OPTIMIZERS.items()}
+    alone = [dist.new_group([r]) for r in range(world_size)][rank]  # every rank creates every group
+    results["hybrid"] = train_tp_dp(mesh, sgd_with_momentum, hybrid_shard_group=alone)
+    return results
 
 
-def train_tp_dp(mesh: DeviceMesh, make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]) -> tuple:
-    """ToyLM parallelized over ``mesh['tensor_parallel']`` and sharded over ``mesh['data_parallel']``, trained with
-    clipping: the mean loss over the data-parallel ranks at each step, the full state dict, each step's norm, and how
-    many parameters this rank holds as TP pieces."""
+def train_tp_dp(
+    mesh: DeviceMesh,
+    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    hybrid_shard_group: dist.ProcessGroup | None = None,
+) -> tuple:
+    """ToyLM parallelized over ``mesh['tensor_parallel']`` and sharded over ``mesh['data_parallel']`` (with
+    ``hybrid_shard_group``: HYBRID_SHARD, sharded over that group and replicated over the data-parallel one), trained
+    with clipping: the mean loss over the data-parallel ranks at each step, the full state dict, each step's norm,
+    and how many parameters this rank holds as TP pieces."""
     dp = mesh["data_parallel"]
     torch.manual_seed(0)
     model = parallelize_toy_lm(ToyLM(), mesh["tensor_parallel"])
-    engine = fully_shard(model, auto_wrap_policy={Block}, process_group=dp.get_group())
+    if hybrid_shard_group is None:
+        engine = fully_shard(model, auto_wrap_policy={Block}, process_group=dp.get_group())
+    else:
+        engine = fully_shard(
+            model,
+            auto_wrap_policy={Block},
+            sharding_strategy="HYBRID_SHARD",
+            process_group=hybrid_shard_group,
+            replicate_group=dp.get_group(),
+        )
     norms = []
 
     def clip() -> None:
@@ -55,10 +74,10 @@ def train_tp_dp(mesh: DeviceMesh, make_optimizer: Callable[[Iterable[nn.Paramete
     return means, full_model_state_dict(engine), norms, pieces
 
 
-def test_tp2_dp2_matches_one_device():
+def test_tp2_dp2_and_tp2_hybrid_match_one_device():
     results = run_distributed(tp2_dp2, 4)
     compared = 0
-    for name, make_optimizer in OPTIMIZERS.items():
+    for name, make_optimizer in [*OPTIMIZERS.items(), ("hybrid", sgd_with_momentum)]:
         ref = toy_lm_on_step_batches(STEPS, BATCH, clip_norm=CLIP, optimizer=make_optimizer)
         losses, state, norms, pieces = results[0][name]
         # block1.fc1 weight and bias, block1.fc2 weight (its bias is replicated), block2.fc1 weight and bias
@@ -67,4 +86,4 @@ def test_tp2_dp2_matches_one_device():
         compared += assert_all_close(state, ref.model.state_dict(), f"TP=2 x DP=2 {name}")
         for rank in range(1, 4):
             assert results[rank][name][2] == norms, f"{name}: rank {rank} clipped by another norm"
-    assert compared == 2 * len(ToyLM().state_dict())
+    assert compared == 3 * len(ToyLM().state_dict())
