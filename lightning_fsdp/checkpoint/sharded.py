@@ -26,8 +26,8 @@ from lightning_fsdp.checkpoint.common import (
     CheckpointRun,
     ShardedOptimizerState,
     ShardedStateDict,
-    is_local_rows,
     is_sharded,
+    is_slot_rows,
     managed_keys,
     shape_str,
 )
@@ -101,8 +101,7 @@ def _tp_mesh(engine: ShardingEngine, spec: TensorParallelSpec, device_type: str)
 
 
 def _global_shape(slot: ParamSlot) -> tuple[int, ...]:
-    """The unsplit model's shape of a managed parameter (a DTensor parameter's global shape)."""
-    return tuple(slot.tensor_parallel.shape if slot.tensor_parallel is not None else slot.layout.shape)
+    return tuple(slot.unsplit_shape)
 
 
 def _slot_global_tensor(local: torch.Tensor, slot: ParamSlot, engine: ShardingEngine) -> torch.Tensor:
@@ -156,7 +155,7 @@ def sharded_optimizer_state_dict(
         new_entry: StateDict = {}
         for name in sorted(entry):  # the same order on every rank: 0-dim parameters gather
             value = entry[name]
-            if slot is not None and is_local_rows(value, slot.layout):
+            if slot is not None and is_slot_rows(value, slot):
                 value = _slot_global_tensor(value, slot, engine)
                 if len(slot.layout.shape) == 0:
                     scalar_rows.setdefault(fqns[index], []).append(name)

@@ -93,6 +93,16 @@ class ParamSlot:
     def trainable(self) -> bool:
         return self.param.requires_grad
 
+    @property
+    def unsplit_shape(self) -> torch.Size:
+        """The unsplit model's shape (a DTensor parameter's global shape): what full checkpoints hold."""
+        return self.tensor_parallel.shape if self.tensor_parallel is not None else self.layout.shape
+
+    def rows_of_unsplit(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a tensor of ``unsplit_shape``: of its TP piece for a DTensor parameter."""
+        piece = self.tensor_parallel.local_piece(full) if self.tensor_parallel is not None else full
+        return self.layout.local_slice(piece)
+
     def take_full_grad(self) -> torch.Tensor | None:
         """The stand-in's gradient, taken from it: a plain tensor of the local shape (a DTensor one redistributed to
         the parameter's TP placements first, see ``TensorParallelSpec.local_grad``)."""

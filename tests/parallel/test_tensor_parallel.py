@@ -2,7 +2,8 @@
 (fp32, SGD with momentum and AdamW, norm clipping): TP=2 x DP=2 with FULL_SHARD, and TP=2 x HYBRID_SHARD (each
 data-parallel rank its own shard group, the two replicas all-reducing). The model is parallelized as a user does it,
 with torch's ``parallelize_module`` on the tensor-parallel sub-mesh, then sharded over the data-parallel one. One
-launch carries every case."""
+launch carries every case, and the full format's state dicts (model and optimizer, the unsplit model's shapes)
+loaded back into a fresh TP x DP model."""
 
 from __future__ import annotations
 
@@ -14,9 +15,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_fsdp.checkpoint.full import full_model_state_dict
+from lightning_fsdp.checkpoint.common import load_model_state_dict
+from lightning_fsdp.checkpoint.full import (
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    load_full_optimizer_state_dict,
+)
 from lightning_fsdp.engine import fully_shard
-from tests.toolbox.compare import assert_all_close
+from tests.toolbox.compare import assert_all_close, assert_optimizer_equal, assert_tensors_equal
 from tests.toolbox.distributed import run_distributed
 from tests.toolbox.models import Block, ToyLM, parallelize_toy_lm
 from tests.toolbox.one_device import toy_lm_on_step_batches
@@ -71,7 +77,19 @@ def train_tp_dp(
         means.append(float(loss) / dp.size())
     specs = [slot.tensor_parallel for p in model.parameters() if (slot := engine.slot_of(p)) is not None]
     pieces = sum(spec is not None and spec.is_split for spec in specs)
-    return means, full_model_state_dict(engine), norms, pieces
+    state = full_model_state_dict(engine, rank0_only=False)
+    optimizer_state = full_optimizer_state_dict(engine, optimizer, rank0_only=False)
+    # The full state loaded into a fresh TP x DP model gives its rows back (what the full format's load does).
+    fresh = parallelize_toy_lm(ToyLM(), mesh["tensor_parallel"])
+    fresh_engine = fully_shard(fresh, auto_wrap_policy={Block}, process_group=dp.get_group())
+    load_model_state_dict(fresh_engine, state)
+    fresh_optimizer = make_optimizer(fresh.parameters())
+    load_full_optimizer_state_dict(fresh_engine, fresh_optimizer, optimizer_state)
+    reloaded = (
+        full_model_state_dict(fresh_engine, rank0_only=False),
+        full_optimizer_state_dict(fresh_engine, fresh_optimizer, rank0_only=False),
+    )
+    return means, state, norms, pieces, optimizer_state, reloaded
 
 
 def test_tp2_dp2_and_tp2_hybrid_match_one_device():
@@ -79,11 +97,19 @@ def test_tp2_dp2_and_tp2_hybrid_match_one_device():
     compared = 0
     for name, make_optimizer in [*OPTIMIZERS.items(), ("hybrid", sgd_with_momentum)]:
         ref = toy_lm_on_step_batches(STEPS, BATCH, clip_norm=CLIP, optimizer=make_optimizer)
-        losses, state, norms, pieces = results[0][name]
+        losses, state, norms, pieces, optimizer_state, (reloaded, reloaded_optimizer) = results[0][name]
         # block1.fc1 weight and bias, block1.fc2 weight (its bias is replicated), block2.fc1 weight and bias
         assert pieces == 5, f"{name}: {pieces} parameters held as TP pieces"
         torch.testing.assert_close(losses, ref.losses, rtol=1e-5, atol=1e-6)
         compared += assert_all_close(state, ref.model.state_dict(), f"TP=2 x DP=2 {name}")
+        # The full optimizer state is the unsplit one's (momentum / Adam moments of the unsplit shapes).
+        ref_optimizer = ref.optimizer.state_dict()
+        assert sorted(optimizer_state["state"]) == sorted(ref_optimizer["state"])
+        for index, entry in ref_optimizer["state"].items():
+            compared_entries = assert_all_close(optimizer_state["state"][index], entry, f"{name} optimizer {index}")
+            assert compared_entries == len(entry)
+        assert_tensors_equal(reloaded, state, f"{name}: the full state dict loaded back")
+        assert_optimizer_equal(reloaded_optimizer, optimizer_state, f"{name}: the full optimizer state loaded back")
         for rank in range(1, 4):
             assert results[rank][name][2] == norms, f"{name}: rank {rank} clipped by another norm"
     assert compared == 3 * len(ToyLM().state_dict())
