@@ -1,9 +1,9 @@
 """Tensor parallelism composed with the engine's sharding, on 4 gloo ranks against one device on the same global batch
-(fp32, SGD with momentum and AdamW, norm clipping): TP=2 x DP=2 with FULL_SHARD, and TP=2 x HYBRID_SHARD (each
-data-parallel rank its own shard group, the two replicas all-reducing). The model is parallelized as a user does it,
-with torch's ``parallelize_module`` on the tensor-parallel sub-mesh, then sharded over the data-parallel one. One
-launch carries every case, and the full format's state dicts (model and optimizer, the unsplit model's shapes)
-loaded back into a fresh TP x DP model."""
+(fp32, SGD with momentum and AdamW, norm clipping): TP=2 x DP=2 with FULL_SHARD, and TP=2 x HYBRID_SHARD (each data-
+parallel rank its own shard group, the two replicas all-reducing). The model is parallelized as a user does it, with
+torch's ``parallelize_module`` on the tensor-parallel sub-mesh, then sharded over the data-parallel one. One launch
+carries every case, a local checkpoint refused at another layout, and the full format's state dicts (model and
+optimizer, the unsplit model's shapes) loaded back into a fresh TP x DP model."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_fsdp.checkpoint.common import load_model_state_dict
+from lightning_fsdp.checkpoint import local
+from lightning_fsdp.checkpoint.common import CheckpointMismatchError, CheckpointRun, load_model_state_dict
 from lightning_fsdp.checkpoint.full import (
     full_model_state_dict,
     full_optimizer_state_dict,
@@ -33,10 +34,20 @@ adamw: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = partial(torch
 OPTIMIZERS = {"sgd": sgd_with_momentum, "adamw": adamw}
 
 
-def tp2_dp2(rank: int, world_size: int) -> dict:
-    """Per case, what ``train_tp_dp`` returns."""
+def tp2_dp2(rank: int, world_size: int, folder: str) -> dict:
+    """Per case, what ``train_tp_dp`` returns; under ``"local"`` the error of loading a TP=2 x DP=2 local checkpoint
+    (written into ``folder``) at TP=1 x DP=4."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
     results = {name: train_tp_dp(mesh, make_optimizer) for name, make_optimizer in OPTIMIZERS.items()}
+    torch.manual_seed(0)
+    model = parallelize_toy_lm(ToyLM(), mesh["tensor_parallel"])
+    engine = fully_shard(model, auto_wrap_policy={Block}, process_group=mesh["data_parallel"].get_group())
+    local.save_local_checkpoint({"state_dict": local.local_model_state_dict(engine)}, f"{folder}/local", engine, None)
+    plain = fully_shard(ToyLM(), auto_wrap_policy={Block})
+    try:
+        local.load_local_checkpoint(f"{folder}/local", CheckpointRun(plain))
+    except CheckpointMismatchError as err:
+        results["local"] = str(err)
     alone = [dist.new_group([r]) for r in range(world_size)][rank]  # every rank creates every group
     results["hybrid"] = train_tp_dp(mesh, sgd_with_momentum, hybrid_shard_group=alone)
     return results
@@ -92,8 +103,10 @@ def train_tp_dp(
     return means, state, norms, pieces, optimizer_state, reloaded
 
 
-def test_tp2_dp2_and_tp2_hybrid_match_one_device():
-    results = run_distributed(tp2_dp2, 4)
+def test_tp2_dp2_and_tp2_hybrid_match_one_device(tmp_path):
+    results = run_distributed(tp2_dp2, 4, str(tmp_path))
+    for rank in range(4):  # every rank refuses the local checkpoint of another layout, naming both
+        assert "written with tensor_parallel_size=2, this run has tensor_parallel_size=1" in results[rank]["local"]
     compared = 0
     for name, make_optimizer in [*OPTIMIZERS.items(), ("hybrid", sgd_with_momentum)]:
         ref = toy_lm_on_step_batches(STEPS, BATCH, clip_norm=CLIP, optimizer=make_optimizer)
