@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from lightning_fsdp import FSDPStrategy
+from lightning_fsdp.checkpoint.convert import convert
+from lightning_fsdp.checkpoint.export import export_safetensors
 from lightning_fsdp.parallel_dims import ParallelDims
 from tests.toolbox.compare import assert_all_close
 from tests.toolbox.launch import in_background, run_script
@@ -94,7 +97,7 @@ def launched(tmp_path_factory) -> dict:
             str(ckpt),
         ),
     }
-    return {**futures, **in_background(resumed)}
+    return {**futures, **in_background(resumed), "paths": [ckpt, ref_ckpt]}
 
 
 def _data_parallel_mean(ranks: list[dict], data: int, tensor: int) -> list[float]:
@@ -188,3 +191,16 @@ def test_layout_places_tp_innermost_then_data_then_pipeline():
 def test_bad_tensor_parallel_arguments_raise_when_the_strategy_is_built(kwargs, message):
     with pytest.raises(ValueError, match=message):
         FSDPStrategy(**kwargs)
+
+
+def test_convert_and_export_read_the_tp2_dp2_sharded_checkpoint(launched, tmp_path):
+    """``lightning-fsdp convert`` and ``export`` on the N-D checkpoint: the unsplit model's names and values."""
+    ranks = launched["tp2dp2"].result()  # wrote the checkpoint at its end, then each rank's full state
+    ckpt = next(Path(p) for p in launched["paths"] if p.name == "tp2dp2.ckpt")
+    expected = {f"model.{k}": v for k, v in ranks[0]["state"].items()}
+    assert convert(str(ckpt), str(tmp_path / "full.ckpt")) == "full"
+    converted = torch.load(tmp_path / "full.ckpt", weights_only=True)["state_dict"]
+    assert assert_all_close(converted, expected, "converted", rtol=0, atol=0) == len(expected)
+    files = export_safetensors(str(ckpt), str(tmp_path / "hf"), prefix="model.")
+    exported = {k: v for f in files if f.endswith(".safetensors") for k, v in load_file(f).items()}
+    assert assert_all_close(exported, ranks[0]["state"], "exported", rtol=0, atol=0) == len(ranks[0]["state"])
