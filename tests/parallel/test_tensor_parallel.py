@@ -43,6 +43,7 @@ def tp2_dp2(rank: int, world_size: int, folder: str) -> dict:
     model = parallelize_toy_lm(ToyLM(), mesh["tensor_parallel"])
     engine = fully_shard(model, auto_wrap_policy={Block}, process_group=mesh["data_parallel"].get_group())
     local.save_local_checkpoint({"state_dict": local.local_model_state_dict(engine)}, f"{folder}/local", engine, None)
+    results["meta"] = materialised_from_meta(mesh)
     plain = fully_shard(ToyLM(), auto_wrap_policy={Block})
     try:
         local.load_local_checkpoint(f"{folder}/local", CheckpointRun(plain))
@@ -51,6 +52,26 @@ def tp2_dp2(rank: int, world_size: int, folder: str) -> dict:
     alone = [dist.new_group([r]) for r in range(world_size)][rank]  # every rank creates every group
     results["hybrid"] = train_tp_dp(mesh, sgd_with_momentum, hybrid_shard_group=alone)
     return results
+
+
+def materialised_from_meta(mesh: DeviceMesh) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], bool]]:
+    """ToyLM built on the meta device, parallelized there, then sharded (the engine materialises each parameter's
+    local shard and runs its module's ``reset_parameters`` on the DTensor): per parameter of the blocks, its shard's
+    shape here, its full shape and whether its values are finite and not all equal (initialised)."""
+    with torch.device("meta"):
+        model = parallelize_toy_lm(ToyLM(), mesh["tensor_parallel"])
+    engine = fully_shard(model, auto_wrap_policy={Block}, process_group=mesh["data_parallel"].get_group())
+    full = full_model_state_dict(engine, rank0_only=False)
+    shards = dict(model.named_parameters())
+    return {
+        name: (
+            tuple(shards[name].shape),
+            tuple(full[name].shape),
+            bool(full[name].isfinite().all() and full[name].std() > 0),
+        )
+        for name in full
+        if name.startswith("block")
+    }
 
 
 def train_tp_dp(
@@ -107,6 +128,13 @@ def test_tp2_dp2_and_tp2_hybrid_match_one_device(tmp_path):
     results = run_distributed(tp2_dp2, 4, str(tmp_path))
     for rank in range(4):  # every rank refuses the local checkpoint of another layout, naming both
         assert "written with tensor_parallel_size=2, this run has tensor_parallel_size=1" in results[rank]["local"]
+    # Meta-device init: block1.fc1.weight (6, 5) is split 3 + 3 by TP, each piece's 3 rows 2 + 1 over DP.
+    unsplit = {k: tuple(v.shape) for k, v in ToyLM().state_dict().items() if k.startswith("block")}
+    for rank in range(4):
+        meta = results[rank]["meta"]
+        assert {k: v[1] for k, v in meta.items()} == unsplit
+        assert all(initialised for _, _, initialised in meta.values()), meta
+        assert meta["block1.fc1.weight"][0] == ((2, 5) if rank < 2 else (1, 5)), "rows of the TP piece over DP"
     compared = 0
     for name, make_optimizer in [*OPTIMIZERS.items(), ("hybrid", sgd_with_momentum)]:
         ref = toy_lm_on_step_batches(STEPS, BATCH, clip_norm=CLIP, optimizer=make_optimizer)
