@@ -310,3 +310,27 @@ def check_pipeline_precision(options: PipelineOptions, precision: str) -> None:
             "loss in Lightning's backward, but the pipeline runs each microbatch's backward itself. Use "
             "'bf16-mixed', 'bf16-true' or '32-true'."
         )
+
+
+TENSOR_PARALLEL_PLANS = (None, "auto")
+
+
+def check_tensor_parallel(size: object, plan: object, process_group: object, device_mesh: object) -> int:
+    """``tensor_parallel_size`` and ``tensor_parallel_plan`` (docs/parallelism.md), checked when the strategy is built;
+    whether the size fits the world is checked once that is known (``ParallelDims.check``)."""
+    size = _positive_int(size, "tensor_parallel_size")
+    if plan not in TENSOR_PARALLEL_PLANS:
+        raise ValueError(
+            f"tensor_parallel_plan={plan!r} is not valid; choose None (parallelize the model yourself in "
+            "configure_model with self.device_mesh['tensor_parallel']) or 'auto' (the built-in plan of a "
+            "transformers Llama-family model or a litgpt GPT)."
+        )
+    if plan is not None and size == 1:
+        raise ValueError(f"tensor_parallel_plan={plan!r} needs tensor_parallel_size > 1 (got {size}).")
+    if size > 1 and (process_group is not None or device_mesh is not None):
+        raise ValueError(
+            f"process_group / device_mesh with tensor_parallel_size={size}: the strategy builds the "
+            "(data_parallel, tensor_parallel) mesh itself (strategy.device_mesh, and self.device_mesh in "
+            "configure_model); leave both unset."
+        )
+    return size

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -67,10 +68,12 @@ from lightning_fsdp.options import (
     check_device_id_matches,
     check_lightning_arguments,
     check_optimizers,
+    check_tensor_parallel,
     check_trainable,
     check_use_orig_params,
     engine_kwargs,
 )
+from lightning_fsdp.parallel_dims import ParallelLayout
 from lightning_fsdp.pipeline.role import SplitContext, pipeline_role
 from lightning_fsdp.pipeline.runtime import PipelineRuntime
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
@@ -207,6 +210,8 @@ class FSDPStrategy(ParallelStrategy):
         device_mesh: Any | None = None,
         device_id: int | torch.device | None = None,
         use_orig_params: bool = True,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: str | None = None,
         pipeline_parallel_size: int = 1,
         pipeline_schedule: str = "1F1B",
         pipeline_microbatches: int | None = None,
@@ -226,6 +231,9 @@ class FSDPStrategy(ParallelStrategy):
         check_device_id(device_id)
         self.device_id = device_id
         self._group_choice = GroupChoice(self.options.sharding_strategy, process_group, device_mesh)
+        # The ranks' layout over pipeline x data x tensor parallelism (lightning_fsdp/parallel_dims.py).
+        tp_size = check_tensor_parallel(tensor_parallel_size, tensor_parallel_plan, process_group, device_mesh)
+        self._layout = ParallelLayout(tp_size, tensor_parallel_plan)
         self.pipeline_options = PipelineOptions.parse(
             pipeline_parallel_size,
             pipeline_schedule,
@@ -325,7 +333,15 @@ class FSDPStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        return self._pipeline_role.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
+        # Under tensor parallelism the data-parallel rank and size: a TP group reads the same samples.
+        layout = self._layout.sampler_kwargs(self.global_rank)
+        return layout or self._pipeline_role.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """With ``tensor_parallel_size > 1`` the run's mesh (docs/parallelism.md), also ``LightningModule.device_mesh``
+        in ``configure_model``; None otherwise."""
+        return self._layout.mesh
 
     @property
     def process_group_backend(self) -> str | None:
@@ -361,11 +377,16 @@ class FSDPStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         check_launch_size(self.cluster_environment, self.num_nodes, self.num_processes)
+        pipeline, hybrid = self.pipeline_options.size, self.sharding_strategy.is_hybrid
+        self._layout.check(self.num_nodes * self.num_processes, self.num_processes, pipeline=pipeline, hybrid=hybrid)
         assert self.accelerator is not None
         self.accelerator.setup_device(self.device)
         # Before any collective (on Gaudi: the eager-mode check, and HCCL registers itself on import).
         self.device_runtime.before_process_group()
         self.setup_distributed()
+        mesh = self._layout.build(self.global_rank, self.root_device.type, self._timeout)
+        if mesh is not None and self.lightning_module is not None:
+            self.lightning_module._device_mesh = mesh  # as Lightning's ModelParallelStrategy does
 
     def setup_distributed(self) -> None:
         reset_seed()
@@ -423,7 +444,10 @@ class FSDPStrategy(ParallelStrategy):
             timeout=self._timeout,
             precision=self.precision_plugin.precision,
             mixed_precision=self.mixed_precision_config,
+            parallel=self._layout.groups,
         )
+        if get_engine(self.lightning_module) is None:
+            self._layout.apply_plan(self.lightning_module)
         self._pipeline_role.split(self.lightning_module, run)
         self.engine = self._shard(self.lightning_module)
         self._pipeline_role.attach_engine(self.engine)
@@ -447,7 +471,10 @@ class FSDPStrategy(ParallelStrategy):
         if self.activation_checkpointing_policy is not None:
             apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         shard_group, replicate_group = self._pipeline_role.shard_groups(
-            lambda: self._group_choice.resolve(self.world_size, self.num_processes, self.global_rank, self._timeout)
+            lambda: (
+                self._layout.shard_groups()
+                or self._group_choice.resolve(self.world_size, self.num_processes, self.global_rank, self._timeout)
+            )
         )
         kwargs = engine_kwargs(self.options, module, self.mixed_precision_config, self._offloads)
         return fully_shard(

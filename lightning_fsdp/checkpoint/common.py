@@ -89,6 +89,14 @@ def is_local_rows(value: object, layout: ShardLayout) -> bool:
     )
 
 
+def is_slot_rows(value: object, slot: ParamSlot) -> bool:
+    """``is_local_rows`` for a managed parameter: also a DTensor parameter's piece on a single data-parallel rank
+    (its state is then the TP piece, not the unsplit tensor)."""
+    if slot.tensor_parallel is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
+        return tuple(value.shape) == tuple(slot.layout.local_shape)
+    return is_local_rows(value, slot.layout)
+
+
 def shape_str(shape: Sequence[int]) -> str:
     return str(tuple(int(s) for s in shape))
 
@@ -136,14 +144,14 @@ def load_model_state_dict(engine: ShardingEngine, state: Mapping[str, object], *
         if not isinstance(value, torch.Tensor):
             raise CheckpointMismatchError(
                 f"Checkpoint entry {key!r} is a {type(value).__name__}, not a tensor; the model's parameter is a "
-                f"tensor of shape {tuple(slot.layout.shape)}. The checkpoint is damaged or belongs to another model."
+                f"tensor of shape {tuple(slot.unsplit_shape)}. The checkpoint is damaged or belongs to another model."
             )
-        if tuple(value.shape) != tuple(slot.layout.shape):
+        if tuple(value.shape) != tuple(slot.unsplit_shape):
             raise CheckpointMismatchError(
                 f"Checkpoint tensor {key!r} has shape {tuple(value.shape)}, the model's parameter has "
-                f"{tuple(slot.layout.shape)}; it is a checkpoint of another model."
+                f"{tuple(slot.unsplit_shape)}; it is a checkpoint of another model."
             )
-        slot.param.data.copy_(slot.layout.local_slice(value.to(slot.param.device, slot.param.dtype)))
+        slot.param.data.copy_(slot.rows_of_unsplit(value.to(slot.param.device, slot.param.dtype)))
     # Buffers and unmanaged parameters through nn.Module; managed ones get their current shards (a no-op).
     rest = {k: v for k, v in state.items() if k not in managed}
     rest.update({key: own[key] for key in managed if key in own})

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint import Checkpoint, StateDict
@@ -17,7 +18,7 @@ from lightning_fsdp.checkpoint.common import (
     CheckpointFormat,
     CheckpointRun,
     check_group_sizes,
-    is_local_rows,
+    is_slot_rows,
     load_full_model_state_dict,  # noqa: F401 - callers import it from here
     managed_keys,
     optimizer_params,
@@ -27,7 +28,7 @@ from lightning_fsdp.checkpoint.paths import FULL, remove_checkpoint_path
 from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import gather_rows
-from lightning_fsdp.engine.layout import ShardLayout
+from lightning_fsdp.engine.records import ParamSlot
 
 if TYPE_CHECKING:
     from lightning.fabric.utilities.types import _PATH
@@ -54,13 +55,17 @@ def full_model_state_dict(engine: ShardingEngine, *, rank0_only: bool = True, ke
             keys.setdefault(id(slot), []).append(key)
         for unit in engine.units:
             fulls = unit.full_tensors()  # one unit at a time, in the master dtype
-            if keep:
-                for slot, full in zip(unit.slots, fulls):
+            for slot, full in zip(unit.slots, fulls):
+                if slot.tensor_parallel is not None:  # the unsplit model's tensor: every TP rank's piece joined
+                    full = slot.tensor_parallel.full_tensor(full)
+                if keep:
                     full = full.to("cpu", copy=True)
                     for key in keys.get(id(slot), []):
                         if key in state:
                             state[key] = full
             del fulls
+    # After a stage a tensor-parallel module holds DTensor parameters again: the unsplit ones are saved.
+    state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
     if not keep:
         return {}
     return {
@@ -68,10 +73,10 @@ def full_model_state_dict(engine: ShardingEngine, *, rank0_only: bool = True, ke
     }
 
 
-def _per_parameter(name: str, value: torch.Tensor, layout: ShardLayout) -> bool:
+def _per_parameter(name: str, value: torch.Tensor, slot: ParamSlot) -> bool:
     """Whether a full optimizer-state tensor has one value per parameter element (so each rank takes its rows). A
     0-dim parameter's state is 0-dim too, like the ``step`` counter, the one 0-dim entry that is not per element."""
-    if tuple(value.shape) != tuple(layout.shape):
+    if tuple(value.shape) != tuple(slot.unsplit_shape):
         return False
     return value.dim() > 0 or name != "step"
 
@@ -93,12 +98,14 @@ def full_optimizer_state_dict(
         new_entry: StateDict = {}
         for name in sorted(entry):
             value = entry[name]
-            if slot is not None and is_local_rows(value, slot.layout):
+            if slot is not None and is_slot_rows(value, slot):
                 # Unsharded, only a 0-dim parameter's state (held as one row) needs its shape back.
                 if slot.layout.world_size > 1:
                     value = gather_rows(value, slot.layout, engine.shard_comm)
                 else:
                     value = value.reshape(slot.layout.shape)
+                if slot.tensor_parallel is not None:  # the unsplit model's: every TP rank's piece joined
+                    value = slot.tensor_parallel.full_tensor(value)
             if keep:
                 new_entry[name] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
         if keep and entry:
@@ -122,8 +129,8 @@ def load_full_optimizer_state_dict(engine: ShardingEngine, optimizer: Optimizer,
         slot = None if engine.closed else engine.slot_of(param)
         new_entry: StateDict = {}
         for name, value in entry.items():
-            if slot is not None and isinstance(value, torch.Tensor) and _per_parameter(name, value, slot.layout):
-                value = slot.layout.local_slice(value).clone()
+            if slot is not None and isinstance(value, torch.Tensor) and _per_parameter(name, value, slot):
+                value = slot.rows_of_unsplit(value).clone()
             new_entry[name] = value
         local_state[index] = new_entry
     optimizer.load_state_dict({"state": local_state, "param_groups": state_dict["param_groups"]})

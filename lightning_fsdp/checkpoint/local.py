@@ -44,6 +44,7 @@ class LocalLayout(TypedDict):
     version: int
     world_size: int
     shard_world_size: int
+    tensor_parallel_size: int  # 1 without tensor parallelism (and in checkpoints written before it existed)
     entries: dict[str, EntryLayout]
     optimizers: list[list[list[str]]] | None  # each optimizer's param groups, by parameter name
 
@@ -91,6 +92,7 @@ def layout_info(engine: ShardingEngine, optimizers: Sequence[Optimizer] | None, 
         "version": common.FORMAT_VERSION,
         "world_size": world_size,
         "shard_world_size": engine.shard_comm.world_size,
+        "tensor_parallel_size": _tensor_parallel_size(engine),
         "entries": entries,
         "optimizers": optimizer_names,
     }
@@ -176,6 +178,11 @@ def _read_rank_file(
     return data
 
 
+def _tensor_parallel_size(engine: ShardingEngine) -> int:
+    specs = [s.tensor_parallel for u in engine.units for s in u.slots if s.tensor_parallel is not None]
+    return specs[0].mesh.size() if specs else 1
+
+
 def _check_layout(
     path: str, info: Mapping[str, Any], engine: ShardingEngine, coll: Collective, optimizers: Sequence[Optimizer] | None
 ) -> tuple[str, ...]:
@@ -189,6 +196,13 @@ def _check_layout(
         )
     entries: Mapping[str, Any] = info["entries"]
     here = layout_info(engine, optimizers, coll.world_size)
+    stored_tp = info.get("tensor_parallel_size", 1)
+    if stored_tp != here["tensor_parallel_size"]:
+        raise CheckpointMismatchError(
+            f"Local checkpoint {path!r} was written with tensor_parallel_size={stored_tp}, this run has "
+            f"tensor_parallel_size={here['tensor_parallel_size']}. A local checkpoint holds each rank's pieces and "
+            "loads only in the layout that wrote it; save with state_dict_type='sharded' (it loads at any layout)."
+        )
     params = {name for name, _ in engine.root.named_parameters(remove_duplicate=False)}
     for key, now in here["entries"].items():
         entry = entries.get(key)

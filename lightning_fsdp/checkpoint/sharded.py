@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import STORAGE_TYPES, BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint import Checkpoint, StateDict, common
@@ -25,8 +26,8 @@ from lightning_fsdp.checkpoint.common import (
     CheckpointRun,
     ShardedOptimizerState,
     ShardedStateDict,
-    is_local_rows,
     is_sharded,
+    is_slot_rows,
     managed_keys,
     shape_str,
 )
@@ -36,6 +37,8 @@ from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import gather_rows
 from lightning_fsdp.engine.layout import ShardLayout
+from lightning_fsdp.engine.records import ParamSlot
+from lightning_fsdp.engine.tensor_parallel import TensorParallelSpec
 
 if TYPE_CHECKING:
     from lightning.fabric.utilities.types import _PATH
@@ -82,6 +85,44 @@ def to_global_tensor(local: torch.Tensor, layout: ShardLayout, engine: ShardingE
     return _dtensor(local.detach(), layout, _mesh(engine, local.device.type))
 
 
+def _tp_mesh(engine: ShardingEngine, spec: TensorParallelSpec, device_type: str) -> DeviceMesh:
+    """The (data-parallel, tensor-parallel) mesh of a DTensor parameter's shards: this rank's shard group and TP
+    group, every rank of the one placed as the layout places them ([Note: the layout of the ranks])."""
+    meshes = _MESHES.setdefault(engine, {})
+    key = f"{device_type}/tensor_parallel"
+    if key not in meshes:
+        dp = engine.shard_comm.group if engine.shard_comm.group is not None else dist.group.WORLD
+        assert dp is not None
+        dp_ranks, tp_ranks = dist.get_process_group_ranks(dp), dist.get_process_group_ranks(spec.group)
+        me = dist.get_rank()
+        grid = torch.tensor([[r + t - me for t in tp_ranks] for r in dp_ranks])
+        meshes[key] = DeviceMesh.from_group([dp, spec.group], device_type, mesh=grid, mesh_dim_names=("dp", "tp"))
+    return meshes[key]
+
+
+def _global_shape(slot: ParamSlot) -> tuple[int, ...]:
+    return tuple(slot.unsplit_shape)
+
+
+def _slot_global_tensor(local: torch.Tensor, slot: ParamSlot, engine: ShardingEngine) -> torch.Tensor:
+    """This rank's rows of a managed parameter (or of its per-element state) as a global tensor for DCP, in the
+    unsplit model's name and shape. A DTensor parameter's rows are a DTensor on the (data, tensor) mesh: the
+    data-parallel row split of a TP piece is ``Shard(0)`` of the global tensor, or, when TP splits rows too,
+    ``_StridedShard(0, split_factor=T)`` (the TP pieces are split first), as torch's FSDP2 records it."""
+    spec = slot.tensor_parallel
+    if spec is None:
+        return to_global_tensor(local, slot.layout, engine)
+    local = local.detach()
+    shape, stride = spec.shape, spec.stride
+    if not is_sharded(slot.layout):
+        return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=shape, stride=stride)
+    (tp_place,) = spec.placements
+    splits_rows = isinstance(tp_place, Shard) and tp_place.dim == 0
+    dp_place = _StridedShard(0, split_factor=spec.mesh.size()) if splits_rows else Shard(0)
+    mesh = _tp_mesh(engine, spec, local.device.type)
+    return DTensor.from_local(local, mesh, [dp_place, tp_place], run_check=False, shape=shape, stride=stride)
+
+
 @torch.no_grad()
 def sharded_model_state_dict(engine: ShardingEngine) -> StateDict:
     """The model's state dict, sharded parameters as DTensors of this rank's rows (no copies)."""
@@ -89,7 +130,7 @@ def sharded_model_state_dict(engine: ShardingEngine) -> StateDict:
     state = engine.root.state_dict()
     for key, slot in managed.items():
         if key in state:
-            state[key] = to_global_tensor(engine.shard_of(slot), slot.layout, engine)
+            state[key] = _slot_global_tensor(engine.shard_of(slot), slot, engine)
     return state
 
 
@@ -114,8 +155,8 @@ def sharded_optimizer_state_dict(
         new_entry: StateDict = {}
         for name in sorted(entry):  # the same order on every rank: 0-dim parameters gather
             value = entry[name]
-            if slot is not None and is_local_rows(value, slot.layout):
-                value = to_global_tensor(value, slot.layout, engine)
+            if slot is not None and is_slot_rows(value, slot):
+                value = _slot_global_tensor(value, slot, engine)
                 if len(slot.layout.shape) == 0:
                     scalar_rows.setdefault(fqns[index], []).append(name)
             new_entry[name] = value
@@ -273,7 +314,10 @@ class _ShardedLoad:
             )
         self._plan_model()
 
-    def _target(self, full_shape: tuple[int, ...], dtype: torch.dtype, layout: ShardLayout | None) -> torch.Tensor:
+    def _target(self, full_shape: tuple[int, ...], dtype: torch.dtype, slot: ParamSlot | None) -> torch.Tensor:
+        layout = slot.layout if slot is not None else None
+        if slot is not None and slot.tensor_parallel is not None:  # this rank's rows of the unsplit tensor
+            return _slot_global_tensor(torch.zeros(tuple(slot.layout.local_shape), dtype=dtype), slot, self.engine)
         if layout is not None and is_sharded(layout) and len(full_shape) > 0:
             return _dtensor(torch.zeros(tuple(layout.local_shape), dtype=dtype), layout, _mesh(self.engine, "cpu"))
         return torch.zeros(full_shape, dtype=dtype)
@@ -304,7 +348,7 @@ class _ShardedLoad:
                 self.bytes_targets[flat] = None
                 self.model_keys[key] = flat
                 continue
-            expected = tuple(slot.layout.shape) if slot is not None else tuple(value.shape)
+            expected = _global_shape(slot) if slot is not None else tuple(value.shape)
             if not isinstance(value, torch.Tensor) or tuple(storage.size) != expected:
                 here = shape_str(expected) if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
                 raise CheckpointMismatchError(
@@ -312,7 +356,7 @@ class _ShardedLoad:
                     f"checkpoint but {here} in the model; it is a checkpoint of another model."
                 )
             layout = slot.layout if slot is not None else None
-            self.tensor_targets[flat] = self._target(expected, storage.properties.dtype, layout)
+            self.tensor_targets[flat] = self._target(expected, storage.properties.dtype, slot)
             if layout is not None:
                 self.layouts[flat] = layout
             self.model_keys[key] = flat
@@ -372,13 +416,13 @@ class _ShardedLoad:
                     state_targets[flat] = (position, tuple(p[3:]), "bytes")
                     continue
                 full = tuple(storage.size)
-                rows = layout is not None and len(p) == 4 and full == tuple(layout.shape)
+                rows = slot is not None and len(p) == 4 and full == _global_shape(slot)
                 if rows and len(full) == 0:
                     # A 0-dim parameter: which 0-dim entries are per-element state was recorded at save time;
                     # without a record (a converted full file), every entry but a step counter is.
                     row_names = recorded.get(str(p[2])) if recorded else None
                     rows = p[3] in row_names if row_names is not None else p[3] != "step"
-                self.tensor_targets[flat] = self._target(full, storage.properties.dtype, layout if rows else None)
+                self.tensor_targets[flat] = self._target(full, storage.properties.dtype, slot if rows else None)
                 if rows and layout is not None:
                     self.layouts[flat] = layout
                 state_targets[flat] = (position, tuple(p[3:]), "tensor")

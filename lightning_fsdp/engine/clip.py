@@ -2,8 +2,10 @@
 
 [Note: the global gradient norm]
 Each rank sums its shards' per-tensor norms to the p-th power (the maximum for inf) in float32, one all-reduce
-combines the ranks, and the parameters every rank holds whole count once. Not torch's ``get_total_norm``: it rounds
-each rank's term to the gradients' dtype and its inf norm refuses an empty shard (docs/decisions.md)."""
+combines the ranks, and the parameters every rank holds whole count once. Under tensor parallelism the pieces of
+TP-split parameters are first summed over the TP ranks (one more all-reduce), TP-replicated ones count once. Not
+torch's ``get_total_norm``: it rounds each rank's term to the gradients' dtype and its inf norm refuses an empty
+shard (docs/decisions.md)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from torch import nn
 
 from lightning_fsdp.engine.comm import Communicator
 from lightning_fsdp.engine.diagnostics import TAG_CLIP
+from lightning_fsdp.engine.tensor_parallel import SplitPieces
 
 
 @torch.no_grad()
@@ -28,21 +31,35 @@ def clip_grad_norm_(
     is_sharded: Callable[[nn.Parameter], bool],
     device: torch.device,
     stage_group: dist.ProcessGroup | None = None,
+    tensor_parallel: SplitPieces | None = None,
 ) -> torch.Tensor:
     """Clip gradients by the global norm over all shards; call on every rank of ``shard_comm``. ``is_sharded``: a
-    shard, not a whole parameter; ``stage_group``: the other pipeline stages, so all clip by the whole model's norm."""
+    shard, not a whole parameter; ``stage_group``: the other pipeline stages, so all clip by the whole model's norm;
+    ``tensor_parallel``: the TP group, over which the pieces of TP-split parameters count on every rank (a
+    TP-replicated parameter counts once)."""
     norm_type = float(norm_type)
     with_grads = [(p, grad) for p in parameters if (grad := p.grad) is not None]
     params = [p for p, _grad in with_grads]
-    sharded = [grad for p, grad in with_grads if is_sharded(p)]
-    replicated = [grad for p, grad in with_grads if not is_sharded(p)]
     inf = math.isinf(norm_type)
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-    local = _norm_term(sharded, norm_type, device)
+
+    def term(sharded: bool, split: bool) -> torch.Tensor:
+        is_split = tensor_parallel.is_split if tensor_parallel is not None else lambda _p: False
+        grads = [g for p, g in with_grads if is_sharded(p) == sharded and is_split(p) == split]
+        return _norm_term(grads, norm_type, device)
+
+    def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(a, b) if inf else a + b
+
+    local, whole = term(True, False), term(False, False)
+    if tensor_parallel is not None:
+        # TP-split pieces: summed over the TP ranks first (one all-reduce for both kinds).
+        split = torch.stack([term(True, True), term(False, True)])
+        _all_reduce_on(split, tensor_parallel.group, op)
+        local, whole = combine(local, split[0]), combine(whole, split[1])
     shard_comm.check_same_collective(TAG_CLIP)
     shard_comm.all_reduce(local, op=op)
-    whole = _norm_term(replicated, norm_type, device)
-    total = torch.maximum(local, whole) if inf else local + whole
+    total = combine(local, whole)
     if stage_group is not None:
         _all_reduce_on(total, stage_group, op)
     if not inf:

@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_fsdp.engine.comm import Communicator, Waitable
 from lightning_fsdp.engine.layout import ShardLayout
+from lightning_fsdp.engine.tensor_parallel import TensorParallelSpec
 from lightning_fsdp.engine.wrap import ParamUse
 
 
@@ -75,7 +76,9 @@ class ParamSlot:
     fqn: str
     param: nn.Parameter
     uses: list[ParamUse]
-    layout: ShardLayout
+    layout: ShardLayout  # of the local tensor for a DTensor parameter: the rows its TP piece is split into
+    # A DTensor parameter's place on the tensor-parallel mesh (see [Note: tensor parallelism composed with sharding]).
+    tensor_parallel: TensorParallelSpec | None = None
     offset: int = 0  # element offset of this parameter's padded chunk in the flat shard buffer
     # The full-size stand-in the modules hold while unsharded: given by the unit when it builds its buffers.
     full: nn.Parameter = field(init=False)
@@ -89,6 +92,24 @@ class ParamSlot:
     @property
     def trainable(self) -> bool:
         return self.param.requires_grad
+
+    @property
+    def unsplit_shape(self) -> torch.Size:
+        """The unsplit model's shape (a DTensor parameter's global shape): what full checkpoints hold."""
+        return self.tensor_parallel.shape if self.tensor_parallel is not None else self.layout.shape
+
+    def rows_of_unsplit(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a tensor of ``unsplit_shape``: of its TP piece for a DTensor parameter."""
+        piece = self.tensor_parallel.local_piece(full) if self.tensor_parallel is not None else full
+        return self.layout.local_slice(piece)
+
+    def take_full_grad(self) -> torch.Tensor | None:
+        """The stand-in's gradient, taken from it: a plain tensor of the local shape (a DTensor one redistributed to
+        the parameter's TP placements first, see ``TensorParallelSpec.local_grad``)."""
+        grad, self.full.grad = self.full.grad, None
+        if grad is not None and self.tensor_parallel is not None:
+            grad = self.tensor_parallel.local_grad(grad)
+        return grad
 
 
 class ReducePlan(NamedTuple):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_fsdp.engine.comm import Communicator, Waitable, wait_works
 from lightning_fsdp.engine.records import ParamSlot, PendingReduce, ReducePlan
@@ -42,6 +43,8 @@ def start_reduction(plan: ReducePlan, settings: ReduceSettings) -> tuple[Pending
     with streams.reduce_scatter_side() as compute:
         for slot in plan.slots:
             for grad in (slot.full.grad, slot.unsynced_grad):
+                if isinstance(grad, DTensor):
+                    grad = grad._local_tensor  # redistributed (if at all) by ``ParamSlot.take_full_grad`` below
                 if grad is not None:
                     # Freed once the copy-in is queued: not reused before this stream has read it.
                     streams.record_stream(grad, streams.reduce_scatter_stream)
@@ -136,8 +139,8 @@ def _reduce_scatter(
 
 def _take_grad(slot: ParamSlot, grad_dtype: torch.dtype) -> torch.Tensor | None:
     """``slot``'s full gradient to reduce: this backward's plus what earlier ones held (gradient sync off)."""
-    grad, held = slot.full.grad, slot.unsynced_grad
-    slot.full.grad = slot.unsynced_grad = None
+    grad, held = slot.take_full_grad(), slot.unsynced_grad
+    slot.unsynced_grad = None
     if held is None:
         return grad
     if grad is not None:
@@ -150,7 +153,7 @@ def hold_unsynced_grads(slots: list[ParamSlot], reduce_dtype: torch.dtype) -> No
     communication); the next reduction reduces the sum once. Held in ``reduce_dtype`` when that is the wider one
     (mixed precision), as torch's FSDP2 accumulates unsharded gradients."""
     for slot in slots:
-        grad, slot.full.grad = slot.full.grad, None
+        grad = slot.take_full_grad()
         if grad is None:
             continue
         if slot.unsynced_grad is None:

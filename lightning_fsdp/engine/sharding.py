@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_fsdp.engine.comm import Communicator
 from lightning_fsdp.engine.groups import check_engine_groups
@@ -24,8 +25,15 @@ from lightning_fsdp.engine.options import (
 from lightning_fsdp.engine.records import ParamSlot
 from lightning_fsdp.engine.registry import attach_engine, get_engine
 from lightning_fsdp.engine.sharding_engine import ShardingEngine
+from lightning_fsdp.engine.tensor_parallel import TensorParallelSpec, local_parameter, tensor_parallel_spec
 from lightning_fsdp.engine.unit import FlatUnit
-from lightning_fsdp.engine.wrap import assign_owners, enclosing_units, ignored_module_set, select_unit_modules
+from lightning_fsdp.engine.wrap import (
+    ParamOwner,
+    assign_owners,
+    enclosing_units,
+    ignored_module_set,
+    select_unit_modules,
+)
 
 
 def fully_shard(
@@ -148,6 +156,8 @@ def fully_shard(
     for unit_module in unit_modules:
         own_modules = [m for m in unit_module.modules() if unit_of_module.get(id(m)) is unit_module]
         uninitialised += _materialize(own_modules, device, options.param_init_fn)
+        # DTensor parameters become plain ones holding their local tensor (the optimizer steps plain tensors).
+        tensor_parallel = {pid: _to_local_parameter(params_by_id, pid, owners[pid]) for pid in owned[id(unit_module)]}
         if options.sync_module_states:
             _broadcast_from_first_rank(
                 own_modules, [params_by_id[pid] for pid in owned[id(unit_module)]], shard_comm, replicate_comm
@@ -158,7 +168,8 @@ def fully_shard(
         for pid in owned[id(unit_module)]:
             _owner, uses, name = owners[pid]
             param = params_by_id[pid]
-            slots.append(ParamSlot(fqn=name, param=param, uses=uses, layout=ShardLayout(param.shape, world, rank)))
+            layout = ShardLayout(param.shape, world, rank)
+            slots.append(ParamSlot(name, param, uses, layout, tensor_parallel=tensor_parallel[pid]))
         units.append(
             FlatUnit(
                 name=_module_name(module, unit_module),
@@ -196,6 +207,23 @@ def fully_shard(
     return engine
 
 
+def _to_local_parameter(
+    params_by_id: dict[int, nn.Parameter], pid: int, owner: ParamOwner
+) -> TensorParallelSpec | None:
+    """Replace a DTensor parameter by a plain one holding its local tensor, in every module using it; returns its
+    spec (None, and nothing changed, for a plain parameter)."""
+    _owner, uses, name = owner
+    param = params_by_id[pid]
+    spec = tensor_parallel_spec(param, name)
+    if spec is None:
+        return None
+    local = local_parameter(param)
+    for module, attr in uses:
+        module._parameters[attr] = local
+    params_by_id[pid] = local
+    return spec
+
+
 def _module_name(root: nn.Module, target: nn.Module) -> str:
     if target is root:
         return "<root>"
@@ -231,7 +259,20 @@ def _materialize(
             for param in module.parameters(recurse=False):
                 if param.is_meta:
                     # Swap contents rather than replace the object: tied modules and optimizers keep their reference.
-                    real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                    # A DTensor parameter gets only its local tensor, then is initialised as a DTensor.
+                    empty = (
+                        DTensor.from_local(
+                            torch.empty_like(param.to_local(), device=device),
+                            param.device_mesh,
+                            param.placements,
+                            run_check=False,
+                            shape=param.shape,
+                            stride=param.stride(),
+                        )
+                        if isinstance(param, DTensor)
+                        else torch.empty_like(param, device=device)
+                    )
+                    real = nn.Parameter(empty, requires_grad=param.requires_grad)
                     torch.utils.swap_tensors(param, real)
             for name, buf in module._buffers.items():
                 if buf is not None and buf.is_meta:

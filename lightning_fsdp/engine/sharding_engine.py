@@ -42,6 +42,7 @@ from lightning_fsdp.engine.options import (
 from lightning_fsdp.engine.records import ParamSlot, TrainingState
 from lightning_fsdp.engine.registry import detach_engine, unwatch_optimizer_steps, watch_optimizer_steps
 from lightning_fsdp.engine.streams import CollectiveStreams, streams_for
+from lightning_fsdp.engine.tensor_parallel import split_pieces
 from lightning_fsdp.engine.unit import FlatUnit
 
 
@@ -549,6 +550,7 @@ class ShardingEngine:
             is_sharded=self.is_sharded,
             device=self.root_unit.device,
             stage_group=stage_group,
+            tensor_parallel=split_pieces({pid: s.tensor_parallel for pid, s in self._slot_by_param.items()}),
         )
 
     @torch.no_grad()

@@ -26,6 +26,7 @@ from lightning_fsdp.engine.records import (
 )
 from lightning_fsdp.engine.reduction import ReduceSettings, finish_reduction, hold_unsynced_grads, start_reduction
 from lightning_fsdp.engine.streams import INACTIVE, CollectiveStreams, pins_host_memory
+from lightning_fsdp.engine.tensor_parallel import stand_in
 
 
 class FlatUnit:
@@ -136,18 +137,15 @@ class FlatUnit:
             layout = slot.layout
             shard_view = self.flat_shard[slot.offset : slot.offset + layout.local_numel].view(layout.local_shape)
             shard_view.copy_(layout.local_slice(slot.param.data))
-            full = nn.Parameter(
-                torch.empty(0, dtype=self.compute_dtype, device=self.device), requires_grad=slot.param.requires_grad
-            )
             slot.synced_requires_grad = slot.param.requires_grad
             if not self._aliases_shard:
                 region = self.full_flat[n * slot.offset : n * (slot.offset + layout.padded_numel)]
                 full_regions.append(region.view(n, layout.padded_numel))
-                full.data = region.view(layout.padded_full_shape)[: layout.rows].view(layout.shape)
+                full_view = region.view(layout.padded_full_shape)[: layout.rows].view(layout.shape)
             else:
                 # Unsharded: the full parameter aliases the shard, so the optimizer's update is seen directly.
-                full.data = shard_view.view(layout.shape)
-            slot.full = full
+                full_view = shard_view.view(layout.shape)
+            slot.full = stand_in(slot.tensor_parallel, full_view, slot.param.requires_grad)
             slot.param.data = shard_view
         return full_regions
 
@@ -325,7 +323,8 @@ class FlatUnit:
 
     @torch.no_grad()
     def full_tensors(self) -> list[torch.Tensor]:
-        """Every parameter in full, in the shards' (master) dtype, without touching the modules: for checkpoints."""
+        """Every parameter in full, in the shards' (master) dtype, without touching the modules: for checkpoints. A
+        DTensor parameter's is this TP rank's piece in full (``TensorParallelSpec.full_tensor`` joins the pieces)."""
         if self.flat_shard.numel() < self.shard_numel:
             raise RuntimeError(
                 f"Unit {self.name!r} no longer holds shards: its engine gave the module its full parameters back "
@@ -384,7 +383,10 @@ class FlatUnit:
         for slot, full in zip(self.slots, self.full_tensors()):
             param = slot.param
             param.grad = None
-            if device.type == "meta":  # a parameter's data cannot be swapped for a meta tensor (set_data refuses it)
+            if slot.tensor_parallel is not None:  # the DTensor parameter parallelize_module made, whole again
+                param = slot.tensor_parallel.parameter(full.to(device), param.requires_grad)
+                slot.param.data = slot.param.data.new_empty(0)
+            elif device.type == "meta":  # a parameter's data cannot be swapped for a meta tensor (set_data refuses it)
                 param = nn.Parameter(full.to(device), requires_grad=param.requires_grad)
                 slot.param.data = slot.param.data.new_empty(0)  # the old object (the optimizer's) lets its shard go
             else:

@@ -17,13 +17,14 @@ from lightning_fsdp.checkpoint import StateDict
 from lightning_fsdp.checkpoint.common import CheckpointFormat
 from lightning_fsdp.engine import MixedPrecision, ShardingEngine, ShardingOptions
 from lightning_fsdp.options import PipelineOptions, check_pipeline_composition, check_pipeline_precision
+from lightning_fsdp.parallel_dims import ParallelGroups
 from lightning_fsdp.pipeline.checkpoint import (
     PipelineCheckpoint,
     check_pipeline_format,
     pipeline_model_state_dict,
     pipeline_optimizer_state,
 )
-from lightning_fsdp.pipeline.runtime import PipelineRuntime, pipeline_layout
+from lightning_fsdp.pipeline.runtime import PipelineRuntime, pipeline_layout, pipeline_layout_on
 from lightning_fsdp.pipeline.split import plan_stages
 from lightning_fsdp.process_groups import ShardGroups
 
@@ -42,6 +43,7 @@ class SplitContext(NamedTuple):
     timeout: timedelta | None  # the strategy's, for the pipeline's groups
     precision: str  # the Trainer's precision flag
     mixed_precision: MixedPrecision | None  # the engine's: the stages' shapes are worked out in its compute dtype
+    parallel: ParallelGroups | None = None  # under tensor parallelism, the layout's groups (parallel_dims.py)
 
 
 def pipeline_role(
@@ -138,7 +140,10 @@ class StageRole(PipelineRole):
         options.check_world(run.world_size)
         check_pipeline_precision(options, run.precision)
         plan_stages(model, options.num_stages, options.split)  # a bad cut raises here, before the groups exist
-        layout = pipeline_layout(options.size, run.world_size, run.rank, run.device.type, run.timeout)
+        if run.parallel is not None:  # tensor parallelism: the stages' groups are the layout's
+            layout = pipeline_layout_on(run.parallel)
+        else:
+            layout = pipeline_layout(options.size, run.world_size, run.rank, run.device.type, run.timeout)
         dtype = run.mixed_precision.param_dtype if run.mixed_precision is not None else None
         self.runtime = PipelineRuntime(model, options, layout, run.device, compute_dtype=dtype)
         self.runtime.accumulation = lambda: _loss_divisor(module)

@@ -19,6 +19,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from torch.utils._pytree import tree_map
 
 from lightning_fsdp.options import SCHEDULES, PipelineOptions
+from lightning_fsdp.parallel_dims import ParallelGroups
 from lightning_fsdp.pipeline.contract import BrokenChainError, chain_checked, tensors_in
 from lightning_fsdp.pipeline.split import keep_only, meta_copy, plan_stages, stage_view
 
@@ -33,7 +34,8 @@ _RUNTIMES: weakref.WeakKeyDictionary[nn.Module, PipelineRuntime] = weakref.WeakK
 
 
 class PipelineLayout(NamedTuple):
-    """Where this rank sits in the (pipeline, data) mesh: global rank = pp_rank * data_size + dp_rank."""
+    """Where this rank sits in the (pipeline, data) mesh: global rank = pp_rank * data_size + dp_rank (times T plus
+    the TP rank under tensor parallelism)."""
 
     size: int
     data_size: int
@@ -59,6 +61,14 @@ def pipeline_layout(
         [pp_group, dp_group], device_type, mesh=torch.arange(world_size).view(size, data), mesh_dim_names=("pp", "dp")
     )
     return PipelineLayout(size, data, pp_rank, dp_rank, pp_group, dp_group, mesh)
+
+
+def pipeline_layout_on(groups: ParallelGroups) -> PipelineLayout:
+    """The (pipeline, data) layout within the groups ``ParallelDims`` built under tensor parallelism (the pipeline
+    and data-parallel ranks of one TP rank; [Note: the layout of the ranks] in parallel_dims.py)."""
+    assert groups.pp_group is not None, "built with pipeline_parallel_size > 1"
+    pp, dp = groups.pp_group, groups.dp_group
+    return PipelineLayout(pp.size(), dp.size(), pp.rank(), dp.rank(), pp, dp, groups.mesh)
 
 
 class _Schedule(NamedTuple):

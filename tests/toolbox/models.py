@@ -10,6 +10,9 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import TensorDataset
 
 VOCAB = 7
@@ -62,6 +65,15 @@ class ChainLM(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(self.norm(h))
+
+
+def parallelize_toy_lm(model: ToyLM, tp_mesh: DeviceMesh) -> ToyLM:
+    """Tensor parallelism as a user writes it in ``configure_model``: block1's first layer column-wise and its second
+    row-wise; block2's first layer column-wise with its output gathered (3 rows split 2 + 1 over 2 ranks: torch's
+    row-wise layer assumes even pieces of its input); the rest stays replicated (plain parameters)."""
+    parallelize_module(model.block1, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    parallelize_module(model.block2, tp_mesh, {"fc1": ColwiseParallel(output_layouts=Replicate())})
+    return model
 
 
 def batch(step: int, size: int = 6, length: int = 4) -> tuple[torch.Tensor, torch.Tensor]:

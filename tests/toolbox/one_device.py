@@ -10,7 +10,7 @@ set of training flags (:func:`lightning_parity_one_device`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +40,17 @@ class OneDeviceRun:
 
 
 def toy_lm_on_step_batches(
-    steps: int, batch_size: int, *, dim: int = 5, share: tuple[int, int] = (0, 1), clip_norm: float | None = None
+    steps: int,
+    batch_size: int,
+    *,
+    dim: int = 5,
+    share: tuple[int, int] = (0, 1),
+    clip_norm: float | None = None,
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = sgd_with_momentum,
 ) -> OneDeviceRun:
     """ToyLM(dim) trained on ``batch(step, size=batch_size)`` at each step (only samples ``rank::world_size`` with
-    ``share=(rank, world_size)``: a rank alone in its group), gradients clipped to ``clip_norm`` if given."""
+    ``share=(rank, world_size)``: a rank alone in its group), gradients clipped to ``clip_norm`` if given, stepped by
+    ``optimizer(parameters)`` (SGD with momentum by default)."""
     torch.manual_seed(0)
     model = ToyLM(dim=dim)
 
@@ -51,9 +58,9 @@ def toy_lm_on_step_batches(
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
 
-    optimizer = sgd_with_momentum(model.parameters())
-    losses = train_on_shares(model, optimizer, steps, batch_size, *share, before_step=clip)
-    return OneDeviceRun(model, optimizer, [float(loss) for loss in losses])
+    stepper = optimizer(model.parameters())
+    losses = train_on_shares(model, stepper, steps, batch_size, *share, before_step=clip)
+    return OneDeviceRun(model, stepper, [float(loss) for loss in losses])
 
 
 def toy_lm_on_samples(
