@@ -14,7 +14,6 @@ the strategy's timeout] in process_groups.py) and the mesh is assembled from the
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NamedTuple
@@ -23,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_fsdp.tensor_parallel_plans import apply_tensor_parallel_plan
 
 PIPELINE, DATA, TENSOR = "pipeline_parallel", "data_parallel", "tensor_parallel"
 
@@ -184,6 +185,4 @@ class ParallelLayout:
         (call once, before the model is split and sharded)."""
         if self.plan != "auto" or self.groups is None:
             return
-        # The built-in plans (transformers' Llama family, litgpt's GPT) live in lightning_fsdp/tensor_parallel_plans.py.
-        plans = importlib.import_module("lightning_fsdp.tensor_parallel_plans")
-        plans.apply_tensor_parallel_plan(module, self.groups.mesh[TENSOR])
+        apply_tensor_parallel_plan(module, self.groups.mesh[TENSOR])
