@@ -18,8 +18,10 @@ process's base, times the ranks, against ``--memory-gib``) is skipped with that 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,7 +36,7 @@ from torch import nn
 
 from benchmarks.common import command_line, machine
 from benchmarks.ranks import clean_env, kill_group
-from benchmarks.scale_rank import FSDP_CUSTOM, hybrid_per_node
+from benchmarks.scale_rank import FSDP_CUSTOM, hybrid_per_node, is_unit
 
 __all__ = ["ScaleConfig", "VARIANT_NAMES", "activation_bytes", "gpt_shape", "parse_params", "run_scale"]
 
@@ -70,6 +72,8 @@ class ScaleConfig:
     lr: float = 1e-4
     seed: int = 0
     memory_gib: float | None = None  # None: MemAvailable now
+    units: str = "blocks"  # "blocks": each Block a unit; "blocks+ends": also the token embedding and the head
+    trace: bool = False  # sample each rank's RssAnon through training (results.json, "trace")
     timeout: float = 1500.0  # seconds one variant may take
     collective_timeout: float = 900.0
 
@@ -156,22 +160,25 @@ def shard_size(variant: str, world: int) -> int:
     return world
 
 
-def _estimate(model: nn.Module, variant: str, world: int) -> Any:
+def _estimate(model: nn.Module, variant: str, world: int, units: str) -> Any:
     from lightning_fsdp import estimate_memory
-    from lightning_fsdp.demo.gpt import Block
 
     strategy = {"ddp": "NO_SHARD", "fsdp2": "FULL_SHARD"}.get(variant) or FSDP_CUSTOM[variant]
     if strategy == "HYBRID_SHARD":
         strategy = "FULL_SHARD"  # estimate_memory's world size is one shard group's
-    return estimate_memory(model, shard_size(variant, world), strategy, optimizer="adamw", auto_wrap_policy={Block})
+    policy = functools.partial(is_unit, model.config.vocab_size, units == "blocks+ends")  # type: ignore[union-attr]
+    return estimate_memory(model, shard_size(variant, world), strategy, optimizer="adamw", auto_wrap_policy=policy)
 
 
 def _available_gib() -> float:
+    """MemAvailable less a margin of 2 GiB for the rest of the machine."""
     with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) / 2**20 for line in f if line.startswith("MemAvailable:"))
+        return next(int(line.split()[1]) / 2**20 for line in f if line.startswith("MemAvailable:")) - 2.0
 
 
-def _run_variant(cfg: ScaleConfig, variant: str, world: int, shape: dict[str, Any], work: Path) -> dict[str, Any]:
+def _run_variant(
+    cfg: ScaleConfig, variant: str, world: int, shape: dict[str, Any], work: Path, load: bool
+) -> dict[str, Any]:
     """Launch one variant; returns its ranks' records or a failure with the output's end."""
     work.mkdir(parents=True, exist_ok=True)
     spec = {
@@ -185,6 +192,9 @@ def _run_variant(cfg: ScaleConfig, variant: str, world: int, shape: dict[str, An
         "seed": cfg.seed,
         "collective_timeout": cfg.collective_timeout,
         "out": str(work),
+        "load": load,
+        "trace": cfg.trace,
+        "units": cfg.units,
     }
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -209,10 +219,11 @@ def _run_variant(cfg: ScaleConfig, variant: str, world: int, shape: dict[str, An
             proc.wait()
     wall = time.perf_counter() - start
     files = [work / f"rank{r}.json" for r in range(world)]
-    if code != 0 or not all(f.exists() for f in files):
+    ranks = [json.loads(f.read_text()) for f in files if f.exists()]
+    if code != 0 or len(ranks) < world or not all(r.get("complete") for r in ranks):
         why = "timed out" if code is None else f"exit status {code}"
-        return {"status": "failed", "error": why, "log_tail": log.read_text(errors="replace")[-4000:]}
-    return {"status": "ok", "ranks": [json.loads(f.read_text()) for f in files], "wall_s": wall}
+        return {"status": "failed", "error": why, "log_tail": log.read_text(errors="replace")[-4000:], "ranks": ranks}
+    return {"status": "ok", "ranks": ranks, "wall_s": wall}
 
 
 def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -228,9 +239,12 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "losses": ranks[0].get("losses", []),
     }
     for phase in phases:
-        out[f"{phase}_s"] = max(r[f"{phase}_s"] for r in ranks)
-        out[f"{phase}_peak_bytes"] = max(r[f"{phase}_peak_bytes"] for r in ranks)
+        measured = all(f"{phase}_s" in r for r in ranks)  # no load when the machine cannot hold it
+        out[f"{phase}_s"] = max(r[f"{phase}_s"] for r in ranks) if measured else None
+        out[f"{phase}_peak_bytes"] = max(r[f"{phase}_peak_bytes"] for r in ranks) if measured else None
     out["after_init_bytes"] = max(r["after_init_bytes"] for r in ranks)
+    if "trace" in ranks[0]:
+        out["trace"] = [r["trace"] for r in ranks]
     if "monitor" in ranks[0]:
         out["monitor"] = [r["monitor"] for r in ranks]
     return out
@@ -250,9 +264,9 @@ def run_scale(cfg: ScaleConfig, out: Path, say: Any = print) -> dict[str, Any]:
         numel = sum(p.numel() for p in model.parameters())
         activations = activation_bytes(model, cfg.batch, cfg.seq)
         for variant in cfg.variants:
-            estimate = _estimate(model, variant, world)
+            estimate = _estimate(model, variant, world, cfg.units)
             theory = STATE_BYTES_PER_PARAM * numel / shard_size(variant, world)
-            need_gib = world * ((estimate.peak + activations) / GIB + BASE_GIB)
+            need_gib = world * ((estimate.training_peak + activations) / GIB + BASE_GIB)
             record: dict[str, Any] = {
                 "variant": variant,
                 "name": VARIANT_NAMES[variant],
@@ -264,6 +278,8 @@ def run_scale(cfg: ScaleConfig, out: Path, say: Any = print) -> dict[str, Any]:
                 "estimate_peak_bytes": estimate.peak,
                 "estimate_model_state_bytes": estimate.model_state,
                 "estimate_gathered_bytes": estimate.gathered_params,
+                "estimate_training_peak_bytes": estimate.training_peak,
+                "units": cfg.units,
                 "need_gib": need_gib,
             }
             if need_gib > budget:
@@ -275,8 +291,22 @@ def run_scale(cfg: ScaleConfig, out: Path, say: Any = print) -> dict[str, Any]:
                 say(f"[scale] {record['name']} ws={world}: skipped, {record['reason']}")
                 records.append(record)
                 continue
+            # Loading after training holds the trained parameters and optimizer state, and (but for DCP's in-place
+            # load under FSDP2) the checkpoint's copy of them; gradients are dropped first.
+            kept = estimate.params + estimate.optimizer_state
+            load_gib = world * ((kept * (1 if variant == "fsdp2" else 2) + activations) / GIB + BASE_GIB + 1.0)
+            load = load_gib <= budget
+            if not load:
+                record["load_skipped"] = (
+                    f"loading needs ~{load_gib:.1f} GiB over {world} ranks (the trained state and the loaded copy); "
+                    f"{budget:.1f} GiB available"
+                )
+                say(f"[scale] {record['name']} ws={world}: no load, {record['load_skipped']}")
             say(f"[scale] {record['name']} ws={world}, {numel / 1e9:.3f}B parameters ...")
-            result = _run_variant(cfg, variant, world, shape, out / "runs" / f"{variant}-ws{world}")
+            work = out / "runs" / f"{variant}-ws{world}"
+            result = _run_variant(cfg, variant, world, shape, work, load)
+            shutil.rmtree(work / "checkpoint", ignore_errors=True)
+            (work / "checkpoint.ckpt").unlink(missing_ok=True)
             if result["status"] != "ok":
                 record.update(status="failed", error=result["error"], log_tail=result["log_tail"])
                 say(f"[scale]   FAILED ({result['error']}):\n{result['log_tail'][-1500:]}")
@@ -285,8 +315,8 @@ def run_scale(cfg: ScaleConfig, out: Path, say: Any = print) -> dict[str, Any]:
                 peak = record["train_peak_bytes"]
                 say(
                     f"[scale]   peak {peak / MIB:.0f} MiB/rank over base ({peak / theory:.2f}x theory, "
-                    f"{peak / estimate.peak:.2f}x estimate), step {record['median_step_s']:.2f} s, init "
-                    f"{record['init_s']:.1f} s, save {record['save_s']:.1f} s, load {record['load_s']:.1f} s"
+                    f"{peak / estimate.training_peak:.2f}x estimate), step {record['median_step_s']:.2f} s, init "
+                    f"{record['init_s']:.1f} s, save {record['save_s']:.1f} s, load {_secs(record['load_s'])} s"
                 )
             records.append(record)
     report = {"config": asdict(cfg), "machine": machine(), "date": time.strftime("%Y-%m-%d"), "records": records}
@@ -297,6 +327,10 @@ def run_scale(cfg: ScaleConfig, out: Path, say: Any = print) -> dict[str, Any]:
     except ImportError:
         say("[scale] matplotlib is not installed: no plot")
     return report
+
+
+def _secs(value: float | None) -> str:
+    return "not run" if value is None else f"{value:.1f}"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -312,8 +346,8 @@ def markdown(report: dict[str, Any]) -> str:
             continue
         rows.append(
             head + f" {r['train_peak_bytes'] / MIB:.0f} | {r['train_peak_bytes'] / r['theory_bytes']:.2f} "
-            f"| {r['train_peak_bytes'] / r['estimate_peak_bytes']:.2f} | {r['median_step_s']:.2f} "
-            f"| {r['init_s']:.1f} | {r['init_peak_bytes'] / MIB:.0f} | {r['save_s']:.1f} | {r['load_s']:.1f} |"
+            f"| {r['train_peak_bytes'] / r['estimate_training_peak_bytes']:.2f} | {r['median_step_s']:.2f} "
+            f"| {r['init_s']:.1f} | {r['init_peak_bytes'] / MIB:.0f} | {r['save_s']:.1f} | {_secs(r['load_s'])} |"
         )
     return "\n".join(rows) + "\n"
 
@@ -329,10 +363,23 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, (mem, step) = plt.subplots(1, 2, figsize=(13, 0.6 * len(done) + 2.5), sharey=True)
     y = range(len(done))
     mem.barh(y, [r["train_peak_bytes"] / GIB for r in done], label="measured peak over base")
-    mem.scatter([r["estimate_peak_bytes"] / GIB for r in done], y, color="black", marker="|", s=300,
-                label="estimate_memory peak", zorder=3)
-    mem.scatter([r["theory_bytes"] / GIB for r in done], y, color="red", marker="x", label="theory (16 B/param / shards)",
-                zorder=3)
+    mem.scatter(
+        [r["estimate_training_peak_bytes"] / GIB for r in done],
+        y,
+        color="black",
+        marker="|",
+        s=300,
+        label="estimate_memory training_peak",
+        zorder=3,
+    )
+    mem.scatter(
+        [r["theory_bytes"] / GIB for r in done],
+        y,
+        color="red",
+        marker="x",
+        label="theory (16 B/param / shards)",
+        zorder=3,
+    )
     mem.set_yticks(list(y), labels)
     mem.set_xlabel("GiB per rank")
     mem.legend(loc="lower right", fontsize=8)
@@ -344,19 +391,58 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def merge(folders: list[Path], out: Path) -> dict[str, Any]:
+    """One report of several runs' ``results.json`` (each variant run on its own, so that each holds the lock of a
+    shared machine briefly): their records in the order given, each with its run's command and date."""
+    reports = [json.loads((folder / "results.json").read_text()) for folder in folders]
+    records = [{**r, "command": rep.get("command"), "date": rep["date"]} for rep in reports for r in rep["records"]]
+    report = {
+        "runs": [rep.get("command") for rep in reports],
+        "machine": reports[0]["machine"],
+        "date": max(rep["date"] for rep in reports),
+        "records": records,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    (out / "results.md").write_text(markdown(report))
+    plot(report, out / "plot.png")
+    return report
+
+
 def main(argv: list[str] | None = None) -> None:
     defaults = ScaleConfig()
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n")[0])
-    parser.add_argument("--params", type=parse_params, default="0.85B",
-                        help="model size, e.g. 0.85B, or per world size 2:0.85B,4:0.3B (default 0.85B)")
+    parser.add_argument(
+        "--params",
+        type=parse_params,
+        default="0.85B",
+        help="model size, e.g. 0.85B, or per world size 2:0.85B,4:0.3B (default 0.85B)",
+    )
     parser.add_argument("--world-sizes", type=lambda s: [int(x) for x in s.split(",")], default=defaults.world_sizes)
-    parser.add_argument("--variants", type=lambda s: s.split(","), default=defaults.variants,
-                        help=f"comma-separated, of {','.join(VARIANT_NAMES)} (default all)")
+    parser.add_argument(
+        "--variants",
+        type=lambda s: s.split(","),
+        default=defaults.variants,
+        help=f"comma-separated, of {','.join(VARIANT_NAMES)} (default all)",
+    )
     for name in ("width", "heads", "vocab", "seq", "batch", "steps", "threads"):
         parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
     parser.add_argument("--memory-gib", type=float, default=None, help="memory the ranks may use (default: available)")
+    parser.add_argument(
+        "--units",
+        choices=["blocks", "blocks+ends"],
+        default=defaults.units,
+        help="each Block a unit, or also the embedding and the head (default blocks)",
+    )
+    parser.add_argument("--trace", action="store_true", help="sample each rank's private memory during training")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: a temporary one)")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None, help="merge these runs' results into --out")
     args = parser.parse_args(argv)
+    if args.merge:
+        if args.out is None:
+            parser.error("--merge needs --out")
+        print(markdown(merge(args.merge, args.out)))
+        return
     unknown = [v for v in args.variants if v not in VARIANT_NAMES]
     if unknown:
         parser.error(f"--variants {','.join(unknown)} is not valid; choose from {','.join(VARIANT_NAMES)}")
@@ -367,6 +453,8 @@ def main(argv: list[str] | None = None) -> None:
         variants=args.variants,
         **{name: getattr(args, name) for name in ("width", "heads", "vocab", "seq", "batch", "steps", "threads")},
         memory_gib=args.memory_gib,
+        trace=args.trace,
+        units=args.units,
     )
     out = args.out or Path(tempfile.mkdtemp(prefix="lfsdp-scale-"))
     report = run_scale(cfg, out, say=lambda text: print(text, file=sys.stderr, flush=True))

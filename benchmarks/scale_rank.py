@@ -11,10 +11,12 @@ saved as a sharded checkpoint and loaded back. Each rank writes what it measured
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -35,6 +37,15 @@ def hybrid_per_node(world: int) -> int:
     """Ranks per shard group of the hybrid variant: 2 shard groups of ``world / 2`` from 4 ranks on (so that it
     replicates), the whole world below (one shard group, the default layout of one node)."""
     return world // 2 if world >= 4 and world % 2 == 0 else world
+
+
+def is_unit(vocab: int, ends: bool, module: torch.nn.Module, recurse: bool = False, nonwrapped_numel: int = 0) -> bool:
+    """The units: each Block, and with ``ends`` also the token embedding and the output head (the modules whose
+    weights have ``vocab`` rows), as torchtitan shards a Llama; else those stay in the root unit."""
+    if recurse or isinstance(module, Block):  # recurse: asked whether to look inside (torch's policy convention)
+        return True
+    rows = getattr(module, "num_embeddings", None) or getattr(module, "out_features", None)
+    return ends and rows == vocab
 
 
 def _reset_peak() -> None:
@@ -66,8 +77,10 @@ class ScaleModule(L.LightningModule):
             from torch.distributed.fsdp import fully_shard
 
             mesh = self.device_mesh["data_parallel"]
-            for block in self.gpt.blocks:
-                fully_shard(block, mesh=mesh)
+            vocab, ends = self.spec["model"]["vocab_size"], self.spec["units"] == "blocks+ends"
+            for module in self.gpt.modules():
+                if module is not self.gpt and is_unit(vocab, ends, module):
+                    fully_shard(module, mesh=mesh)
             fully_shard(self.gpt, mesh=mesh)
             self.gpt.to_empty(device=self.device)
             for module in self.gpt.modules():
@@ -84,6 +97,32 @@ class ScaleModule(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.spec["lr"])
+
+
+class RssTrace:
+    """Private resident memory (``RssAnon``) sampled every ``interval`` seconds by a thread, with named events from
+    the training loop's hooks, so that the peak can be placed in the step (``--trace``)."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self.samples: list[tuple[float, int]] = []
+        self.events: list[tuple[float, str, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = time.perf_counter()
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.samples.append((time.perf_counter() - self._t0, status_bytes("RssAnon")))
+
+    def event(self, name: str) -> None:
+        self.events.append((time.perf_counter() - self._t0, name, status_bytes("RssAnon")))
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join()
+        return {"samples": self.samples, "events": self.events}
 
 
 class ScaleProbe(L.Callback):
@@ -104,6 +143,12 @@ class ScaleProbe(L.Callback):
         self.record[f"{name}_s"] = time.perf_counter() - self._t
         self.record[f"{name}_peak_bytes"] = status_bytes("VmHWM") - self.record["base_rss_bytes"]
 
+    def write(self, rank: int, **extra: Any) -> None:
+        path = os.path.join(self.spec["out"], f"rank{rank}.json")
+        with open(path + ".partial", "w") as f:
+            json.dump({**self.record, "rank": rank, **extra}, f)
+        os.replace(path + ".partial", path)
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         gc.collect()
         self.record["base_rss_bytes"] = status_bytes("VmRSS")
@@ -114,17 +159,37 @@ class ScaleProbe(L.Callback):
         self.record["after_init_bytes"] = status_bytes("VmRSS") - self.record["base_rss_bytes"]
         self._phase_start()
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.trace = RssTrace() if self.spec.get("trace") else None
+
+    def _event(self, name: str) -> None:
+        if self.trace is not None:
+            self.trace.event(name)
+
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        self._event(f"step {idx} start")
         self._step_start = time.perf_counter()
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self._event("backward start")
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._event("backward end")
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self._event("optimizer step start")
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
         self.record["step_s"].append(time.perf_counter() - self._step_start)
+        self._event(f"step {idx} end")
         self.record.setdefault("losses", []).append(float(outputs["loss"]))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._phase_end("train")
+        if self.trace is not None:
+            self.record["trace"] = self.trace.stop()
         self.record["after_train_bytes"] = status_bytes("VmRSS") - self.record["base_rss_bytes"]
         for callback in trainer.callbacks:
             if type(callback).__name__ == "ShardingMonitor":
@@ -136,6 +201,12 @@ class ScaleProbe(L.Callback):
         trainer.save_checkpoint(path)
         trainer.strategy.barrier("scale-save")
         self._phase_end("save")
+        self.write(trainer.global_rank)  # kept if what follows fails
+        if not self.spec["load"]:
+            self._phase_start()
+            return
+        for optimizer in trainer.optimizers:
+            optimizer.zero_grad(set_to_none=True)  # a resumed run holds no gradients while it loads
         self._phase_start()
         strategy = trainer.strategy
         checkpoint = strategy.load_checkpoint(path)
@@ -169,7 +240,7 @@ def main(spec_path: str) -> None:
             options["process_group"] = lambda: node_groups(world, per_node, dist.get_rank(), timeout)
         strategy: Any = FSDPStrategy(
             sharding_strategy=FSDP_CUSTOM[variant],
-            auto_wrap_policy={Block},
+            auto_wrap_policy=functools.partial(is_unit, spec["model"]["vocab_size"], spec["units"] == "blocks+ends"),
             state_dict_type="sharded",
             weights_after_stage="sharded",
             timeout=timeout,
@@ -208,9 +279,7 @@ def main(spec_path: str) -> None:
     probe = callbacks[0]
     assert isinstance(probe, ScaleProbe)
     probe._phase_end("teardown")
-    record = {**probe.record, "rank": trainer.global_rank}
-    with open(os.path.join(spec["out"], f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump(record, f)
+    probe.write(trainer.global_rank, complete=True)
     if dist.is_initialized():
         dist.barrier()
         destroy_process_group()
