@@ -38,7 +38,15 @@ from benchmarks.common import command_line, machine
 from benchmarks.ranks import clean_env, kill_group
 from benchmarks.scale_rank import FSDP_CUSTOM, hybrid_per_node, is_unit
 
-__all__ = ["ScaleConfig", "VARIANT_NAMES", "activation_bytes", "gpt_shape", "parse_params", "run_scale"]
+__all__ = [
+    "ESTIMATE_TOLERANCE",
+    "ScaleConfig",
+    "VARIANT_NAMES",
+    "activation_bytes",
+    "gpt_shape",
+    "parse_params",
+    "run_scale",
+]
 
 VARIANT_NAMES = {
     "fsdp_full": "fsdp_custom FULL_SHARD",
@@ -51,6 +59,9 @@ VARIANT_NAMES = {
 STATE_BYTES_PER_PARAM = 16
 # A Lightning rank's resident memory before the model exists (torch, Lightning, gloo), measured here: ~0.45 GiB.
 BASE_GIB = 0.5
+# estimate_memory's training_peak plus one activation set agrees with the measured peak over base within this
+# fraction (docs/benchmarks.md, "At scale"; tests/benchmarks/test_scale_benchmark.py checks it on a small size).
+ESTIMATE_TOLERANCE = 0.10
 GIB = 2**30
 MIB = 2**20
 
@@ -73,6 +84,7 @@ class ScaleConfig:
     seed: int = 0
     memory_gib: float | None = None  # None: MemAvailable now
     units: str = "blocks"  # "blocks": each Block a unit; "blocks+ends": also the token embedding and the head
+    pretrained: bool = False  # fsdp_custom: load_pretrained of a safetensors file of the model at on_fit_start
     trace: bool = False  # sample each rank's RssAnon through training (results.json, "trace")
     timeout: float = 1500.0  # seconds one variant may take
     collective_timeout: float = 900.0
@@ -176,6 +188,20 @@ def _available_gib() -> float:
         return next(int(line.split()[1]) / 2**20 for line in f if line.startswith("MemAvailable:")) - 2.0
 
 
+def write_pretrained(shape: dict[str, Any], path: Path, seed: int) -> int:
+    """A safetensors file with a value for every parameter of the GPT of ``shape`` (N(0, 0.02), from ``seed``), as a
+    pretrained checkpoint is; written one tensor at a time. Returns its size in bytes."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {
+        name: torch.randn(p.shape, generator=generator) * 0.02 for name, p in _meta_gpt(shape).named_parameters()
+    }
+    save_file(tensors, str(path))
+    del tensors
+    return path.stat().st_size
+
+
 def _run_variant(
     cfg: ScaleConfig, variant: str, world: int, shape: dict[str, Any], work: Path, load: bool
 ) -> dict[str, Any]:
@@ -195,7 +221,11 @@ def _run_variant(
         "load": load,
         "trace": cfg.trace,
         "units": cfg.units,
+        "pretrained": None,
     }
+    if cfg.pretrained and variant in FSDP_CUSTOM:
+        spec["pretrained"] = str(work / "pretrained.safetensors")
+        spec["pretrained_file_bytes"] = write_pretrained(shape, work / "pretrained.safetensors", cfg.seed)
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
     env = clean_env(OMP_NUM_THREADS=str(cfg.threads), MKL_NUM_THREADS=str(cfg.threads))
@@ -223,7 +253,7 @@ def _run_variant(
     if code != 0 or len(ranks) < world or not all(r.get("complete") for r in ranks):
         why = "timed out" if code is None else f"exit status {code}"
         return {"status": "failed", "error": why, "log_tail": log.read_text(errors="replace")[-4000:], "ranks": ranks}
-    return {"status": "ok", "ranks": ranks, "wall_s": wall}
+    return {"status": "ok", "ranks": ranks, "wall_s": wall, "pretrained_file_bytes": spec.get("pretrained_file_bytes")}
 
 
 def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -243,6 +273,11 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         out[f"{phase}_s"] = max(r[f"{phase}_s"] for r in ranks) if measured else None
         out[f"{phase}_peak_bytes"] = max(r[f"{phase}_peak_bytes"] for r in ranks) if measured else None
     out["after_init_bytes"] = max(r["after_init_bytes"] for r in ranks)
+    if "pretrained_s" in ranks[0]:
+        out["pretrained_s"] = max(r["pretrained_s"] for r in ranks)
+        out["pretrained_rss_bytes"] = max(r["pretrained_rss_bytes"] for r in ranks)
+        out["pretrained_anon_bytes"] = max(r["pretrained_anon_bytes"] for r in ranks)
+        out["pretrained_not_loaded"] = max(r["pretrained_not_loaded"] for r in ranks)
     if "trace" in ranks[0]:
         out["trace"] = [r["trace"] for r in ranks]
     if "monitor" in ranks[0]:
@@ -307,11 +342,14 @@ def run_scale(cfg: ScaleConfig, out: Path, say: Any = print) -> dict[str, Any]:
             result = _run_variant(cfg, variant, world, shape, work, load)
             shutil.rmtree(work / "checkpoint", ignore_errors=True)
             (work / "checkpoint.ckpt").unlink(missing_ok=True)
+            (work / "pretrained.safetensors").unlink(missing_ok=True)
             if result["status"] != "ok":
                 record.update(status="failed", error=result["error"], log_tail=result["log_tail"])
                 say(f"[scale]   FAILED ({result['error']}):\n{result['log_tail'][-1500:]}")
             else:
                 record.update(status="ok", wall_s=result["wall_s"], **summarise(result["ranks"]))
+                if result["pretrained_file_bytes"] is not None:
+                    record["pretrained_file_bytes"] = result["pretrained_file_bytes"]
                 peak = record["train_peak_bytes"]
                 say(
                     f"[scale]   peak {peak / MIB:.0f} MiB/rank over base ({peak / theory:.2f}x theory, "
@@ -434,6 +472,7 @@ def main(argv: list[str] | None = None) -> None:
         default=defaults.units,
         help="each Block a unit, or also the embedding and the head (default blocks)",
     )
+    parser.add_argument("--pretrained", action="store_true", help="fsdp_custom: time load_pretrained of a file")
     parser.add_argument("--trace", action="store_true", help="sample each rank's private memory during training")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: a temporary one)")
     parser.add_argument("--merge", type=Path, nargs="+", default=None, help="merge these runs' results into --out")
@@ -455,6 +494,7 @@ def main(argv: list[str] | None = None) -> None:
         memory_gib=args.memory_gib,
         trace=args.trace,
         units=args.units,
+        pretrained=args.pretrained,
     )
     out = args.out or Path(tempfile.mkdtemp(prefix="lfsdp-scale-"))
     report = run_scale(cfg, out, say=lambda text: print(text, file=sys.stderr, flush=True))

@@ -157,7 +157,26 @@ class ScaleProbe(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._phase_end("init")  # configure_model, sharding and materialising, the optimizer's creation
         self.record["after_init_bytes"] = status_bytes("VmRSS") - self.record["base_rss_bytes"]
+        if self.spec.get("pretrained"):
+            self._load_pretrained(pl_module)
         self._phase_start()
+
+    def _load_pretrained(self, pl_module: L.LightningModule) -> None:
+        """``load_pretrained`` of the safetensors file the parent wrote, where the docs call it (``on_fit_start``):
+        its time and its peak growth, resident (file pages mapped included) and private (``PeakGrowth``)."""
+        from benchmarks.memory import PeakGrowth
+        from lightning_fsdp import load_pretrained
+
+        gc.collect()
+        growth = PeakGrowth()
+        growth.start()
+        start = time.perf_counter()
+        result = load_pretrained(pl_module.gpt, self.spec["pretrained"])  # type: ignore[arg-type]
+        self.record["pretrained_s"] = time.perf_counter() - start
+        peaks = growth.stop()
+        self.record["pretrained_rss_bytes"] = peaks["rss"]
+        self.record["pretrained_anon_bytes"] = peaks["anon"]
+        self.record["pretrained_not_loaded"] = len(result.missing) + len(result.unexpected) + len(result.mismatched)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.trace = RssTrace() if self.spec.get("trace") else None
