@@ -329,7 +329,7 @@ def run_scale(cfg: ScaleConfig, out: Path, say: Any = print) -> dict[str, Any]:
             # Loading after training holds the trained parameters and optimizer state, and (but for DCP's in-place
             # load under FSDP2) the checkpoint's copy of them; gradients are dropped first.
             kept = estimate.params + estimate.optimizer_state
-            load_gib = world * ((kept * (1 if variant == "fsdp2" else 2) + activations) / GIB + BASE_GIB + 1.0)
+            load_gib = world * (1.1 * (kept * (1 if variant == "fsdp2" else 2) + activations) / GIB + BASE_GIB)
             load = load_gib <= budget
             if not load:
                 record["load_skipped"] = (
@@ -429,11 +429,51 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_traces(report: dict[str, Any], path: Path) -> bool:
+    """Rank 0's private memory through training for every record with a trace (``--trace``), over its base;
+    False when no record has one."""
+    traced = [r for r in report["records"] if r.get("trace")]
+    if not traced:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 4))
+    for r in traced:
+        trace = r["trace"][0]
+        base = r["base_rss_bytes_per_rank"][0]
+        t0 = trace["samples"][0][0]
+        ax.plot(
+            [t - t0 for t, _ in trace["samples"]],
+            [(v - base) / GIB for _, v in trace["samples"]],
+            label=f"{r['name']}, {r['units']} units",
+            lw=1,
+        )
+    ax.axhline(traced[0]["theory_bytes"] / GIB, color="red", ls="--", lw=1, label="model-state theory")
+    ax.set_xlabel("seconds from the first training step")
+    ax.set_ylabel("RssAnon - base RSS, GiB (rank 0)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def merge(folders: list[Path], out: Path) -> dict[str, Any]:
     """One report of several runs' ``results.json`` (each variant run on its own, so that each holds the lock of a
     shared machine briefly): their records in the order given, each with its run's command and date."""
     reports = [json.loads((folder / "results.json").read_text()) for folder in folders]
     records = [{**r, "command": rep.get("command"), "date": rep["date"]} for rep in reports for r in rep["records"]]
+    for record in records:  # traces kept at 0.1 s, each bucket's highest sample (the peaks survive)
+        for trace in record.get("trace") or []:
+            buckets: dict[int, tuple[float, int]] = {}
+            for t, v in trace["samples"]:
+                key = int(t * 10)
+                if key not in buckets or v > buckets[key][1]:
+                    buckets[key] = (t, v)
+            trace["samples"] = [buckets[k] for k in sorted(buckets)]
     report = {
         "runs": [rep.get("command") for rep in reports],
         "machine": reports[0]["machine"],
@@ -444,6 +484,7 @@ def merge(folders: list[Path], out: Path) -> dict[str, Any]:
     (out / "results.json").write_text(json.dumps(report, indent=1))
     (out / "results.md").write_text(markdown(report))
     plot(report, out / "plot.png")
+    plot_traces(report, out / "trace.png")
     return report
 
 
