@@ -11,7 +11,7 @@ Llama-style model of that size has (width 2048, 16 heads, vocabulary 32000, unti
 Blocks picked for the size), each Block a unit, AdamW. What each figure means and how it is measured:
 docs/benchmarks.md, "At scale".
 
-A variant that the machine's memory cannot hold (``estimate_memory``'s peak plus one activation set plus the
+A variant that the machine's memory cannot hold (``estimate_memory``'s ``step_peak`` with one activation set plus the
 process's base, times the ranks, against ``--memory-gib``) is skipped with that reason instead of run.
 """
 
@@ -59,7 +59,7 @@ VARIANT_NAMES = {
 STATE_BYTES_PER_PARAM = 16
 # A Lightning rank's resident memory before the model exists (torch, Lightning, gloo), measured here: ~0.45 GiB.
 BASE_GIB = 0.5
-# estimate_memory's training_peak plus one activation set agrees with the measured peak over base within this
+# estimate_memory's step_peak with one activation set agrees with the measured peak over base within this
 # fraction (docs/benchmarks.md, "At scale"; tests/benchmarks/test_scale_benchmark.py checks it on a small size).
 ESTIMATE_TOLERANCE = 0.10
 GIB = 2**30
@@ -301,7 +301,7 @@ def run_scale(cfg: ScaleConfig, out: Path, say: Any = print) -> dict[str, Any]:
         for variant in cfg.variants:
             estimate = _estimate(model, variant, world, cfg.units)
             theory = STATE_BYTES_PER_PARAM * numel / shard_size(variant, world)
-            need_gib = world * ((estimate.training_peak + activations) / GIB + BASE_GIB)
+            need_gib = world * (estimate.step_peak(activations) / GIB + BASE_GIB)
             record: dict[str, Any] = {
                 "variant": variant,
                 "name": VARIANT_NAMES[variant],
@@ -314,6 +314,7 @@ def run_scale(cfg: ScaleConfig, out: Path, say: Any = print) -> dict[str, Any]:
                 "estimate_model_state_bytes": estimate.model_state,
                 "estimate_gathered_bytes": estimate.gathered_params,
                 "estimate_training_peak_bytes": estimate.training_peak,
+                "estimate_step_peak_bytes": estimate.step_peak(activations),
                 "units": cfg.units,
                 "need_gib": need_gib,
             }
@@ -353,8 +354,8 @@ def run_scale(cfg: ScaleConfig, out: Path, say: Any = print) -> dict[str, Any]:
                 peak = record["train_peak_bytes"]
                 say(
                     f"[scale]   peak {peak / MIB:.0f} MiB/rank over base ({peak / theory:.2f}x theory, "
-                    f"{peak / estimate.training_peak:.2f}x estimate), step {record['median_step_s']:.2f} s, init "
-                    f"{record['init_s']:.1f} s, save {record['save_s']:.1f} s, load {_secs(record['load_s'])} s"
+                    f"{peak / estimate.step_peak(activations):.2f}x estimate), step {record['median_step_s']:.2f} s, "
+                    f"init {record['init_s']:.1f} s, save {record['save_s']:.1f} s, load {_secs(record['load_s'])} s"
                 )
             records.append(record)
     report = {"config": asdict(cfg), "machine": machine(), "date": time.strftime("%Y-%m-%d"), "records": records}
@@ -372,19 +373,22 @@ def _secs(value: float | None) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
+    """The table of every record. "x (theory + act.)": the measured peak over the theory plus one activation set;
+    "x estimate": over ``estimate_memory(...).step_peak(one activation set)``."""
     rows = [
-        "| ranks | variant | parameters | peak over base, MiB/rank | x theory | x estimate | median step, s "
-        "| init, s | init peak, MiB | save, s | load, s |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ranks | variant | units | parameters | peak over base, MiB/rank | x theory | x (theory + act.) "
+        "| x estimate | median step, s | init, s | init peak, MiB | save, s | load, s |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["records"]:
-        head = f"| {r['world']} | {r['name']} | {r['params'] / 1e9:.3f}B |"
+        head = f"| {r['world']} | {r['name']} | {r.get('units', 'blocks')} | {r['params'] / 1e9:.3f}B |"
         if r["status"] != "ok":
-            rows.append(head + f" {r['status']}: {r.get('reason') or r.get('error')} |||||||")
+            rows.append(head + f" {r['status']}: {r.get('reason') or r.get('error')} ||||||||")
             continue
+        peak, act = r["train_peak_bytes"], r["activation_bytes"]
         rows.append(
-            head + f" {r['train_peak_bytes'] / MIB:.0f} | {r['train_peak_bytes'] / r['theory_bytes']:.2f} "
-            f"| {r['train_peak_bytes'] / r['estimate_training_peak_bytes']:.2f} | {r['median_step_s']:.2f} "
+            head + f" {peak / MIB:.0f} | {peak / r['theory_bytes']:.2f} | {peak / (r['theory_bytes'] + act):.2f} "
+            f"| {peak / r['estimate_step_peak_bytes']:.2f} | {r['median_step_s']:.2f} "
             f"| {r['init_s']:.1f} | {r['init_peak_bytes'] / MIB:.0f} | {r['save_s']:.1f} | {_secs(r['load_s'])} |"
         )
     return "\n".join(rows) + "\n"
@@ -402,12 +406,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     y = range(len(done))
     mem.barh(y, [r["train_peak_bytes"] / GIB for r in done], label="measured peak over base")
     mem.scatter(
-        [r["estimate_training_peak_bytes"] / GIB for r in done],
+        [r["estimate_step_peak_bytes"] / GIB for r in done],
         y,
         color="black",
         marker="|",
         s=300,
-        label="estimate_memory training_peak",
+        label="estimate_memory step_peak",
         zorder=3,
     )
     mem.scatter(
@@ -466,6 +470,10 @@ def merge(folders: list[Path], out: Path) -> dict[str, Any]:
     shared machine briefly): their records in the order given, each with its run's command and date."""
     reports = [json.loads((folder / "results.json").read_text()) for folder in folders]
     records = [{**r, "command": rep.get("command"), "date": rep["date"]} for rep in reports for r in rep["records"]]
+    for record in records:
+        if "estimate_step_peak_bytes" not in record and "estimate_training_peak_bytes" in record:  # older runs
+            grads = record["estimate_training_peak_bytes"] - record["estimate_peak_bytes"]
+            record["estimate_step_peak_bytes"] = record["estimate_peak_bytes"] + max(grads, record["activation_bytes"])
     for record in records:  # traces kept at 0.1 s, each bucket's highest sample (the peaks survive)
         for trace in record.get("trace") or []:
             buckets: dict[int, tuple[float, int]] = {}

@@ -67,6 +67,14 @@ class MemoryEstimate:
         the model at most, activations aside (docs/monitoring.md)."""
         return self.peak + self.unsharded_grads
 
+    def step_peak(self, activation_bytes: int) -> int:
+        """A training step's peak with ``activation_bytes`` of activations (one forward's saved tensors): ``peak`` plus
+        the larger of the activations, alive at the end of the forward, and the full-size gradients, alive while
+        units reduce in backward, by when autograd has freed the activations of the units behind them."""
+        if isinstance(activation_bytes, bool) or not isinstance(activation_bytes, int) or activation_bytes < 0:
+            raise ValueError(f"activation_bytes={activation_bytes!r} is not valid; expected an int >= 0.")
+        return self.peak + max(self.unsharded_grads, activation_bytes)
+
     def __str__(self) -> str:
         rows = [
             ("parameter shards", self.params),
