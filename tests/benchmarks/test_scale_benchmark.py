@@ -107,3 +107,20 @@ def test_sizes_and_shapes():
     per_block = 12 * cfg.width**2 + 2 * cfg.width
     assert abs(params - 850_000_000) <= per_block / 2  # the nearest whole number of Blocks
     assert (shape["n_embd"], shape["vocab_size"], shape["tie_weights"]) == (2048, 32000, False)
+
+
+def test_step_peak_takes_the_larger_of_activations_and_unsharded_gradients():
+    from torch import nn
+
+    from lightning_fsdp import estimate_memory
+
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 8))  # units: the root (no parameters of its own), each Linear
+    estimate = estimate_memory(model, 2, "FULL_SHARD", optimizer="adamw", auto_wrap_policy={nn.Linear})
+    # fp32 full-size gradients: 6*4 + 6 = 30 and 8*6 + 8 = 56 elements; both Linears' at once while the second's
+    # reduction is in flight during the first's.
+    assert estimate.unsharded_grads == (30 + 56) * 4
+    assert estimate.training_peak == estimate.peak + 344
+    assert estimate.step_peak(0) == estimate.step_peak(344) == estimate.training_peak
+    assert estimate.step_peak(1000) == estimate.peak + 1000
+    with pytest.raises(ValueError, match="activation_bytes=-1"):
+        estimate.step_peak(-1)
