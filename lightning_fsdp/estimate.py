@@ -47,6 +47,9 @@ class MemoryEstimate:
     rank: int
     sharding_strategy: str
     num_units: int
+    # Full-size gradients before their reduction: the unit reducing and the one in flight (added field, last so that
+    # positional construction keeps working).
+    unsharded_grads: int = 0
 
     @property
     def model_state(self) -> int:
@@ -58,6 +61,20 @@ class MemoryEstimate:
         """Model state plus the peak of gathered full parameters: the model's share of peak memory."""
         return self.model_state + self.gathered_params
 
+    @property
+    def training_peak(self) -> int:
+        """``peak`` plus the full-size gradients alive before their reduce-scatter: what a training step holds for
+        the model at most, activations aside (docs/monitoring.md)."""
+        return self.peak + self.unsharded_grads
+
+    def step_peak(self, activation_bytes: int) -> int:
+        """A training step's peak with ``activation_bytes`` of activations (one forward's saved tensors): ``peak`` plus
+        the larger of the activations, alive at the end of the forward, and the full-size gradients, alive while
+        units reduce in backward, by when autograd has freed the activations of the units behind them."""
+        if isinstance(activation_bytes, bool) or not isinstance(activation_bytes, int) or activation_bytes < 0:
+            raise ValueError(f"activation_bytes={activation_bytes!r} is not valid; expected an int >= 0.")
+        return self.peak + max(self.unsharded_grads, activation_bytes)
+
     def __str__(self) -> str:
         rows = [
             ("parameter shards", self.params),
@@ -65,6 +82,8 @@ class MemoryEstimate:
             ("optimizer state", self.optimizer_state),
             ("gathered full parameters (peak)", self.gathered_params),
             ("total (model's share of peak)", self.peak),
+            ("full-size gradients before reduction", self.unsharded_grads),
+            ("training peak (activations aside)", self.training_peak),
         ]
         width = max(len(name) for name, _ in rows)
         head = (
@@ -126,11 +145,12 @@ def estimate_memory(
     params = grads = optimizer_state = unsharded = 0
     all_gather = reduce_scatter = all_reduce = 0
     full_bytes: dict[int, int] = {}  # per unit: its padded full buffer, the bytes a gather makes alive
+    grad_bytes: dict[int, int] = {}  # per unit: its full-size gradients, alive until its reduction has read them
     # The unit whose forward starts last stays gathered into its backward (``ShardingEngine._next_up``).
     unit_ids = {id(u) for u in unit_modules}
     last = next((m for m in reversed(list(model.modules())) if id(m) in unit_ids and m is not model), None)
     for unit in unit_modules:
-        unit_full = unit_shard_padded = unit_grad_padded = 0
+        unit_full = unit_shard_padded = unit_grad_padded = unit_grad_full = 0
         unit_flags = 0  # each reduction also carries one used-flag per trainable parameter (FlatUnit.reduce_grads)
         for param in owned[id(unit)]:
             layout = ShardLayout(param.shape, n, r)
@@ -148,6 +168,7 @@ def estimate_memory(
                 grads += local
                 optimizer_state += tensors_per_param * local + scalar_bytes
                 unit_grad_padded += layout.padded_numel * reduced_size
+                unit_grad_full += param.numel() * gathered_size  # autograd's, in the dtype the unit computes in
                 unit_flags += reduced_size
                 if not sharded:  # NO_SHARD all-reduces full gradients instead of reduce-scattering them
                     all_reduce += (param.numel() + 1) * reduced_size
@@ -155,6 +176,7 @@ def estimate_memory(
         unit_dtype = (storage_dtype or owned[id(unit)][0].dtype) if owned[id(unit)] else None
         computes_on_own_params = not sharded and (gather_dtype is None or gather_dtype == unit_dtype)
         full_bytes[id(unit)] = 0 if computes_on_own_params else unit_full
+        grad_bytes[id(unit)] = unit_grad_full
         if sharded:
             is_root = unit is model
             # FULL_SHARD frees every unit but the root and the last after forward and gathers it again for backward.
@@ -171,6 +193,16 @@ def estimate_memory(
     else:
         gathered = sum(full_bytes.values())
 
+    # One reduction in flight: a unit's gradients are reduced while those of the unit before it in backward (after it
+    # in forward) may still be read; the root's reduction comes last, after the first unit's.
+    in_forward_order = [u for u in unit_modules if u is not model]
+    pairs = (
+        list(zip(in_forward_order, in_forward_order[1:])) + [(model, in_forward_order[0])] if in_forward_order else []
+    )
+    unsharded_grads = max(
+        (grad_bytes[id(a)] + grad_bytes[id(b)] for a, b in pairs), default=grad_bytes.get(id(model), 0)
+    )
+
     return MemoryEstimate(
         params=params,
         grads=grads,
@@ -184,6 +216,7 @@ def estimate_memory(
         rank=rank,
         sharding_strategy=strategy.value,
         num_units=len(unit_modules),
+        unsharded_grads=unsharded_grads,
     )
 
 

@@ -19,6 +19,8 @@ from types import ModuleType
 
 import torch
 
+from lightning_fsdp.engine.host_memory import return_free_heap_memory
+
 __all__ = ["CPURuntime", "CUDARuntime", "DeviceRuntime", "device_runtime", "register_device_runtime"]
 
 
@@ -69,6 +71,10 @@ class DeviceRuntime:
         peak = getattr(getattr(torch, device.type, None), "max_memory_allocated", None)
         return None if peak is None else int(peak(device))
 
+    def return_free_memory(self) -> None:
+        """Called after each unit's backward: give memory the allocator holds free back, where that lowers the peak
+        (nothing by default; an accelerator's caching allocator reuses its blocks)."""
+
 
 class CPURuntime(DeviceRuntime):
     """Host memory: no streams, nothing to pin, the process's own memory (torch keeps no allocator statistics)."""
@@ -81,6 +87,11 @@ class CPURuntime(DeviceRuntime):
 
     def pins_host_memory(self, device: torch.device) -> bool:
         return False
+
+    def return_free_memory(self) -> None:
+        # Freed activations would otherwise stay resident beside the new gradients ([Note: returning freed host
+        # memory] in engine/host_memory.py).
+        return_free_heap_memory()
 
 
 class CUDARuntime(DeviceRuntime):

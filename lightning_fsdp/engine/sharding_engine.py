@@ -29,6 +29,7 @@ from lightning_fsdp.engine.controls import (
     secondary_group,
     unshard_and_keep,
 )
+from lightning_fsdp.engine.devices import device_runtime
 from lightning_fsdp.engine.diagnostics import describe_collective, report_nonfinite
 from lightning_fsdp.engine.ignored import IgnoredParams
 from lightning_fsdp.engine.layout import ShardLayout
@@ -77,6 +78,7 @@ class ShardingEngine:
         self.root = root
         self.units = units  # root unit first, then module pre-order: the fixed order for leftover reductions
         self.root_unit = units[0]
+        self._runtime = device_runtime(self.root_unit.device)
         self.shard_comm = shard_comm
         self.replicate_comm = replicate_comm
         self.sharding_strategy = sharding_strategy
@@ -311,6 +313,7 @@ class ShardingEngine:
             return  # not every call's backward has ended (or one cannot signal it: then _finish_backward reduces)
         if unit.post_backward(self.finish_reductions):
             self._reduced_units.append(unit)
+        self._runtime.return_free_memory()  # the unit's activations are freed now
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch(self._neighbour(unit, -1))
 

@@ -1,0 +1,126 @@
+"""The scale benchmark (benchmarks/scale.py) on a small size: one launch through Lightning (fsdp_custom FULL_SHARD on
+2 ranks), its records complete, a variant the memory budget cannot hold skipped with the reason, and
+``estimate_memory`` against what the run measured: exactly against the engine's own accounting (ShardingMonitor), and
+within ``ESTIMATE_TOLERANCE`` against the peak resident memory over the process's base.
+
+Timing is never asserted (the machines are shared)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.scale import (
+    ESTIMATE_TOLERANCE,
+    STATE_BYTES_PER_PARAM,
+    ScaleConfig,
+    _meta_gpt,
+    gpt_shape,
+    parse_params,
+    run_scale,
+)
+
+# 63M parameters, most of them in the 32k-row embedding and head, so that model state (~480 MiB per rank) outweighs
+# what a Lightning process allocates besides; 3 steps of 32 tokens.
+SMALL = ScaleConfig(
+    params={0: 60_000_000},
+    world_sizes=[2],
+    variants=["fsdp_full", "ddp"],
+    width=768,
+    heads=4,
+    vocab=32000,
+    seq=32,
+    batch=1,
+    steps=3,
+    memory_gib=3.0,  # fsdp_full needs ~2.8 GiB over 2 ranks by the estimate, DDP ~3.3: DDP is skipped
+    pretrained=True,  # load_pretrained of a 253 MB safetensors file of the model at on_fit_start
+)
+PHASES = ("init", "train", "save", "load", "teardown")
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("scale")
+    report = run_scale(SMALL, out, say=lambda text: None)
+    return out, {r["variant"]: r for r in report["records"]}
+
+
+def test_records_are_complete(small_run):
+    out, records = small_run
+    assert list(records) == ["fsdp_full", "ddp"]
+    record = records["fsdp_full"]
+    assert record["status"] == "ok", record.get("log_tail")
+    assert record["params"] == sum(p.numel() for p in _meta_gpt(record["model"]).parameters())
+    assert record["theory_bytes"] == STATE_BYTES_PER_PARAM * record["params"] / 2
+    assert len(record["steps_s"]) == SMALL.steps and all(s > 0 for s in record["steps_s"])
+    assert len(record["losses"]) == SMALL.steps and all(math.isfinite(x) for x in record["losses"])
+    for phase in PHASES:
+        assert record[f"{phase}_s"] is not None and record[f"{phase}_s"] >= 0, phase
+        assert record[f"{phase}_peak_bytes"] is not None, phase
+    assert record["train_peak_bytes"] > record["theory_bytes"] / 2  # the model state is in the measured peak
+    assert len(record["peak_bytes_per_rank"]) == 2 and max(record["peak_bytes_per_rank"]) == record["train_peak_bytes"]
+    # Init from meta: the shards plus one unit at most (the largest unit here is the root: embedding and head).
+    assert (
+        0 < record["init_peak_bytes"] < record["estimate_model_state_bytes"] / 4 + 2 * record["estimate_gathered_bytes"]
+    )
+    skipped = records["ddp"]
+    assert skipped["status"] == "skipped" and "GiB" in skipped["reason"] and skipped["need_gib"] > SMALL.memory_gib
+    table = (out / "results.md").read_text()
+    assert "| 2 | fsdp_custom FULL_SHARD |" in table and "| 2 | Lightning DDP | " in table and "skipped" in table
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_load_pretrained_reads_each_ranks_rows(small_run):
+    _, records = small_run
+    record = records["fsdp_full"]
+    size = record["pretrained_file_bytes"]
+    assert size > 4 * record["params"] and record["pretrained_not_loaded"] == 0
+    # Half of every tensor's rows per rank: the file pages a rank maps stay well under the whole file, and its private
+    # memory grows by less than half of it (copied into the shards in place, never a full model).
+    assert 0 < record["pretrained_rss_bytes"] < 0.75 * size, (record["pretrained_rss_bytes"], size)
+    assert record["pretrained_anon_bytes"] < 0.5 * size, (record["pretrained_anon_bytes"], size)
+
+
+def test_estimate_memory_agrees_with_the_measurement(small_run):
+    _, records = small_run
+    record = records["fsdp_full"]
+    # The engine's own accounting, per rank: exactly the estimate's model state and gathered peak.
+    assert len(record["monitor"]) == 2
+    for rank in record["monitor"]:
+        assert rank["model_state_bytes"] == record["estimate_model_state_bytes"]
+        assert rank["gathered_peak_bytes"] == record["estimate_gathered_bytes"]
+    # The process's peak over its base (RSS): the step's peak with one activation set, within the tolerance.
+    planned = record["estimate_step_peak_bytes"]
+    assert planned == max(
+        record["estimate_training_peak_bytes"], record["estimate_peak_bytes"] + record["activation_bytes"]
+    )
+    assert abs(record["train_peak_bytes"] / planned - 1) <= ESTIMATE_TOLERANCE, (record["train_peak_bytes"], planned)
+
+
+def test_sizes_and_shapes():
+    assert parse_params("0.85B") == 850_000_000
+    assert parse_params("2:0.85B,4:300M") == {2: 850_000_000, 4: 300_000_000}
+    cfg = ScaleConfig()
+    shape = gpt_shape(cfg, 850_000_000)
+    params = sum(p.numel() for p in _meta_gpt(shape).parameters())
+    per_block = 12 * cfg.width**2 + 2 * cfg.width
+    assert abs(params - 850_000_000) <= per_block / 2  # the nearest whole number of Blocks
+    assert (shape["n_embd"], shape["vocab_size"], shape["tie_weights"]) == (2048, 32000, False)
+
+
+def test_step_peak_takes_the_larger_of_activations_and_unsharded_gradients():
+    from torch import nn
+
+    from lightning_fsdp import estimate_memory
+
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 8))  # units: the root (no parameters of its own), each Linear
+    estimate = estimate_memory(model, 2, "FULL_SHARD", optimizer="adamw", auto_wrap_policy={nn.Linear})
+    # fp32 full-size gradients: 6*4 + 6 = 30 and 8*6 + 8 = 56 elements; both Linears' at once while the second's
+    # reduction is in flight during the first's.
+    assert estimate.unsharded_grads == (30 + 56) * 4
+    assert estimate.training_peak == estimate.peak + 344
+    assert estimate.step_peak(0) == estimate.step_peak(344) == estimate.training_peak
+    assert estimate.step_peak(1000) == estimate.peak + 1000
+    with pytest.raises(ValueError, match="activation_bytes=-1"):
+        estimate.step_peak(-1)
