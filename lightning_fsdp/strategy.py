@@ -156,6 +156,15 @@ class FSDPStrategy(ParallelStrategy):
             `None`.
         use_orig_params: original parameters are always kept (`named_parameters()` gives the unwrapped model's names);
             `False` raises `ValueError`, since a flattened-parameter view is not offered. Default: `True`.
+        tensor_parallel_size: T > 1: tensor parallelism composed with sharding. The ranks form a (pipeline x) data x
+            tensor mesh, TP innermost (T consecutive ranks, inside one node: T must divide the processes per node and,
+            with `pipeline_parallel_size` P, T x P must divide the world); you parallelize the model with torch's
+            `parallelize_module` on `self.device_mesh["tensor_parallel"]` in `configure_model`, the engine shards each
+            parameter's TP piece over the D = world / (T x P) data-parallel ranks. `process_group` / `device_mesh` must
+            then be unset. See tensor parallelism. Default: `1`.
+        tensor_parallel_plan: `None`: you parallelize the model in `configure_model`; `"auto"`: the built-in plan of a
+            transformers Llama-family model or a litgpt GPT is applied on the tensor-parallel mesh before sharding
+            (needs `tensor_parallel_size > 1`). See tensor parallelism. Default: `None`.
         pipeline_parallel_size: P, the number of pipeline ranks; must divide `devices x num_nodes`. Default: `1`.
         pipeline_schedule: `"GPipe"`, `"1F1B"` or `"Interleaved1F1B"` (torch.distributed.pipelining). Default: `"1F1B"`.
         pipeline_microbatches: M, microbatches per rank's batch (1F1B needs M >= stages). Default: stages.
