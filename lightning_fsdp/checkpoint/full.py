@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint import Checkpoint, StateDict
+from lightning_fsdp.checkpoint import Checkpoint, StateDict, remote
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError
 from lightning_fsdp.checkpoint.common import (
     CheckpointFormat,
@@ -175,6 +175,8 @@ class FullFormat(CheckpointFormat):
         return checkpoint
 
     def write_full(self, checkpoint: Mapping[str, object], path: str) -> None:
-        if os.path.isdir(path):  # a directory checkpoint being replaced by a file
+        if remote.is_remote(path):
+            remote.remove_remote_directory(path)  # a directory checkpoint being replaced by one object
+        elif os.path.isdir(path):  # a directory checkpoint being replaced by a file
             remove_checkpoint_path(path)
         AtomicCheckpointIO().save_checkpoint(dict(checkpoint), path)

@@ -134,7 +134,7 @@ def save_local_checkpoint(
         described = optimizers if optimizer_states is not None else None
         return {**rest, common.FORMAT_KEY: layout_info(engine, described, coll.world_size)}
 
-    common.write_directory(path, write_part, meta, coll)
+    common.write_directory(path, LOCAL, write_part, meta, coll)
 
 
 def read_local_meta(path: str, weights_only: bool | None = None) -> tuple[Checkpoint, dict[str, Any]]:

@@ -172,7 +172,7 @@ def _write(
         with alone_on_purpose(coll):
             dcp.save(tensors, checkpoint_id=tmp, no_dist=not coll.distributed)
 
-    common.write_directory(path, write_part, lambda: meta, coll)
+    common.write_directory(path, SHARDED, write_part, lambda: meta, coll)
 
 
 def save_sharded_checkpoint(
