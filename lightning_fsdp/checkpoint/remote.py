@@ -240,7 +240,11 @@ def write_remote_directory(
                 AtomicCheckpointIO().save_checkpoint(dict(meta()), os.path.join(local, META_FILE))
             return upload_directory(local, _join(url, version))
 
-        uploaded = coll.run_agreed(upload)
+        try:
+            uploaded = coll.run_agreed(upload)
+        except Exception:
+            _remove_version(url, version, coll)  # every rank has stopped uploading: run_agreed gathered them
+            raise
     finally:
         shutil.rmtree(root, ignore_errors=True)
     files: dict[str, int] = {}
@@ -252,7 +256,18 @@ def write_remote_directory(
             _commit(url, kind, version, files)
         except Exception as exc:  # noqa: BLE001 - shared with every rank below
             problem = exc
+            _remove_version(url, version, coll)
     coll.agree_from_rank0(problem)
+
+
+def _remove_version(url: str, version: str, coll: Collective) -> None:
+    """Rank 0 deletes what a failed save uploaded (best effort: the next commit deletes what is left)."""
+    if not coll.is_rank0:
+        return
+    fs, path = _fs(url)
+    with contextlib.suppress(OSError):
+        if fs.exists(_join(path, version)):
+            fs.rm(_join(path, version), recursive=True)
 
 
 def remove_remote_directory(url: str) -> None:
