@@ -120,9 +120,11 @@ def test_directory_without_commit_object_is_refused_naming_it(runs: dict, s3: S3
     fs.copy(source, copy, recursive=True)
     assert remote_kind(copy) == "sharded"
     fs.rm_file(f"{copy}/{COMMIT_FILE}")
-    with pytest.raises(CheckpointLoadError, match="uncommitted/step3.ckpt' is incomplete: its commit object 'commit.json' is missing"):
+    missing = "uncommitted/step3.ckpt' is incomplete: its commit object 'commit.json' is missing"
+    with pytest.raises(CheckpointLoadError, match=missing):
         load_as_full(copy)
     # A commit object listing a file that is not there: named.
-    fs.pipe_file(f"{copy}/{COMMIT_FILE}", json.dumps({"format": "sharded", "version": "v-x", "files": {"a": 1}}).encode())
+    commit = {"format": "sharded", "version": "v-x", "files": {"a": 1}}
+    fs.pipe_file(f"{copy}/{COMMIT_FILE}", json.dumps(commit).encode())
     with pytest.raises(CheckpointLoadError, match="the file 'a' its 'commit.json' lists is missing"):
         load_as_full(copy)

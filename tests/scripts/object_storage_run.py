@@ -17,6 +17,7 @@ Each rank saves its results in ``{--out}.rank{r}``.
 import argparse
 import os
 import sys
+from functools import partial
 
 import torch
 
@@ -123,7 +124,7 @@ def main() -> None:
         res["resumed"] = full_model_state_dict(trainer.strategy.engine)
 
         if fmt != "full":
-            res["failed_over_existing"] = failing_upload_on_rank1(lambda: trainer.save_checkpoint(step3))
+            res["failed_over_existing"] = failing_upload_on_rank1(partial(trainer.save_checkpoint, step3))
             checker = trainer_for(fmt, 6)
             checker.validate(Module(), loader_for(checker), ckpt_path=step3, verbose=False)
             res["after_failed_save"] = full_model_state_dict(checker.strategy.engine)
@@ -131,7 +132,7 @@ def main() -> None:
             # A save killed mid-upload: rank 1 stops after one file, and nobody deletes what was uploaded (a killed
             # job cannot), so the files stay without a commit object.
             cleanup, remote._remove_version = remote._remove_version, lambda *a: None
-            res["failed_new"] = failing_upload_on_rank1(lambda: trainer.save_checkpoint(interrupted))
+            res["failed_new"] = failing_upload_on_rank1(partial(trainer.save_checkpoint, interrupted))
             remote._remove_version = cleanup
             fs.invalidate_cache()
             res["versions_after_failures"] = (
@@ -140,7 +141,7 @@ def main() -> None:
             )
             resumer = trainer_for(fmt, 6)
             res["resume_interrupted"] = outcome(
-                lambda: resumer.fit(Module(), loader_for(resumer), ckpt_path=interrupted)
+                partial(resumer.fit, Module(), loader_for(resumer), ckpt_path=interrupted)
             )
         results[fmt] = res
 
