@@ -1,7 +1,7 @@
 """A real S3-compatible server on 127.0.0.1 for the object-storage tests: moto's ``moto_server`` (PyPI
-``moto[server]``), started in a session of its own on a free port and killed afterwards. Clients reach it through s3fs with the
-environment of :attr:`S3Server.env` (any credentials; ``AWS_ENDPOINT_URL`` names the server), which the launched
-scripts inherit: no network beyond loopback.
+``moto[server]``), started in a session of its own on a free port and killed afterwards. Clients reach it through
+s3fs with the environment of :attr:`S3Server.env` (any credentials; ``AWS_ENDPOINT_URL`` names the server), which
+the launched scripts inherit: no network beyond loopback.
 """
 
 from __future__ import annotations
