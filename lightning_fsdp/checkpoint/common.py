@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
@@ -253,6 +254,14 @@ class CheckpointFormat:
         raise NotImplementedError
 
     def save(self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun, storage_options: object = None) -> None:
+        self.prepare_save(checkpoint, path, run, storage_options)()
+
+    def prepare_save(
+        self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun, storage_options: object = None
+    ) -> Callable[[], None]:
+        """A save in two parts: what reads the live model or checks the arguments, done now on every rank, and the
+        write it returns, which reads only ``checkpoint`` (and the run's fixed layout), so that it may run in a
+        background thread while training goes on (``async_checkpoint``, checkpoint/async_save.py)."""
         raise NotImplementedError
 
     def load(
@@ -282,8 +291,10 @@ class DirectoryFormat(CheckpointFormat):
         """The checkpoint dict with this rank's rows."""
         raise NotImplementedError
 
-    def save(self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun, storage_options: object = None) -> None:
-        # Refused: what only a CheckpointIO could do, storage options and remote paths (every rank writes here).
+    def prepare_save(
+        self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun, storage_options: object = None
+    ) -> Callable[[], None]:
+        # Refused: what only a CheckpointIO could do, storage options (every rank writes here).
         if storage_options is not None:
             raise TypeError(
                 f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported with "
@@ -291,7 +302,7 @@ class DirectoryFormat(CheckpointFormat):
                 "not through the CheckpointIO."
             )
         assert run.engine is not None
-        self.write(checkpoint, path, run)
+        return partial(self.write, checkpoint, path, run)
 
     def load(
         self, path: _PATH, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None

@@ -4,7 +4,8 @@ loading reads the whole file on every rank, which copies its own rows in."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -151,12 +152,16 @@ class FullFormat(CheckpointFormat):
     model_state_dict = staticmethod(full_model_state_dict)
     optimizer_state = staticmethod(full_optimizer_state_dict)
 
-    def save(self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun, storage_options: object = None) -> None:
+    def prepare_save(
+        self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun, storage_options: object = None
+    ) -> Callable[[], None]:
         # The rank the full state was gathered to writes it (the others' state dicts are empty), as Lightning's
         # Strategy.save_checkpoint does with is_global_zero.
-        if global_rank() == 0:
-            assert run.checkpoint_io is not None
-            run.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        io = run.checkpoint_io
+        assert io is not None
+        if global_rank() != 0:
+            return lambda: None
+        return partial(io.save_checkpoint, checkpoint, path, storage_options=storage_options)
 
     def load(
         self, path: _PATH, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None

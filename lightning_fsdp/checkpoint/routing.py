@@ -52,6 +52,7 @@ __all__ = [
     "load_model_state",
     "load_optimizer_states",
     "parse_state_dict_type",
+    "prepare_save_as",
     "read_checkpoint",
     "remove_checkpoint_at",
     "save_checkpoint_as",
@@ -185,8 +186,21 @@ def save_checkpoint_as(
 ) -> None:
     """Write ``checkpoint`` in ``fmt`` on every rank; ``run.pipeline`` is filled in here (a collective under
     pipelining) for the directory formats, which record the other stages' keys."""
+    prepare_save_as(fmt, checkpoint, path, storage_options, run, role)()
+
+
+def prepare_save_as(
+    fmt: CheckpointFormat,
+    checkpoint: Checkpoint,
+    path: _PATH,
+    storage_options: object,
+    run: CheckpointRun,
+    role: PipelineRole,
+) -> Callable[[], None]:
+    """:func:`save_checkpoint_as` in two parts (``CheckpointFormat.prepare_save``): what reads the live run, now;
+    the write it returns, which may run in a background thread."""
     info = role.checkpoint_info(run.engine) if fmt is not FULL_FORMAT else None
-    fmt.save(checkpoint, path, run._replace(pipeline=info), storage_options)
+    return fmt.prepare_save(checkpoint, path, run._replace(pipeline=info), storage_options)
 
 
 def read_checkpoint(path: _PATH, run: CheckpointRun, role: PipelineRole, weights_only: bool | None) -> Checkpoint:
