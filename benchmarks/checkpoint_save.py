@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -189,9 +187,8 @@ def _rank(rank: int, folder: str, variant: str, cfg: SaveConfig) -> None:
     report_rank(folder, rank, compute)
 
 
-def _run_variant(cfg: SaveConfig, variant: str, scratch: str) -> dict[str, Any]:
-    def args_of(folder: str) -> tuple:
-        os.makedirs(scratch, exist_ok=True)
+def _run_variant(cfg: SaveConfig, variant: str) -> dict[str, Any]:
+    def args_of(folder: str) -> tuple:  # the checkpoints go into the ranks' temporary folder, removed afterwards
         return (folder, variant, cfg)
 
     ranks = run_ranks(_rank, args_of, cfg.world_size, threads=1, timeout=cfg.timeout, name=f"checkpoint-save {variant}")
@@ -214,11 +211,7 @@ def run_checkpoint_save_benchmark(cfg: SaveConfig, out: str | Path | None = None
         num_parameters = GPT(cfg.gpt_config()).num_parameters()
     print(f"[checkpoint-save] GPT {cfg.layers} x {cfg.width}, {num_parameters:,} parameters", file=sys.stderr)
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    scratch = tempfile.mkdtemp(prefix="lfsdp-ckpt-bench-")
-    try:
-        rows = [_run_variant(cfg, variant, scratch) for variant in VARIANTS]
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    rows = [_run_variant(cfg, variant) for variant in VARIANTS]
     reference = rows[0]["median_blocked_s"]
     for row in rows:
         row["ratio_to_custom_sync"] = row["median_blocked_s"] / reference
