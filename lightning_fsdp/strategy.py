@@ -537,7 +537,8 @@ class FSDPStrategy(ParallelStrategy):
         fmt, role = self._checkpoint_format, self._pipeline_role
         run = CheckpointRun(self.engine, self.optimizers, writing_io(self.checkpoint_io))
         wanted = runs_async(self.async_checkpoint, self.checkpoint_io) and fitting_now(self._trainer())
-        saves = self._async_saves = background_writer(self._async_saves, wanted, self.device_runtime.pins_host_memory)
+        pins = lambda device: self.device_runtime.pins_host_memory(device)  # noqa: E731 - asked at the first copy
+        saves = self._async_saves = background_writer(self._async_saves, wanted, pins)
         if saves is None or not wanted:
             save_checkpoint_as(fmt, checkpoint, filepath, storage_options, run, role)
             return
