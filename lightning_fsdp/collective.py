@@ -3,7 +3,9 @@ waits in the next collective for one that failed. Trivial without a process grou
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -24,12 +26,29 @@ def raised_alike_on_every_rank(cls: _E) -> _E:
     return cls
 
 
+_THREAD = threading.local()  # the process group collectives of this thread go over (collectives_over)
+
+
+@contextlib.contextmanager
+def collectives_over(group: ProcessGroup) -> Iterator[None]:
+    """Every :class:`Collective` made in this thread inside the block uses ``group`` (a group of every rank) instead
+    of the default group: a checkpoint written in a background thread must not meet the training's collectives."""
+    previous = getattr(_THREAD, "group", None)
+    _THREAD.group = group
+    try:
+        yield
+    finally:
+        _THREAD.group = previous
+
+
 class Collective:
-    """Object collectives over the default group for the checkpoint protocols; trivial without a process group."""
+    """Object collectives over the default group (or the group of :func:`collectives_over`) for the checkpoint
+    protocols; trivial without a process group."""
 
     def __init__(self, alone: bool = False) -> None:
         # alone: this process by itself even inside a process group (offline conversion), every collective trivial
         self.distributed = not alone and dist.is_available() and dist.is_initialized()
+        self.group: ProcessGroup | None = getattr(_THREAD, "group", None) if self.distributed else None
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
 
@@ -41,19 +60,19 @@ class Collective:
         if not self.distributed or self.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        dist.broadcast_object_list(box, src, group=self.group)  # a group of every rank: global rank = group rank
         return box[0]
 
     def all_gather(self, obj: _T) -> list[_T]:
         if not self.distributed or self.world_size == 1:
             return [obj]
         out: list[_T] = [obj] * self.world_size  # each entry replaced by that rank's object
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def barrier(self) -> None:
         if self.distributed and self.world_size > 1:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def agree(self, problem: BaseException | None) -> None:
         """Every rank passes its own problem (or None); if any rank has one, every rank raises. A rank raises its

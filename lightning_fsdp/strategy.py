@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -35,12 +35,21 @@ from typing_extensions import override
 
 from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
 from lightning_fsdp.checkpoint import Checkpoint, StateDict
+from lightning_fsdp.checkpoint.async_save import (
+    AsyncCheckpointer,
+    after_saves,
+    background_writer,
+    fitting_now,
+    runs_async,
+    writing_io,
+)
 from lightning_fsdp.checkpoint.common import CheckpointFormat, CheckpointRun
 from lightning_fsdp.checkpoint.routing import (
     format_for_saving,
     load_model_state,
     load_optimizer_states,
     parse_state_dict_type,
+    prepare_save_as,
     read_checkpoint,
     remove_checkpoint_at,
     save_checkpoint_as,
@@ -231,6 +240,7 @@ class FSDPStrategy(ParallelStrategy):
         reshard_after_forward: bool | int | None = None,
         startup_timeout: timedelta | None = default_pg_timeout,
         weights_after_stage: str = "auto",
+        async_checkpoint: bool = False,
     ) -> None:
         # Before any process group: see [Note: validate before the first collective] in engine/options.py.
         self.options = ShardingOptions.from_arguments(locals(), names=True)
@@ -260,6 +270,9 @@ class FSDPStrategy(ParallelStrategy):
         # What the module holds when a stage ends: lightning_fsdp/stage_end.py
         self._stage_end = StageEnd(weights_after_stage, self.pipeline_options.size)
         check_start_method(start_method)
+        check_flag(async_checkpoint, "async_checkpoint")
+        self.async_checkpoint = async_checkpoint  # or plugins=[AsyncCheckpointIO()]: checkpoint/async_save.py
+        self._async_saves: AsyncCheckpointer | None = None
         check_lightning_arguments(
             accelerator,
             parallel_devices,
@@ -655,12 +668,27 @@ class FSDPStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: Checkpoint, filepath: _PATH, storage_options: object = None) -> None:
         gather_averages_for_save(self, checkpoint)  # SWA / EMA averages: full tensors, not rank 0's rows only
-        run = CheckpointRun(self.engine, self.optimizers, self.checkpoint_io)
-        save_checkpoint_as(self._checkpoint_format, checkpoint, filepath, storage_options, run, self._pipeline_role)
+        fmt, role = self._checkpoint_format, self._pipeline_role
+        run = CheckpointRun(self.engine, self.optimizers, writing_io(self.checkpoint_io))
+        wanted = runs_async(self.async_checkpoint, self.checkpoint_io) and fitting_now(self._trainer())
+        pins = lambda device: self.device_runtime.pins_host_memory(device)  # noqa: E731 - asked at the first copy
+        saves = self._async_saves = background_writer(self._async_saves, wanted, pins)
+        if saves is None or not wanted:
+            save_checkpoint_as(fmt, checkpoint, filepath, storage_options, run, role)
+            return
+        prepare = partial(prepare_save_as, fmt, path=filepath, storage_options=storage_options, run=run, role=role)
+        saves.submit(checkpoint, filepath, self.root_device, lambda staged: prepare(checkpoint=staged))
+
+    @override
+    def on_train_end(self) -> None:
+        if self._async_saves is not None:  # the end of fit waits for the last save; its failure is raised here
+            self._async_saves.wait()
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> Checkpoint:
         """Read rank 0's ``checkpoint_path`` on every rank, in the format on disk (optimizer state when fitting)."""
+        if self._async_saves is not None:
+            self._async_saves.wait()  # the checkpoint may be the one being written
         trainer = self._trainer()
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         optimizers = [unwrapped_optimizer(o) for o in self.optimizers] if fitting else None
@@ -671,7 +699,8 @@ class FSDPStrategy(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_global_zero:
-            remove_checkpoint_at(filepath, self.checkpoint_io)
+            # With a save in flight: after it, and only if it succeeded (the checkpoint it replaces stays till then).
+            after_saves(self._async_saves, partial(remove_checkpoint_at, filepath, writing_io(self.checkpoint_io)))
 
     @classmethod
     @override
@@ -692,6 +721,8 @@ class FSDPStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._async_saves is not None:  # after an error too: a failure not raised yet is only warned about
+            self._async_saves.close(raise_errors=False)
         module = self.lightning_module
         if self._stage_end.finish(module, self.num_processes, self.global_rank):
             super().teardown()

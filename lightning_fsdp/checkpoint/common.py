@@ -6,14 +6,15 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint import Checkpoint, StateDict, paths
-from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, is_local_path
+from lightning_fsdp.checkpoint import Checkpoint, StateDict, paths, remote
+from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO
 from lightning_fsdp.collective import Collective, raised_alike_on_every_rank
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.layout import ShardLayout
@@ -261,6 +262,14 @@ class CheckpointFormat:
         raise NotImplementedError
 
     def save(self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun, storage_options: object = None) -> None:
+        self.prepare_save(checkpoint, path, run, storage_options)()
+
+    def prepare_save(
+        self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun, storage_options: object = None
+    ) -> Callable[[], None]:
+        """A save in two parts: what reads the live model or checks the arguments, done now on every rank, and the
+        write it returns, which reads only ``checkpoint`` (and the run's fixed layout), so that it may run in a
+        background thread while training goes on (``async_checkpoint``, checkpoint/async_save.py)."""
         raise NotImplementedError
 
     def load(
@@ -278,8 +287,8 @@ class CheckpointFormat:
 
 
 class DirectoryFormat(CheckpointFormat):
-    """A directory every rank writes its part of and reads its rows from, on a local (or network-mounted) file
-    system, not through the ``CheckpointIO``."""
+    """A directory every rank writes its part of and reads its rows from, not through the ``CheckpointIO``: on a
+    local (or network-mounted) file system, or on object storage (``remote.py``: staged locally, then uploaded)."""
 
     def write(self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun) -> None:
         raise NotImplementedError
@@ -290,21 +299,18 @@ class DirectoryFormat(CheckpointFormat):
         """The checkpoint dict with this rank's rows."""
         raise NotImplementedError
 
-    def save(self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun, storage_options: object = None) -> None:
-        # Refused: what only a CheckpointIO could do, storage options and remote paths (every rank writes here).
+    def prepare_save(
+        self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun, storage_options: object = None
+    ) -> Callable[[], None]:
+        # Refused: what only a CheckpointIO could do, storage options (every rank writes here).
         if storage_options is not None:
             raise TypeError(
                 f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported with "
                 f"state_dict_type={self.kind!r}: sharded and local checkpoints are written by every rank directly, "
                 "not through the CheckpointIO."
             )
-        if not is_local_path(path):
-            raise NotImplementedError(
-                f"state_dict_type={self.kind!r} writes to local (or network-mounted) file systems only, not to "
-                f"{str(path)!r}; use state_dict_type='full' with a CheckpointIO for remote storage."
-            )
         assert run.engine is not None
-        self.write(checkpoint, path, run)
+        return partial(self.write, checkpoint, path, run)
 
     def load(
         self, path: _PATH, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None
@@ -319,11 +325,19 @@ class DirectoryFormat(CheckpointFormat):
 
 
 def write_directory(
-    path: _PATH, write_part: Callable[[str], None], meta: Callable[[], Mapping[str, object]], coll: Collective
+    path: _PATH,
+    kind: str,
+    write_part: Callable[[str], None],
+    meta: Callable[[], Mapping[str, object]],
+    coll: Collective,
 ) -> None:
-    """Write a directory checkpoint atomically, on every rank: each writes its part into rank 0's temporary
-    directory (``write_part(tmp)`` must raise on every rank if it fails on one), then rank 0 writes ``meta()`` and
-    renames it into place. A failure leaves what was at ``path`` untouched and raises on every rank."""
+    """Write a directory checkpoint of format ``kind`` atomically, on every rank: each writes its part into rank 0's
+    temporary directory (``write_part(tmp)`` must raise on every rank if it fails on one), then rank 0 writes
+    ``meta()`` and renames it into place. A failure leaves what was at ``path`` untouched and raises on every rank.
+    On object storage (an fsspec URL), each rank's part is uploaded and committed instead (``remote.py``)."""
+    if remote.is_remote(coll.broadcast(os.fspath(path))):
+        remote.write_remote_directory(os.fspath(path), kind, write_part, meta, coll)
+        return
     target = coll.broadcast(os.path.abspath(os.fspath(path)))
     problem: Exception | None = None
     tmp = ""  # rank 0's, broadcast below

@@ -1,5 +1,6 @@
 """``lightning-fsdp convert SRC DST [--to full|sharded]``: move checkpoints between formats in one process, without
-a process group, holding the whole checkpoint in host memory (docs/checkpoints.md)."""
+a process group, holding the whole checkpoint in host memory (docs/checkpoints.md). SRC and DST may be fsspec URLs
+(``s3://...``): a checkpoint on object storage is downloaded to a local temporary copy first."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from lightning_fsdp.checkpoint import Checkpoint
 from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError
 from lightning_fsdp.checkpoint.paths import FULL, SHARDED
+from lightning_fsdp.checkpoint.remote import is_remote, local_copy, remote_exists
 from lightning_fsdp.checkpoint.routing import FORMATS, format_on_disk
 
 __all__ = ["convert", "load_as_full", "main"]
@@ -25,7 +27,9 @@ def load_as_full(src: str, *, trust_pickled_code: bool = False) -> Checkpoint:
     Every file is unpickled by a restricted unpickler, which refuses (``UntrustedCheckpointError`` naming the file and
     the object) what would run code; ``trust_pickled_code=True`` unpickles them as they are, running whatever code
     they hold: only for files you trust."""
-    return format_on_disk(src).read_as_full(src, weights_only=not check_trust(trust_pickled_code))
+    weights_only = not check_trust(trust_pickled_code)
+    with local_copy(os.fspath(src)) as local:  # a checkpoint on object storage: downloaded first
+        return format_on_disk(local).read_as_full(local, weights_only=weights_only)
 
 
 def check_trust(trust_pickled_code: object) -> bool:
@@ -42,18 +46,32 @@ def convert(
     :func:`load_as_full` reads it (restricted unless ``trust_pickled_code=True``)."""
     trusted = check_trust(trust_pickled_code)
     src, dst = os.fspath(src), os.fspath(dst)
-    source = format_on_disk(src)
-    to = to or (SHARDED if source.kind == FULL else FULL)
-    if to not in _TARGETS:
-        raise ValueError(f"--to {to!r} is not valid; choose {' or '.join(map(repr, _TARGETS))}.")
-    if os.path.abspath(src) == os.path.abspath(dst):
+    if same_path(src, dst):
         raise ValueError(f"Source and destination are the same path: {src!r}.")
-    if os.path.lexists(dst) and not overwrite:
-        raise FileExistsError(f"Destination {dst!r} exists; pass --overwrite to replace it.")
-    if source.kind == to:
-        raise ValueError(f"{src!r} is already a {to} checkpoint.")
-    FORMATS[to].write_full(source.read_as_full(src, weights_only=not trusted), dst)
+    with local_copy(src) as local:  # a checkpoint on object storage: downloaded first
+        source = format_on_disk(local)
+        to = to or (SHARDED if source.kind == FULL else FULL)
+        if to not in _TARGETS:
+            raise ValueError(f"--to {to!r} is not valid; choose {' or '.join(map(repr, _TARGETS))}.")
+        if path_exists(dst) and not overwrite:
+            raise FileExistsError(f"Destination {dst!r} exists; pass --overwrite to replace it.")
+        if source.kind == to:
+            raise ValueError(f"{src!r} is already a {to} checkpoint.")
+        checkpoint = source.read_as_full(local, weights_only=not trusted)
+    FORMATS[to].write_full(checkpoint, dst)
     return to
+
+
+def same_path(a: str, b: str) -> bool:
+    """Whether two checkpoint paths (local paths or URLs) name the same place."""
+    if is_remote(a) or is_remote(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def path_exists(path: str) -> bool:
+    """Whether something is at ``path`` (a local path, or an object or directory on object storage)."""
+    return remote_exists(path) if is_remote(path) else os.path.lexists(path)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -11,21 +11,25 @@ names (``from_pretrained`` re-ties them when the config says so; dropping one wo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import functools
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
+from fsspec.core import url_to_fs
 
 from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError, load_error
 from lightning_fsdp.checkpoint.common import numel
-from lightning_fsdp.checkpoint.convert import add_output_arguments, check_trust, run_command
+from lightning_fsdp.checkpoint.convert import add_output_arguments, check_trust, run_command, same_path
 from lightning_fsdp.checkpoint.full import model_weights
 from lightning_fsdp.checkpoint.local import RankFiles
 from lightning_fsdp.checkpoint.paths import (
@@ -38,6 +42,7 @@ from lightning_fsdp.checkpoint.paths import (
     remove_path,
     remove_stale_temps,
 )
+from lightning_fsdp.checkpoint.remote import is_remote, local_copy, remote_exists, remove_remote_checkpoint
 from lightning_fsdp.checkpoint.routing import format_on_disk
 from lightning_fsdp.checkpoint.safe_load import check_shard_files, dcp_load, read_dcp_metadata
 from lightning_fsdp.checkpoint.sharded import dcp_entries
@@ -390,8 +395,52 @@ def export_safetensors(
         raise TypeError(f"rename must be a function from name to name, not {type(rename).__name__} ({rename!r}).")
     weights_only = not check_trust(trust_pickled_code)
     config_content = _read_config(config) if config is not None else None
-    if os.path.abspath(checkpoint) == os.path.abspath(out_dir):
+    if same_path(checkpoint, out_dir):
         raise ValueError(f"The checkpoint and the output directory are the same path: {checkpoint!r}.")
+    # On object storage: the checkpoint is downloaded first, the output written locally and then uploaded.
+    with local_copy(checkpoint) as source_path, _local_output(out_dir, overwrite) as out_path:
+        written = _export(
+            source_path, out_path, max_bytes, cast, prefix, rename, weights_only, config_content, overwrite
+        )
+    return [f"{out_dir.rstrip('/')}/{name}" if is_remote(out_dir) else os.path.join(out_dir, name) for name in written]
+
+
+@contextlib.contextmanager
+def _local_output(out_dir: str, overwrite: bool) -> Iterator[str]:
+    """``out_dir`` if it is local; for a URL a local temporary directory whose files are uploaded to ``out_dir``
+    once the export is complete (the safetensors files first, the index and config last)."""
+    if not is_remote(out_dir):
+        yield out_dir
+        return
+    if remote_exists(out_dir) and not overwrite:
+        raise FileExistsError(f"Output directory {out_dir!r} exists; pass overwrite=True (--overwrite) to replace it.")
+    root = tempfile.mkdtemp(prefix="lightning-fsdp-export-")
+    try:
+        local = os.path.join(root, "out")
+        yield local
+        last = {INDEX_FILE, CONFIG_FILE}
+        names = sorted(os.listdir(local), key=lambda name: (name in last, name))
+        if remote_exists(out_dir):
+            remove_remote_checkpoint(out_dir)
+        fs, path = url_to_fs(out_dir)
+        for name in names:
+            fs.put_file(os.path.join(local, name), f"{path.rstrip('/')}/{name}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _export(
+    checkpoint: str,
+    out_dir: str,
+    max_bytes: int,
+    cast: torch.dtype | None,
+    prefix: str,
+    rename: Callable[[str], str] | None,
+    weights_only: bool,
+    config_content: Mapping[str, Any] | None,
+    overwrite: bool,
+) -> list[str]:
+    """The export of the local ``checkpoint`` into the local ``out_dir``; returns the names of the files written."""
     # format_on_disk raises naming the path if it holds no checkpoint.
     source = _SOURCES[format_on_disk(checkpoint).kind](checkpoint, weights_only)
     if os.path.lexists(out_dir) and not overwrite:
@@ -423,7 +472,7 @@ def export_safetensors(
     except BaseException:
         remove_path(tmp)
         raise
-    return [os.path.join(out_dir, name) for name in written]
+    return written
 
 
 def _parser() -> argparse.ArgumentParser:

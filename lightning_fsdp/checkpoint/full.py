@@ -4,7 +4,8 @@ loading reads the whole file on every rank, which copies its own rows in."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint import Checkpoint, StateDict
+from lightning_fsdp.checkpoint import Checkpoint, StateDict, remote
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError
 from lightning_fsdp.checkpoint.common import (
     CheckpointFormat,
@@ -158,12 +159,16 @@ class FullFormat(CheckpointFormat):
     model_state_dict = staticmethod(full_model_state_dict)
     optimizer_state = staticmethod(full_optimizer_state_dict)
 
-    def save(self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun, storage_options: object = None) -> None:
+    def prepare_save(
+        self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun, storage_options: object = None
+    ) -> Callable[[], None]:
         # The rank the full state was gathered to writes it (the others' state dicts are empty), as Lightning's
         # Strategy.save_checkpoint does with is_global_zero.
-        if global_rank() == 0:
-            assert run.checkpoint_io is not None
-            run.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        io = run.checkpoint_io
+        assert io is not None
+        if global_rank() != 0:
+            return lambda: None
+        return partial(io.save_checkpoint, checkpoint, path, storage_options=storage_options)
 
     def load(
         self, path: _PATH, run: CheckpointRun, *, weights_only: bool | None = None, coll: Collective | None = None
@@ -182,6 +187,8 @@ class FullFormat(CheckpointFormat):
         return checkpoint
 
     def write_full(self, checkpoint: Mapping[str, object], path: str) -> None:
-        if os.path.isdir(path):  # a directory checkpoint being replaced by a file
+        if remote.is_remote(path):
+            remote.remove_remote_directory(path)  # a directory checkpoint being replaced by one object
+        elif os.path.isdir(path):  # a directory checkpoint being replaced by a file
             remove_checkpoint_path(path)
         AtomicCheckpointIO().save_checkpoint(dict(checkpoint), path)

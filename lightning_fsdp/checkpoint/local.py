@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
@@ -112,13 +113,16 @@ def save_local_checkpoint(
     engine: ShardingEngine,
     optimizers: Sequence[Optimizer] | None,
     coll: Collective | None = None,
+    layout: LocalLayout | None = None,
 ) -> None:
     """Write a checkpoint of :func:`local_model_state_dict` and ``optimizer.state_dict()`` to ``path``, atomically,
-    on every rank."""
+    on every rank; ``layout``: :func:`layout_info` taken beforehand (a write in a background thread must not read the
+    live engine), else read from ``engine`` here."""
     coll = coll or Collective()
     rest = dict(checkpoint)
     state = rest.pop("state_dict", {})
     optimizer_states = rest.pop("optimizer_states", None)
+    shard_rank = engine.shard_comm.rank
 
     def write_part(tmp: str) -> None:
         part = {
@@ -126,7 +130,7 @@ def save_local_checkpoint(
             "version": common.FORMAT_VERSION,
             "rank": coll.rank,
             "world_size": coll.world_size,
-            "shard_rank": engine.shard_comm.rank,
+            "shard_rank": shard_rank,
             "state_dict": state,
             "optimizer_states": optimizer_states,
         }
@@ -134,9 +138,9 @@ def save_local_checkpoint(
 
     def meta() -> dict[str, object]:
         described = optimizers if optimizer_states is not None else None
-        return {**rest, common.FORMAT_KEY: layout_info(engine, described, coll.world_size)}
+        return {**rest, common.FORMAT_KEY: layout or layout_info(engine, described, coll.world_size)}
 
-    common.write_directory(path, write_part, meta, coll)
+    common.write_directory(path, LOCAL, write_part, meta, coll)
 
 
 def read_local_meta(path: str, weights_only: bool | None = None) -> tuple[Checkpoint, dict[str, Any]]:
@@ -339,10 +343,17 @@ class LocalFormat(common.DirectoryFormat):
         return local_optimizer_state_dict(optimizer)
 
     def write(self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun) -> None:
+        self.prepare_save(checkpoint, path, run)()
+
+    def prepare_save(
+        self, checkpoint: Checkpoint, path: _PATH, run: CheckpointRun, storage_options: object = None
+    ) -> Callable[[], None]:
+        super().prepare_save(checkpoint, path, run, storage_options)  # its checks
         # meta.pt names each optimizer's parameters only when the checkpoint holds their state (not weights-only).
         optimizers = run.optimizers if "optimizer_states" in checkpoint else None
-        assert run.engine is not None  # DirectoryFormat.save checked it
-        save_local_checkpoint(checkpoint, path, run.engine, optimizers)
+        assert run.engine is not None  # DirectoryFormat.prepare_save checked it
+        layout = layout_info(run.engine, optimizers, Collective().world_size)
+        return partial(save_local_checkpoint, checkpoint, path, run.engine, optimizers, layout=layout)
 
     read = staticmethod(load_local_checkpoint)
     read_as_full = staticmethod(read_local_checkpoint_full)

@@ -5,6 +5,7 @@ model (a ``PipelineCheckpoint``); without it, the plain format's."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -17,7 +18,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint import Checkpoint
+from lightning_fsdp.checkpoint import Checkpoint, remote
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, is_local_path
 from lightning_fsdp.checkpoint.common import (
     CheckpointFormat,
@@ -51,6 +52,7 @@ __all__ = [
     "load_model_state",
     "load_optimizer_states",
     "parse_state_dict_type",
+    "prepare_save_as",
     "read_checkpoint",
     "remove_checkpoint_at",
     "save_checkpoint_as",
@@ -184,28 +186,57 @@ def save_checkpoint_as(
 ) -> None:
     """Write ``checkpoint`` in ``fmt`` on every rank; ``run.pipeline`` is filled in here (a collective under
     pipelining) for the directory formats, which record the other stages' keys."""
+    prepare_save_as(fmt, checkpoint, path, storage_options, run, role)()
+
+
+def prepare_save_as(
+    fmt: CheckpointFormat,
+    checkpoint: Checkpoint,
+    path: _PATH,
+    storage_options: object,
+    run: CheckpointRun,
+    role: PipelineRole,
+) -> Callable[[], None]:
+    """:func:`save_checkpoint_as` in two parts (``CheckpointFormat.prepare_save``): what reads the live run, now;
+    the write it returns, which may run in a background thread."""
     info = role.checkpoint_info(run.engine) if fmt is not FULL_FORMAT else None
-    fmt.save(checkpoint, path, run._replace(pipeline=info), storage_options)
+    return fmt.prepare_save(checkpoint, path, run._replace(pipeline=info), storage_options)
 
 
 def read_checkpoint(path: _PATH, run: CheckpointRun, role: PipelineRole, weights_only: bool | None) -> Checkpoint:
     """Read rank 0's ``path`` on every rank, in the format on disk (optimizer state if ``run.optimizers``)."""
     coll = Collective()
     path = coll.broadcast(path)
+    if remote.is_remote(path):
+        # Object storage: one object is a full checkpoint (read through the CheckpointIO); a committed directory is
+        # downloaded by every rank and read as on disk. Every rank checks it before any other collective.
+        url = os.fspath(path)
+        if coll.run_agreed(lambda: remote.remote_kind(url)) == FULL_FORMAT.kind:
+            return FULL_FORMAT.load(path, run, weights_only=weights_only, coll=coll)
+        with contextlib.ExitStack() as stack:
+            local = coll.run_agreed(lambda: stack.enter_context(remote.staged_directory(url)))
+            return _read_directory(local, run, role, weights_only, coll)
     if not is_local_path(path) or not os.path.exists(path) or os.path.isfile(path):
-        fmt: CheckpointFormat = FULL_FORMAT  # a file, or a path only the CheckpointIO can tell about (remote, missing)
-    else:
-        # A directory (sharded or local checkpoint), or a special file that must not be opened (a FIFO would
-        # block): every rank checks it, and all raise, before any other collective, if one finds a problem.
-        directory = path = os.fspath(path)
-        fmt = coll.run_agreed(lambda: _directory_format(directory, run.engine, role))
-    info = role.checkpoint_info(run.engine, run.optimizers) if fmt is not FULL_FORMAT else None
-    return fmt.load(path, run._replace(pipeline=info), weights_only=weights_only, coll=coll)
+        fmt: CheckpointFormat = FULL_FORMAT  # a file, or a path only the CheckpointIO can tell about (missing)
+        return fmt.load(path, run, weights_only=weights_only, coll=coll)
+    return _read_directory(os.fspath(path), run, role, weights_only, coll)
+
+
+def _read_directory(
+    directory: str, run: CheckpointRun, role: PipelineRole, weights_only: bool | None, coll: Collective
+) -> Checkpoint:
+    # A directory (sharded or local checkpoint), or a special file that must not be opened (a FIFO would block):
+    # every rank checks it, and all raise, before any other collective, if one finds a problem.
+    fmt = coll.run_agreed(lambda: _directory_format(directory, run.engine, role))
+    info = role.checkpoint_info(run.engine, run.optimizers)
+    return fmt.load(directory, run._replace(pipeline=info), weights_only=weights_only, coll=coll)
 
 
 def remove_checkpoint_at(path: _PATH, checkpoint_io: CheckpointIO) -> None:
     """Remove the checkpoint at ``path``: a directory here, a file through the ``CheckpointIO`` (call on rank 0)."""
-    if is_local_path(path) and os.path.isdir(path):  # a sharded/local checkpoint directory
+    if remote.is_remote(path):  # object storage: the commit object first (remote.py)
+        remote.remove_remote_checkpoint(os.fspath(path))
+    elif is_local_path(path) and os.path.isdir(path):  # a sharded/local checkpoint directory
         remove_checkpoint_path(os.fspath(path))
     else:
         checkpoint_io.remove_checkpoint(path)

@@ -279,7 +279,9 @@ def dcp_load(targets: STATE_DICT_TYPE, path: str, coll: Collective, weights_only
     planner = SafeLoadPlanner(weights_only)
     try:
         with alone_on_purpose(coll):
-            dcp.load(targets, storage_reader=reader, planner=planner, no_dist=not coll.distributed)
+            dcp.load(
+                targets, storage_reader=reader, planner=planner, process_group=coll.group, no_dist=not coll.distributed
+            )
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises the same one on every rank
         refused = _refusal(exc, coll.rank)
         if refused is not None:

@@ -211,9 +211,9 @@ def _write(
     def write_part(tmp: str) -> None:
         # A failure on any rank raises a CheckpointException on every rank (DCP gathers the results).
         with alone_on_purpose(coll):
-            dcp.save(tensors, checkpoint_id=tmp, no_dist=not coll.distributed)
+            dcp.save(tensors, checkpoint_id=tmp, process_group=coll.group, no_dist=not coll.distributed)
 
-    common.write_directory(path, write_part, lambda: meta, coll)
+    common.write_directory(path, SHARDED, write_part, lambda: meta, coll)
 
 
 def save_sharded_checkpoint(

@@ -303,14 +303,13 @@ def test_non_strict_and_weights_only_loading(runs):
 
 
 # ------------------------------------------------------------------------------------------- in-process units
-def test_strategy_refuses_storage_options_and_remote_paths():
+def test_strategy_refuses_storage_options():
+    # Remote paths are accepted (tests/checkpoint/test_checkpoint_s3.py); storage options are a CheckpointIO's.
     from lightning_fsdp import FSDPStrategy
 
     strategy = FSDPStrategy(state_dict_type="sharded")
     with pytest.raises(TypeError, match="storage_options"):
         strategy.save_checkpoint({}, "/tmp/x.ckpt", storage_options={"a": 1})
-    with pytest.raises(NotImplementedError, match="local"):
-        strategy.save_checkpoint({}, "memory://bucket/x.ckpt")
     assert FSDPStrategy(state_dict_type="local").state_dict_type.value == "local"
 
 

@@ -71,14 +71,16 @@ def toy_lm_on_samples(
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
 ) -> OneDeviceRun:
     """ToyLM trained on rows ``[k * global_batch, (k + 1) * global_batch)`` of ``samples(count)`` at step k, as the
-    Lightning scripts' ranks share them. ``forward(model, x)``: the module's output where it is not ``model(x)``."""
+    Lightning scripts' ranks share them; past the last row each epoch starts again at row 0, as the scripts' loaders
+    do. ``forward(model, x)``: the module's output where it is not ``model(x)``."""
     torch.manual_seed(0)
     model = ToyLM()
     optimizer = sgd_with_momentum(model.parameters())
     x_all, y_all = samples(count).tensors
     losses = []
     for step in range(steps):
-        rows = slice(step * global_batch, (step + 1) * global_batch)
+        start = step * global_batch % count
+        rows = slice(start, start + global_batch)
         x, y = x_all[rows], y_all[rows]
         optimizer.zero_grad()
         loss = loss_fn(model(x) if forward is None else forward(model, x), y)
