@@ -196,6 +196,10 @@ class FSDPStrategy(ParallelStrategy):
             host; the other ranks: meta-device parameters, no engine), `"sharded"` (the module keeps its shards and
             engine; later stages on it work), `"auto"` (`"full"` if it fits in the node's free host memory, else
             `"sharded"` with a warning). See After a stage. Default: `"auto"`.
+        async_checkpoint: `True`: a save during `fit` returns once this rank's state is copied to host memory (pinned
+            on CUDA); a background thread writes it while training goes on; the next save, a load, the end of `fit`
+            and teardown wait for it, and a failed write is raised there on every rank. `plugins=[AsyncCheckpointIO()]`
+            means the same. Every format; see asynchronous saves. Default: `False`.
     """
 
     strategy_name = "fsdp_custom"
