@@ -2,10 +2,11 @@
 tests/scripts/tensor_parallel_run.py as a user's script, whose ``configure_model`` parallelizes each block on
 ``self.device_mesh["tensor_parallel"]``, against the same LightningModule on one device on the same global batches
 (the data loader takes ``trainer.distributed_sampler_kwargs``): TP=2 x DP=2 with SGD and momentum, P=2 x TP=2 with
-AdamW, both clipping by the global norm (binding: 0.05 is below the gradients' norm); then the TP=2 x DP=2 run's
-sharded checkpoint resumed at TP=1 x DP=4 and at P=2 x TP=2, against the one-device run resumed from its own
-checkpoint. The launches start together (tests/toolbox/launch.py's ``in_background``); the checks of the sizes need
-no processes."""
+AdamW, both clipping by the global norm (binding: 0.05 is below the gradients' norm); a transformers Llama split by
+``tensor_parallel_plan="auto"`` (sequence parallelism) at TP=2 x DP=2 with SGD and momentum, clipping; then the
+TP=2 x DP=2 run's sharded checkpoint resumed at TP=1 x DP=4 and at P=2 x TP=2, against the one-device run resumed
+from its own checkpoint. The launches start together (tests/toolbox/launch.py's ``in_background``); the checks of
+the sizes need no processes."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ from tests.toolbox.launch import in_background, run_script
 
 LAUNCH_S = 600  # a guard against a hang, not a measurement
 CLIP = ("--clip", "0.05")
+# The Llama run: SGD's learning rate 1 so that 3 clipped steps move the weights far beyond the tolerance; 0.5 is
+# below the gradients' norm (the reference records it, the test checks it binds).
+LLAMA = ("--model", "llama", "--lr", "1", "--clip", "0.5")
 
 
 def run(out: Path, *args: str) -> list[dict]:
@@ -51,6 +55,8 @@ def launched(tmp_path_factory) -> dict:
         ),
         "ref": partial(run, folder / "ref", "--devices", "1", *CLIP, "--save", str(ref_ckpt)),
         "ref-adamw": partial(run, folder / "ref-adamw", "--devices", "1", "--optimizer", "adamw", *CLIP),
+        "llama-tp2dp2": partial(run, folder / "llama-tp2dp2", "--devices", "4", "--tp", "2", *LLAMA),
+        "llama-ref": partial(run, folder / "llama-ref", "--devices", "1", *LLAMA),
     }
     futures = in_background(jobs)
     resumed = {
@@ -138,6 +144,23 @@ def test_p2_tp2_matches_one_device_with_adamw(launched):
         # pipelined_loss returns the global batch's loss on every rank of the pipeline
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
     assert _compare_states(ranks, ref, "P=2 x TP=2") == 2 * len(ref["state"])
+
+
+def test_llama_with_the_built_in_plan_matches_one_device(launched):
+    """A transformers ``LlamaForCausalLM`` split by ``tensor_parallel_plan="auto"`` with sequence parallelism (the
+    norms' gradients are ``Partial`` over TP) at TP=2 x DP=2, SGD with momentum, clipping by norm: each step's loss
+    over the global batch and every full weight after 3 steps, against one device."""
+    ranks, ref = launched["llama-tp2dp2"].result(), launched["llama-ref"].result()[0]
+    assert len(ranks) == 4 and len(ref["losses"]) == 3
+    assert min(ref["grad_norms"]) > 0.5, f"clipping must bind: gradient norms {ref['grad_norms']}"
+    for rank, got in enumerate(ranks):
+        assert got["mesh_dims"] == ("data_parallel", "tensor_parallel")
+        assert got["sampler"] == {"num_replicas": 2, "rank": rank // 2}
+        # the plan ran, with sequence parallelism: the residual stream holds half of each of 4 sequences of 8
+        assert got["final_norm_output"] == ("(Shard(dim=1),)", (4, 4, 32))
+    torch.testing.assert_close(_data_parallel_mean(ranks, 2, 2), ref["losses"], rtol=1e-5, atol=1e-6)
+    assert len(ref["state"]) == 21  # embedding, 2 x (7 projections, 2 norms), the final norm, the head
+    assert _compare_states(ranks, ref, "Llama TP=2 x DP=2") == 4 * 21
 
 
 @pytest.mark.parametrize("layout", ["tp1dp4", "p2tp2-resumed"])
