@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import functools
 import json
 import os
 import re
@@ -47,6 +45,7 @@ from lightning_fsdp.checkpoint.routing import format_on_disk
 from lightning_fsdp.checkpoint.safe_load import check_shard_files, dcp_load, read_dcp_metadata
 from lightning_fsdp.checkpoint.sharded import dcp_entries
 from lightning_fsdp.collective import Collective
+from lightning_fsdp.engine.host_memory import trim_heap
 
 __all__ = ["DTYPES", "export_safetensors", "main", "parse_dtype", "parse_size"]
 
@@ -273,23 +272,12 @@ def _file_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-# Smaller blocks come from the heap anyway and do not move glibc's mmap threshold; trimming after each would only
-# cost time on models with many small tensors.
+# After reading a tensor of at least this size, glibc's free heap pages go back to the kernel (trim_heap): glibc
+# raises its mmap threshold after a large block is freed, so the next tensor-sized blocks (the tensor being read, DCP's
+# temporary copy of each chunk) come from the heap, where freed memory stays resident; without this an export's
+# resident set grows by several tensors (tests/checkpoint/test_export.py measures it). Smaller blocks come from the
+# heap anyway and do not move the threshold; trimming after each would only cost time on models with many small ones.
 _TRIM_AFTER_BYTES = 2**20
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim`` (None elsewhere), which hands memory freed by the last read back to the operating
-    system: glibc raises its mmap threshold after a large block is freed, so the next tensor-sized blocks (the tensor
-    being read, DCP's temporary copy of each chunk) come from the heap, where freed memory stays resident; without
-    this an export's resident set grows by several tensors (tests/checkpoint/test_export.py measures it)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc; musl and others lack it
-    except (OSError, AttributeError):
-        return None
 
 
 # safetensors' names of torch's dtypes (the format's "dtype" field).
@@ -333,7 +321,6 @@ def _write_files(source: _Source, files: list[list[_Planned]], names: list[str],
     file's tensors in memory at once. safetensors' own reader checks what is written here (tests)."""
     if sys.byteorder != "little":
         raise RuntimeError("safetensors files are little-endian; exporting on a big-endian machine is not supported.")
-    trim = _malloc_trim()
     for items, file_name in zip(files, names):
         with open(os.path.join(folder, file_name), "wb") as f:
             f.write(_header(items))
@@ -348,8 +335,8 @@ def _write_files(source: _Source, files: list[list[_Planned]], names: list[str],
                 if tensor.numel():
                     f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)  # the tensor's own memory, no copy
                 del tensor
-                if trim is not None and item.nbytes >= _TRIM_AFTER_BYTES:
-                    trim(0)  # the read's temporaries
+                if item.nbytes >= _TRIM_AFTER_BYTES:
+                    trim_heap()  # the read's temporaries: see the comment on _TRIM_AFTER_BYTES
             f.flush()
             os.fsync(f.fileno())
 

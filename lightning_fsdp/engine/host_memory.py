@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import sys
+from collections.abc import Callable
 
-__all__ = ["RETURN_AT_BYTES", "return_free_heap_memory"]
+__all__ = ["RETURN_AT_BYTES", "return_free_heap_memory", "trim_heap"]
 
 RETURN_AT_BYTES = 64 * 2**20
 
@@ -38,14 +40,34 @@ def _load_glibc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(name)
         libc.mallinfo2.restype = _MallInfo2
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        libc.malloc_trim.restype = ctypes.c_int
     except (OSError, AttributeError):  # not glibc, or older than 2.33 (no mallinfo2)
         return None
     return libc
 
 
-_GLIBC = _load_glibc()
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # glibc (any version); musl and others lack it
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+_GLIBC = _load_glibc()  # with mallinfo2, to count the free bytes
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def trim_heap() -> bool:
+    """glibc's ``malloc_trim(0)``: the heaps' free pages handed back to the kernel; False where the C library has no
+    such call."""
+    if _MALLOC_TRIM is None:
+        return False
+    _MALLOC_TRIM(0)
+    return True
 
 
 def return_free_heap_memory(at_least: int = RETURN_AT_BYTES) -> int:
@@ -55,5 +77,5 @@ def return_free_heap_memory(at_least: int = RETURN_AT_BYTES) -> int:
         return 0
     free = int(_GLIBC.mallinfo2().fordblks)
     if free >= at_least:
-        _GLIBC.malloc_trim(0)
+        trim_heap()
     return free
