@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
-from functools import cached_property, partial
+from functools import cached_property
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -33,42 +33,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, parse_checkpointing_policy
+from lightning_fsdp.activation_checkpointing import parse_checkpointing_policy
 from lightning_fsdp.checkpoint import Checkpoint, StateDict
-from lightning_fsdp.checkpoint.async_save import (
-    AsyncCheckpointer,
-    after_saves,
-    background_writer,
-    fitting_now,
-    runs_async,
-    writing_io,
-)
-from lightning_fsdp.checkpoint.common import CheckpointFormat, CheckpointRun
-from lightning_fsdp.checkpoint.routing import (
-    format_for_saving,
-    load_model_state,
-    load_optimizer_states,
-    parse_state_dict_type,
-    prepare_save_as,
-    read_checkpoint,
-    remove_checkpoint_at,
-    save_checkpoint_as,
-    unwrapped_optimizer,
-    with_atomic_default,
-)
+from lightning_fsdp.checkpoint.checkpointer import Checkpointer
+from lightning_fsdp.checkpoint.routing import parse_state_dict_type, with_atomic_default
 from lightning_fsdp.collective import Collective, all_reduce_tensor
-from lightning_fsdp.engine import (
-    MixedPrecision,
-    ShardingEngine,
-    ShardingOptions,
-    ShardingStrategy,
-    WrapPolicy,
-    fully_shard,
-    get_engine,
-)
+from lightning_fsdp.engine import MixedPrecision, ShardingEngine, ShardingOptions, ShardingStrategy, WrapPolicy
 from lightning_fsdp.engine.devices import DeviceRuntime, device_runtime
 from lightning_fsdp.engine.options import check_flag
-from lightning_fsdp.engine.sharding import has_meta_tensors
 from lightning_fsdp.even_batches import EvenBatches
 from lightning_fsdp.launcher import check_start_method, choose_launcher, stop_launched_processes
 from lightning_fsdp.options import (
@@ -80,9 +52,9 @@ from lightning_fsdp.options import (
     check_tensor_parallel,
     check_trainable,
     check_use_orig_params,
-    engine_kwargs,
 )
 from lightning_fsdp.parallel_dims import ParallelLayout
+from lightning_fsdp.parallelize import Techniques, parallelize
 from lightning_fsdp.pipeline.role import SplitContext, pipeline_role
 from lightning_fsdp.pipeline.runtime import PipelineRuntime
 from lightning_fsdp.precision import FSDPPrecision, to_fsdp_precision
@@ -92,7 +64,7 @@ from lightning_fsdp.registration import register_strategies
 from lightning_fsdp.rendezvous import check_launch_size, check_timeout, init_default_group
 from lightning_fsdp.shutdown import settle_at_exit
 from lightning_fsdp.stage_end import StageEnd, check_reusable
-from lightning_fsdp.weight_averaging import gather_averages_for_save, shard_averaged_models, slice_loaded_averages
+from lightning_fsdp.weight_averaging import shard_averaged_models
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +248,8 @@ class FSDPStrategy(ParallelStrategy):
         check_start_method(start_method)
         check_flag(async_checkpoint, "async_checkpoint")
         self.async_checkpoint = async_checkpoint  # or plugins=[AsyncCheckpointIO()]: checkpoint/async_save.py
-        self._async_saves: AsyncCheckpointer | None = None
+        # Lightning's checkpoint calls, each routed to its format, saves in the background where asked: checkpointer.py
+        self._checkpoints = Checkpointer(self)
         check_lightning_arguments(
             accelerator,
             parallel_devices,
@@ -458,7 +431,7 @@ class FSDPStrategy(ParallelStrategy):
         # Signals recorded by their handlers, agreed on at step boundaries: lightning_fsdp/preemption.py
         self._preemption = install_preemption(trainer, self._world_device)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self._check_device_id()
+        check_device_id_matches(self.device_id, self.device)
         check_reusable(self.lightning_module)
         if fitting:
             check_trainable(self.lightning_module)
@@ -472,11 +445,11 @@ class FSDPStrategy(ParallelStrategy):
             mixed_precision=self.mixed_precision_config,
             parallel=self._layout.groups,
         )
-        if get_engine(self.lightning_module) is None:
-            self._layout.apply_plan(self.lightning_module)
-        self._pipeline_role.split(self.lightning_module, run)
-        self.engine = self._shard(self.lightning_module)
-        self._pipeline_role.attach_engine(self.engine)
+        techniques = Techniques(
+            self._layout, self._pipeline_role, self.activation_checkpointing_policy, self.options, self._group_choice
+        )
+        # Tensor parallelism, pipeline stages, activation checkpointing, sharding: lightning_fsdp/parallelize.py
+        self.engine = parallelize(self.lightning_module, techniques, run, self.num_processes, self._offloads)
         # SWA / EMA callbacks copied the model in their setup, full size: their average now keeps only this rank's rows.
         shard_averaged_models(trainer, self.engine)
         self.precision_plugin.attach(self.engine, self._pipeline_role.stage_group, self.root_device.type)
@@ -488,32 +461,10 @@ class FSDPStrategy(ParallelStrategy):
             # With CPU offload the optimizer state belongs beside the shards, in host memory.
             _optimizers_to_device(self.optimizers, torch.device("cpu") if self._offloads else self.root_device)
 
-    def _shard(self, module: pl.LightningModule) -> ShardingEngine:
-        engine = get_engine(module)
-        if engine is not None:  # fit, then validate/test/predict on the same module
-            return engine
-        if not has_meta_tensors(module):
-            module.to(self.root_device)
-        if self.activation_checkpointing_policy is not None:
-            apply_activation_checkpointing(module, self.activation_checkpointing_policy)
-        shard_group, replicate_group = self._pipeline_role.shard_groups(
-            lambda: (
-                self._layout.shard_groups()
-                or self._group_choice.resolve(self.world_size, self.num_processes, self.global_rank, self._timeout)
-            )
-        )
-        kwargs = engine_kwargs(self.options, module, self.mixed_precision_config, self._offloads)
-        return fully_shard(
-            module, process_group=shard_group, replicate_group=replicate_group, device=self.root_device, **kwargs
-        )
-
     @property
     def _offloads(self) -> bool:
         """Whether shards, gradients and optimizer state move to host memory: cpu_offload, on an accelerator."""
         return self.cpu_offload and self.root_device.type != "cpu"
-
-    def _check_device_id(self) -> None:
-        check_device_id_matches(self.device_id, self.device)
 
     @override
     def model_to_device(self) -> None:
@@ -643,68 +594,39 @@ class FSDPStrategy(ParallelStrategy):
         # Checkpoints hold full tensors; they can only be split into shards once the model is sharded.
         return True
 
-    @property
-    def _checkpoint_format(self) -> CheckpointFormat:
-        return format_for_saving(self.state_dict_type)
-
-    def _sharding_engine(self) -> ShardingEngine:
-        assert self.engine is not None, "the model is sharded in setup"
-        return self.engine
-
     @override
     def lightning_module_state_dict(self) -> StateDict:
-        return self._pipeline_role.model_state_dict(self._checkpoint_format, self._sharding_engine())
+        return self._checkpoints.model_state_dict()
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, object], strict: bool = True) -> None:
-        load_model_state(self._sharding_engine(), checkpoint, strict, self._pipeline_role)
+        self._checkpoints.load_model_state_dict(checkpoint, strict)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> StateDict:
-        optimizer = unwrapped_optimizer(optimizer)
-        return self._pipeline_role.optimizer_state(self._checkpoint_format, self._sharding_engine(), optimizer)
+        return self._checkpoints.optimizer_state(optimizer)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        optimizers = [unwrapped_optimizer(o) for o in self.optimizers]
-        load_optimizer_states(self._sharding_engine(), checkpoint["optimizer_states"], optimizers, self._pipeline_role)
+        self._checkpoints.load_optimizer_state_dict(checkpoint)
 
     @override
     def save_checkpoint(self, checkpoint: Checkpoint, filepath: _PATH, storage_options: object = None) -> None:
-        gather_averages_for_save(self, checkpoint)  # SWA / EMA averages: full tensors, not rank 0's rows only
-        fmt, role = self._checkpoint_format, self._pipeline_role
-        run = CheckpointRun(self.engine, self.optimizers, writing_io(self.checkpoint_io))
-        wanted = runs_async(self.async_checkpoint, self.checkpoint_io) and fitting_now(self._trainer())
-        pins = lambda device: self.device_runtime.pins_host_memory(device)  # noqa: E731 - asked at the first copy
-        saves = self._async_saves = background_writer(self._async_saves, wanted, pins)
-        if saves is None or not wanted:
-            save_checkpoint_as(fmt, checkpoint, filepath, storage_options, run, role)
-            return
-        prepare = partial(prepare_save_as, fmt, path=filepath, storage_options=storage_options, run=run, role=role)
-        saves.submit(checkpoint, filepath, self.root_device, lambda staged: prepare(checkpoint=staged))
+        self._checkpoints.save(checkpoint, filepath, storage_options)
 
     @override
     def on_train_end(self) -> None:
-        if self._async_saves is not None:  # the end of fit waits for the last save; its failure is raised here
-            self._async_saves.wait()
+        self._checkpoints.wait()  # the end of fit waits for the last asynchronous save; its failure is raised here
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> Checkpoint:
         """Read rank 0's ``checkpoint_path`` on every rank, in the format on disk (optimizer state when fitting)."""
-        if self._async_saves is not None:
-            self._async_saves.wait()  # the checkpoint may be the one being written
-        trainer = self._trainer()
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        optimizers = [unwrapped_optimizer(o) for o in self.optimizers] if fitting else None
-        run = CheckpointRun(self.engine, optimizers, self.checkpoint_io)
-        checkpoint = read_checkpoint(checkpoint_path, run, self._pipeline_role, weights_only)
-        return slice_loaded_averages(self, checkpoint)  # each rank's rows of the SWA / EMA averages
+        return self._checkpoints.load(checkpoint_path, weights_only)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_global_zero:
-            # With a save in flight: after it, and only if it succeeded (the checkpoint it replaces stays till then).
-            after_saves(self._async_saves, partial(remove_checkpoint_at, filepath, writing_io(self.checkpoint_io)))
+            self._checkpoints.remove(filepath)
 
     @classmethod
     @override
@@ -725,8 +647,7 @@ class FSDPStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._async_saves is not None:  # after an error too: a failure not raised yet is only warned about
-            self._async_saves.close(raise_errors=False)
+        self._checkpoints.close()
         module = self.lightning_module
         if self._stage_end.finish(module, self.num_processes, self.global_rank):
             super().teardown()

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.engine import fully_shard
+from lightning_fsdp.options import check_device_id_matches
 from tests.toolbox.distributed import run_distributed
 from tests.toolbox.models import Block, ToyLM, batch, loss_fn
 from tests.toolbox.one_device import toy_lm_on_step_batches
@@ -115,13 +116,14 @@ def test_cpu_offload_accepts_torch_style_config():
 
 
 def test_device_id_must_name_this_ranks_device():
+    # What the strategy's setup checks: device_id against the device Lightning gave this rank.
     cpu = FSDPStrategy(parallel_devices=[torch.device("cpu")], device_id=0)
-    cpu._check_device_id()  # index 0 of the CPU is this rank's device
+    check_device_id_matches(cpu.device_id, cpu.device)  # index 0 of the CPU is this rank's device
     hpu_object = FSDPStrategy(parallel_devices=[torch.device("hpu", 1)], device_id=torch.device("hpu", 1))
-    hpu_object._check_device_id()
+    check_device_id_matches(hpu_object.device_id, hpu_object.device)
     wrong = FSDPStrategy(parallel_devices=[torch.device("cpu")], device_id=torch.device("cuda", 0))
     with pytest.raises(ValueError, match=r"device_id=device\(type='cuda', index=0\).*this rank's device cpu"):
-        wrong._check_device_id()
+        check_device_id_matches(wrong.device_id, wrong.device)
     with pytest.raises(TypeError, match="device_id='0'"):
         FSDPStrategy(device_id="0")
 

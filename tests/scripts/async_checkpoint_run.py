@@ -146,7 +146,8 @@ def main() -> None:
             fit(trainer)
         res["end"] = full_model_state_dict(trainer.strategy.engine)
         res["listing"] = sorted(os.listdir(os.path.join(folder, "ok")))
-        res["staging_bytes"] = trainer.strategy._async_saves.staging.nbytes if trainer.strategy._async_saves else None
+        saves = trainer.strategy._checkpoints.async_saves
+        res["staging_bytes"] = saves.staging.nbytes if saves else None
 
         trainer = trainer_for(fmt, 4, 1, os.path.join(folder, "fail_next"))
         with PatchedWrite(fmt, writer_rank, fail_at=3) as failing:
