@@ -12,6 +12,7 @@ a model, without processes.
 from __future__ import annotations
 
 import subprocess
+import tempfile
 from functools import partial
 from pathlib import Path
 
@@ -23,16 +24,25 @@ from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.options import PipelineOptions
 from lightning_fsdp.pipeline import pipeline_pieces, plan_stages
 from lightning_fsdp.pipeline.split import AbsentPiece, keep_only, meta_copy, stage_view
-from tests.toolbox.launch import in_background, run_script
+from tests.toolbox.launch import AND, argument_groups, in_background, run_script, run_together
 
-LAUNCH_S = 600  # one launch, next to the others running at once; a guard against a hang, not a measurement
+LAUNCH_S = 300  # per run of a launch, next to other launches; a guard against a hang, not a measurement
 
 
-def run_pipeline(out: Path, *args: str) -> list[dict]:
-    """One launch of tests/scripts/pipeline_run.py: each rank's results (it writes DIR/rank<r>.pt)."""
-    run_script("pipeline_run.py", "--out", out, *args, cwd=out.parent, timeout=LAUNCH_S)
-    files = sorted(out.glob("rank*.pt"), key=lambda f: int(f.stem[4:]))
-    return [torch.load(f, weights_only=False) for f in files]
+def run_pipelines(folder: Path, world: tuple[str, ...], args: list[str], only_rank: bool = False) -> list:
+    """One launch of tests/scripts/pipeline_run.py running the configurations in ``args`` (``--and`` between them)
+    on ``world``: for each, its ranks' results (each run writes OUT/rank<r>.pt), or with ``only_rank`` rank 0's."""
+    groups = argument_groups(args)
+    outs = [Path(tempfile.mkdtemp(dir=folder)) / "out" for _ in groups]
+    joined: list[str | Path] = []
+    for out, group in zip(outs, groups, strict=True):
+        joined += [*([AND] if joined else []), "--out", out, *world, *group]
+    run_script("pipeline_run.py", *joined, cwd=folder, timeout=LAUNCH_S * len(groups))
+    results = []
+    for out in outs:
+        ranks = [torch.load(f, weights_only=False) for f in sorted(out.glob("rank*.pt"), key=lambda f: int(f.stem[4:]))]
+        results.append(ranks[0] if only_rank else ranks)
+    return results
 
 
 CASES = [
@@ -325,28 +335,23 @@ def _failing_run(folder: Path, args: tuple[str, ...]) -> subprocess.CompletedPro
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
-    """Every launch of the module, the 4-process ones first: ``{key: Future of its result}``."""
-    jobs: dict = {}
+    """Every run of the module: ``{key: its result, when waited for}``. The runs that succeed share launches
+    (tests/toolbox/launch.py's ``run_together``): the 4-process ones two launches, the one-device references one;
+    the runs that must fail each have their own."""
+    folder = tmp_path_factory.mktemp("pp")
+    p2d2: dict = {}
     for schedule, training in CASES:
         for wrap in (False, True):
             if wrap and schedule == "GPipe":
                 continue  # skipped by the test
-            args = ("--devices", "4", "--pp", "2", "--schedule", schedule, *training, *(["--wrap"] if wrap else []))
-            out = tmp_path_factory.mktemp("pp") / "pp"
-            jobs["p2d2", schedule, training, wrap] = partial(run_pipeline, out, *args)
+            p2d2["p2d2", schedule, training, wrap] = ("--schedule", schedule, *training, *(["--wrap"] if wrap else []))
     for strategy, training, _ in COMPOSED:
-        out = tmp_path_factory.mktemp("pp") / "pp"
-        jobs["composed", strategy, training] = partial(
-            run_pipeline, out, "--devices", "4", "--pp", "2", *strategy, *training
-        )
-    for name, args in FAILING.items():
-        jobs["fails", name] = partial(_failing_run, tmp_path_factory.mktemp(f"fails_{name}"), args)
-    for training in dict.fromkeys([*(t for _, t in CASES), *(t for _, t, _ in COMPOSED)]):
-        out = tmp_path_factory.mktemp("ref") / "ref"
-        jobs["ref", training] = partial(_one_device_launch, out, training)
-    return in_background(jobs)
-
-
-def _one_device_launch(out: Path, training: tuple[str, ...]) -> dict:
-    (result,) = run_pipeline(out, "--devices", "1", "--pp", "1", *training)
-    return result
+        p2d2["composed", strategy, training] = (*strategy, *training)
+    refs = {("ref", t): t for t in dict.fromkeys([*(t for _, t in CASES), *(t for _, t, _ in COMPOSED)])}
+    pipelined = partial(run_pipelines, folder, ("--devices", "4", "--pp", "2"))
+    one_device = partial(run_pipelines, folder, ("--devices", "1", "--pp", "1"), only_rank=True)
+    fails = {
+        ("fails", name): partial(_failing_run, Path(tempfile.mkdtemp(dir=folder)), args)
+        for name, args in FAILING.items()
+    }
+    return {**run_together(pipelined, p2d2, launches=2), **run_together(one_device, refs), **in_background(fails)}

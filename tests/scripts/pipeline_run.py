@@ -2,6 +2,7 @@
 
     python tests/scripts/pipeline_run.py --out DIR --devices 4 --pp 2 --schedule 1F1B [--accumulate 2 --clip 1]
     python tests/scripts/pipeline_run.py --out DIR --devices 1 --pp 1      # the one-device reference
+    python tests/scripts/pipeline_run.py --out A ... --and --out B ...     # several runs, one after another
 
 The LightningModule is the same in both: its steps call ``pipelined_loss``, which is the plain
 ``loss_fn(model(x), y)`` without pipelining. The data-parallel rank d takes samples d, d+D, ... of each global batch
@@ -20,6 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp import FSDPStrategy, pipelined_loss  # noqa: E402
+from tests.toolbox.launch import argument_groups  # noqa: E402
 from tests.toolbox.lightning_scripts import quiet_trainer  # noqa: E402
 from tests.toolbox.models import Block, ChainLM, loss_fn, samples  # noqa: E402
 
@@ -64,7 +66,7 @@ class Module(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.01)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, default=4)
@@ -80,9 +82,18 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true")  # activation checkpointing of every Block
     parser.add_argument("--direct", action="store_true")  # training_step calls self.model(x) (must be refused)
     parser.add_argument("--split", nargs="*", default=None)  # pipeline_split
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    return parser
 
+
+def main() -> None:
+    torch.set_num_threads(1)
+    runs = [parser().parse_args(group) for group in argument_groups(sys.argv[1:])]
+    assert len({args.devices for args in runs}) == 1, "the runs of one launch share its processes"
+    for args in runs:
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     if args.devices == 1:
         strategy = "auto"
     else:
