@@ -24,7 +24,14 @@ from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.options import PipelineOptions
 from lightning_fsdp.pipeline import pipeline_pieces, plan_stages
 from lightning_fsdp.pipeline.split import AbsentPiece, keep_only, meta_copy, stage_view
-from tests.toolbox.launch import AND, argument_groups, in_background, run_script, run_together
+from tests.toolbox.launch import (
+    argument_groups,
+    in_background,
+    join_configurations,
+    run_configurations,
+    run_script,
+    run_together,
+)
 
 LAUNCH_S = 300  # per run of a launch, next to other launches; a guard against a hang, not a measurement
 
@@ -32,12 +39,8 @@ LAUNCH_S = 300  # per run of a launch, next to other launches; a guard against a
 def run_pipelines(folder: Path, world: tuple[str, ...], args: list[str], only_rank: bool = False) -> list:
     """One launch of tests/scripts/pipeline_run.py running the configurations in ``args`` (``--and`` between them)
     on ``world``: for each, its ranks' results (each run writes OUT/rank<r>.pt), or with ``only_rank`` rank 0's."""
-    groups = argument_groups(args)
-    outs = [Path(tempfile.mkdtemp(dir=folder)) / "out" for _ in groups]
-    joined: list[str | Path] = []
-    for out, group in zip(outs, groups, strict=True):
-        joined += [*([AND] if joined else []), "--out", out, *world, *group]
-    run_script("pipeline_run.py", *joined, cwd=folder, timeout=LAUNCH_S * len(groups))
+    configs = [[*world, *group] for group in argument_groups(args)]
+    outs = run_configurations("pipeline_run.py", folder, join_configurations(configs), LAUNCH_S)
     results = []
     for out in outs:
         ranks = [torch.load(f, weights_only=False) for f in sorted(out.glob("rank*.pt"), key=lambda f: int(f.stem[4:]))]

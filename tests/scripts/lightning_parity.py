@@ -1,7 +1,8 @@
 """Train ToyLM with Lightning, as a user's script would, and write losses and final parameters to --out.
 
 Run with ``--devices 2 --strategy fsdp_custom`` (Lightning's launcher re-runs this script per rank) or with
-``--devices 1 --strategy auto`` for the single-process reference on the same global batches.
+``--devices 1 --strategy auto`` for the single-process reference on the same global batches. Several runs in one
+launch: their arguments joined by ``--and`` (tests/toolbox/launch.py), each with its own ``--out``.
 """
 
 import argparse
@@ -17,6 +18,7 @@ from torch.utils.data.distributed import DistributedSampler
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import lightning_fsdp  # noqa: E402,F401  registers "fsdp_custom"
 from lightning_fsdp import FSDPStrategy  # noqa: E402
+from tests.toolbox.launch import argument_groups  # noqa: E402
 from tests.toolbox.lightning_scripts import quiet_trainer  # noqa: E402
 from tests.toolbox.models import Block, ToyLM, loss_fn, samples  # noqa: E402
 
@@ -77,7 +79,7 @@ class Module(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, default=2)
@@ -89,8 +91,18 @@ def main() -> None:
     parser.add_argument("--meta", action="store_true")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--accelerator", default="cpu")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
     torch.set_num_threads(1)
+    runs = [parser().parse_args(group) for group in argument_groups(sys.argv[1:])]
+    assert len({args.devices for args in runs}) == 1, "the runs of one launch share its processes"
+    for args in runs:
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
 
     strategy = args.strategy
     if strategy == "fsdp_custom" and (args.sharding != "FULL_SHARD"):

@@ -2,18 +2,21 @@
 
 The script (tests/scripts/lightning_parity.py) is started exactly as users start theirs; Lightning's launcher
 re-runs it once per extra rank. Each configuration is compared with a single-device run on the same global batches.
-Every launch of the module is independent (its own output file and port), so a module fixture starts them all, a few
-at a time (tests/toolbox/launch.py's ``in_background``), and each test waits for the ones it compares.
+The runs on the same number of processes share launches (tests/toolbox/launch.py's ``run_together``); a module
+fixture starts them all, and each test waits for the ones it compares.
 """
 
 from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.toolbox.compare import assert_all_close
-from tests.toolbox.launch import in_background
-from tests.toolbox.one_device import lightning_parity_run
+from tests.toolbox.launch import argument_groups, join_configurations, run_configurations, run_together
+from tests.toolbox.one_device import LIGHTNING_PARITY_TIMEOUT_S
 
 ACCUMULATION = ("--optimizer", "sgd", "--accumulate", "2")
 
@@ -24,23 +27,27 @@ def _strategy_label(devices: int, strategy: tuple[str, ...]) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Every launch of the module, started at once: ``{("ref", training flags) | (devices-strategy, training flags):
-    Future of the script's output}``."""
+    """Every run of the module: ``{("ref", training flags) | (devices-strategy, training flags): its output, when
+    waited for}``. Runs on the same number of processes share launches (tests/toolbox/launch.py's ``run_together``)."""
     folder = tmp_path_factory.mktemp("lightning_parity")
-    jobs: dict = {}
-
-    def add(key: tuple, *args: str) -> None:
-        out = folder / f"run{len(jobs)}.pt"
-        jobs[key] = lambda: lightning_parity_run(out, *args)
-
-    # The two-rank runs first: each takes longer than a one-process reference.
+    by_devices: dict[int, dict] = {}
     for devices, strategy, training in CASES:
-        add((_strategy_label(devices, strategy), training), "--devices", str(devices), *strategy, *training)
+        by_devices.setdefault(devices, {})[_strategy_label(devices, strategy), training] = (*strategy, *training)
     for name in ("fsdp_custom_blocks", "fsdp_custom_deferred_sync"):
-        add((name, ACCUMULATION), "--devices", "2", "--strategy", name, *ACCUMULATION)
+        by_devices[2][name, ACCUMULATION] = ("--strategy", name, *ACCUMULATION)
     for training in dict.fromkeys([*(training for _, _, training in CASES), ACCUMULATION, ("--optimizer", "sgd")]):
-        add(("ref", training), "--devices", "1", "--strategy", "auto", *training)
-    return in_background(jobs)
+        by_devices.setdefault(1, {})["ref", training] = ("--strategy", "auto", *training)
+    futures: dict = {}
+    for devices, configs in by_devices.items():
+        launch = partial(_parity_runs, folder, devices)
+        futures.update(run_together(launch, configs, launches=2 if devices == 2 else 1))
+    return futures
+
+
+def _parity_runs(folder: Path, devices: int, args: list[str]) -> list[dict]:
+    configs = [["--devices", str(devices), *group] for group in argument_groups(args)]
+    outs = run_configurations("lightning_parity.py", folder, join_configurations(configs), LIGHTNING_PARITY_TIMEOUT_S)
+    return [torch.load(out, weights_only=False) for out in outs]
 
 
 def test_deferred_gradient_sync_under_accumulation(runs):

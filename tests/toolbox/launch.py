@@ -20,6 +20,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -66,6 +67,14 @@ def argument_groups(argv: Sequence[str]) -> list[list[str]]:
     return groups
 
 
+def join_configurations(configs: Sequence[Sequence[str]]) -> list[str]:
+    """The command line of one launch running ``configs`` (each a script's arguments) one after another."""
+    joined: list[str] = []
+    for config in configs:
+        joined += [*([AND] if joined else []), *config]
+    return joined
+
+
 class Part(Generic[K, T]):
     """One configuration's result inside a launch that ran several: ``result()`` waits for the launch."""
 
@@ -86,15 +95,22 @@ def run_together(
     shares = [keys[i::launches] for i in range(launches) if keys[i::launches]]
 
     def run_share(share: list[K]) -> dict[K, T]:
-        args: list[str] = []
-        for key in share:
-            args += [*([AND] if args else []), *configs[key]]
-        results = launch(args)
+        results = launch(join_configurations([configs[key] for key in share]))
         assert len(results) == len(share), f"{len(share)} configurations, {len(results)} results"
         return dict(zip(share, results, strict=True))
 
     futures = in_background({i: partial(run_share, share) for i, share in enumerate(shares)})
     return {key: Part(futures[i], key) for i, share in enumerate(shares) for key in share}
+
+
+def run_configurations(script: str, folder: Path, args: list[str], timeout_per_run: float) -> list[Path]:
+    """One launch of ``script`` running the configurations in ``args`` (``--and`` between them), each given
+    ``--out`` of its own under ``folder``: those paths, in order."""
+    groups = argument_groups(args)
+    outs = [Path(tempfile.mkdtemp(dir=folder)) / "out" for _ in groups]
+    joined = join_configurations([["--out", str(out), *group] for out, group in zip(outs, groups, strict=True)])
+    run_script(script, *joined, cwd=folder, timeout=timeout_per_run * len(groups))
+    return outs
 
 
 def with_fakes_on_path(**extra: str) -> dict[str, str]:
