@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.toolbox.compare import assert_all_close
-from tests.toolbox.launch import argument_groups, join_configurations, run_configurations, run_together
-from tests.toolbox.one_device import LIGHTNING_PARITY_TIMEOUT_S
+from tests.toolbox.launch import argument_groups, run_together
+from tests.toolbox.one_device import lightning_parity_runs
 
 ACCUMULATION = ("--optimizer", "sgd", "--accumulate", "2")
 
@@ -45,9 +45,7 @@ def runs(tmp_path_factory) -> dict:
 
 
 def _parity_runs(folder: Path, devices: int, args: list[str]) -> list[dict]:
-    configs = [["--devices", str(devices), *group] for group in argument_groups(args)]
-    outs = run_configurations("lightning_parity.py", folder, join_configurations(configs), LIGHTNING_PARITY_TIMEOUT_S)
-    return [torch.load(out, weights_only=False) for out in outs]
+    return lightning_parity_runs(folder, devices, argument_groups(args))
 
 
 def test_deferred_gradient_sync_under_accumulation(runs):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import lightning as L
 import pytest
 import torch
@@ -12,8 +14,9 @@ from lightning_fsdp import FSDPStrategy, MixedPrecision
 from lightning_fsdp.engine import fully_shard
 from lightning_fsdp.precision import FSDPPrecision
 from tests.toolbox.distributed import run_distributed
+from tests.toolbox.launch import in_background
 from tests.toolbox.models import Block, ToyLM, batch, loss_fn
-from tests.toolbox.one_device import lightning_parity_one_device, lightning_parity_run
+from tests.toolbox.one_device import lightning_parity_runs
 
 
 @pytest.mark.parametrize(
@@ -52,23 +55,15 @@ def test_unknown_flag_lists_choices():
         L.Trainer(accelerator="cpu", devices=1, strategy="fsdp_custom", precision="64-true")
 
 
-def test_bf16_mixed_trains_within_the_precision_error(tmp_path, tmp_path_factory):
-    fp32 = lightning_parity_one_device(tmp_path_factory, "--optimizer", "sgd")
-    single_bf16 = lightning_parity_one_device(tmp_path_factory, "--optimizer", "sgd", "--precision", "bf16-mixed")
-    got = lightning_parity_run(
-        tmp_path / "bf16.pt",
-        "--devices",
-        "2",
-        "--strategy",
-        "fsdp_custom_blocks",
-        "--optimizer",
-        "sgd",
-        "--precision",
-        "bf16-mixed",
-    )
-    full = lightning_parity_run(
-        tmp_path / "fp32.pt", "--devices", "2", "--strategy", "fsdp_custom_blocks", "--optimizer", "sgd"
-    )
+def test_bf16_mixed_trains_within_the_precision_error(tmp_path):
+    # Two launches at once: the one-device references (fp32, bf16-mixed), and the two 2-rank runs.
+    sgd, bf16 = ("--optimizer", "sgd"), ("--precision", "bf16-mixed")
+    launches = {
+        1: [("--strategy", "auto", *sgd), ("--strategy", "auto", *sgd, *bf16)],
+        2: [("--strategy", "fsdp_custom_blocks", *sgd, *bf16), ("--strategy", "fsdp_custom_blocks", *sgd)],
+    }
+    running = in_background({n: partial(lightning_parity_runs, tmp_path, n, runs) for n, runs in launches.items()})
+    (fp32, single_bf16), (got, full) = running[1].result(), running[2].result()
     # Tolerance measured from Lightning's own single-device bf16-mixed run against fp32.
     precision_error = (torch.tensor(single_bf16["losses"]) - torch.tensor(fp32["losses"])).abs().max().item()
     assert precision_error > 0

@@ -10,7 +10,7 @@ set of training flags (:func:`lightning_parity_one_device`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.toolbox.launch import script_output
+from tests.toolbox.launch import join_configurations, run_configurations, script_output
 from tests.toolbox.models import ToyLM, loss_fn, samples
 from tests.toolbox.training import parameters_of, sgd_with_momentum, train_on_shares
 
@@ -101,6 +101,14 @@ def lightning_parity_one_device(tmp_path_factory: pytest.TempPathFactory, *args:
         out = tmp_path_factory.mktemp("ref") / "ref.pt"
         _lightning_parity_runs[args] = lightning_parity_run(out, "--devices", "1", "--strategy", "auto", *args)
     return _lightning_parity_runs[args]
+
+
+def lightning_parity_runs(folder: Path, devices: int, configs: Sequence[Sequence[str]]) -> list[dict]:
+    """One launch of tests/scripts/lightning_parity.py on ``devices`` processes running ``configs`` (each the
+    script's flags) one after another: what each saved."""
+    args = join_configurations([["--devices", str(devices), *config] for config in configs])
+    outs = run_configurations("lightning_parity.py", folder, args, LIGHTNING_PARITY_TIMEOUT_S)
+    return [torch.load(out, weights_only=False) for out in outs]
 
 
 def lightning_parity_run(out: Path, *args: str) -> dict:
