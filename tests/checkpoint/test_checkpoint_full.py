@@ -17,6 +17,7 @@ import re
 import signal
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from torch import nn
 
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError, temp_path_for
 from tests.toolbox.compare import assert_optimizer_equal, assert_tensors_equal, max_diff
-from tests.toolbox.launch import in_background, run_script
+from tests.toolbox.launch import in_background, join_configurations, run_configurations, run_script
 from tests.toolbox.models import ToyLM
 
 LAUNCH_TIMEOUT_S = 180
@@ -72,27 +73,35 @@ class Runs:
         "fsdp_from_ddp": "ddp_sgd_3",
     }
 
+    # Each tuple one launch running its runs one after another (its processes import torch and Lightning once); a
+    # launch that resumes waits for the launches whose checkpoints it needs, so resumes run in fresh processes.
+    LAUNCHES = (
+        ("fsdp_sgd_6", "fsdp_adamw_6", "ddp_sgd_3"),
+        ("fsdp_sgd_resumed", "fsdp_adamw_resumed", "ddp_from_fsdp", "fsdp_from_ddp"),
+        ("single_from_fsdp",),
+    )
+
     def __init__(self, folder: str) -> None:
         self.dir = folder
         self._submitted = threading.Event()
-        # The runs nothing needs first: a run waits for its need, which the queue started before it.
-        order = sorted(self.SPECS, key=lambda name: name in self.NEEDS)
-        self._futures: dict[str, Future] = in_background(
-            {name: functools.partial(self._launch, name) for name in order}
+        self._launch_of = {name: i for i, names in enumerate(self.LAUNCHES) for name in names}
+        assert sorted(self._launch_of) == sorted(self.SPECS)
+        self._futures: dict[int, Future] = in_background(
+            {i: functools.partial(self._launch, names) for i, names in enumerate(self.LAUNCHES)}
         )
         self._submitted.set()
 
-    def _launch(self, name: str) -> dict:
+    def _launch(self, names: tuple[str, ...]) -> dict[str, dict]:
         self._submitted.wait()
-        if name in self.NEEDS:
-            self.run(self.NEEDS[name])
-        out = os.path.join(self.dir, f"{name}.pt")
-        args = [a.format(dir=self.dir) for a in self.SPECS[name]]
-        run_script("checkpoint_run.py", "--out", out, *args, timeout=LAUNCH_TIMEOUT_S)
-        return torch.load(out, weights_only=False)
+        for name in names:
+            if name in self.NEEDS:
+                self.run(self.NEEDS[name])
+        configs = [[a.format(dir=self.dir) for a in self.SPECS[name]] for name in names]
+        outs = run_configurations("checkpoint_run.py", Path(self.dir), join_configurations(configs), LAUNCH_TIMEOUT_S)
+        return {name: torch.load(out, weights_only=False) for name, out in zip(names, outs, strict=True)}
 
     def run(self, name: str) -> dict:
-        return self._futures[name].result()
+        return self._futures[self._launch_of[name]].result()[name]
 
     def checkpoint(self, name: str) -> dict:
         return torch.load(os.path.join(self.dir, f"{name}.ckpt"), weights_only=False)

@@ -261,7 +261,7 @@ def train(args) -> None:
         )
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", default="train", choices=["train", "killsave"])
     parser.add_argument("--out")
@@ -287,11 +287,18 @@ def main() -> None:
     parser.add_argument("--pg-timeout", type=float, default=1800.0, help="process group timeout in seconds")
     parser.add_argument("--kill-after", type=int, default=8 << 20)
     parser.add_argument("--no-atomic", action="store_true")
-    args = parser.parse_args()
-    if args.mode == "killsave":
-        kill_save(args.save, args.kill_after, atomic=not args.no_atomic)
-    else:
-        train(args)
+    return parser
+
+
+def main() -> None:
+    from tests.toolbox.launch import argument_groups
+
+    # Several training runs may share the launch (``--and`` between their arguments), one after another.
+    for args in [parser().parse_args(group) for group in argument_groups(sys.argv[1:])]:
+        if args.mode == "killsave":
+            kill_save(args.save, args.kill_after, atomic=not args.no_atomic)
+        else:
+            train(args)
 
 
 if __name__ == "__main__":
