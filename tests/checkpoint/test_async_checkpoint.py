@@ -1,8 +1,9 @@
-"""Asynchronous saves (``async_checkpoint=True``, and Lightning's ``AsyncCheckpointIO`` plugin for the full format):
-one 2-rank launch (tests/scripts/async_checkpoint_run.py) per module, every format. What a save wrote must be the
-state of its step although training went on while it was written (each checkpoint is compared with one device at
-that step), training ends on the weights of one device, ``save_top_k`` keeps the newest, and a write that fails in
-the background is raised at the next save or at the end of ``fit`` on every rank, the previous checkpoint intact.
+"""Asynchronous saves (``async_checkpoint=True`` for the sharded format, Lightning's ``AsyncCheckpointIO`` plugin
+for the full and local formats): one 2-rank launch (tests/scripts/async_checkpoint_run.py) per module, every format.
+What a save wrote must be the state of its step although training went on while it was written (each checkpoint is
+compared with one device at that step), training ends on the weights of one device, ``save_top_k`` keeps the newest,
+and a write that fails in the background is raised at the next save or at the end of ``fit`` on every rank, the
+previous checkpoint intact.
 """
 
 from __future__ import annotations

@@ -55,10 +55,14 @@ def _one_device(steps: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_model_checkpoint_on_s3_resumes_as_one_device(runs: dict, fmt: str) -> None:
     res = runs[fmt]
-    # save_top_k=1 saved at steps 1, 2 and 3 and removed the older two from the bucket.
-    assert res["listing"] == ["epoch=0-step=3.ckpt"], res["listing"]
+    # save_top_k=1 saved at steps 1, 2 and 3 and removed the older two from the bucket; last.ckpt is step 3's too.
+    assert res["listing"] == ["epoch=0-step=3.ckpt", "last.ckpt"], res["listing"]
     assert res["best"].endswith("/mc/epoch=0-step=3.ckpt")
     assert assert_all_close(res["resumed"], _one_device(6), f"{fmt}: resumed from s3 to step 6") == ENTRIES
+    # save_last's checkpoint on the bucket resumes too (the path the trainer restored from says it was read: a fit
+    # from step 0 would end on the same weights).
+    assert str(res["last_path"]).startswith("s3://") and res["last_path"].endswith("/mc/last.ckpt"), res["last_path"]
+    assert assert_all_close(res["resumed_last"], _one_device(6), f"{fmt}: resumed from s3's last.ckpt") == ENTRIES
 
 
 @pytest.mark.parametrize("fmt", ["sharded", "local"])

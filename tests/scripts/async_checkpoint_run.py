@@ -4,9 +4,10 @@ run scripts, for tests/checkpoint/test_async_checkpoint.py: 2 CPU ranks (Lightni
 
 For each ``--formats`` entry (``state_dict_type``), in one process group:
 
-1. ``fit`` 6 steps with ``ModelCheckpoint(save_top_k=2, every_n_train_steps=1)``, saving asynchronously (``full``:
-   through Lightning's ``AsyncCheckpointIO`` plugin), each save's writing on the writing rank delayed by 0.2 s so that
-   training goes on while it is written: the final full parameters, the directory listing, the staging memory;
+1. ``fit`` 6 steps with ``ModelCheckpoint(save_top_k=2, every_n_train_steps=1)``, saving asynchronously (``full``
+   and ``local``: through Lightning's ``AsyncCheckpointIO`` plugin; ``sharded``: ``async_checkpoint=True``), each
+   save's writing on the writing rank delayed by 0.2 s so that training goes on while it is written: the final full
+   parameters, the directory listing, the staging memory;
 2. ``fit`` 4 steps with ``save_top_k=1`` in which the write of step 3's checkpoint fails in the background (on rank 1,
    or rank 0 for ``full``, which only rank 0 writes): what each rank raised, and the listing;
 3. ``fit`` 3 steps in which the write of the last save fails: what each rank raised (at the end of ``fit``).
@@ -60,12 +61,14 @@ def main() -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # Lightning's launcher sets it for the ranks it starts
 
     def trainer_for(fmt: str, max_steps: int, top_k: int, folder: str):
-        # full: Lightning's AsyncCheckpointIO plugin asks for the same as async_checkpoint=True.
+        # Lightning's AsyncCheckpointIO plugin asks for the same as async_checkpoint=True: a file format and a
+        # directory format use the plugin, the other directory format the argument.
+        plugin = fmt in ("full", "local")
         strategy = FSDPStrategy(
             auto_wrap_policy={Block},
             state_dict_type=fmt,
             timeout=timedelta(seconds=60),
-            async_checkpoint=fmt != "full",
+            async_checkpoint=not plugin,
         )
         checkpointing = ModelCheckpoint(
             dirpath=folder, save_top_k=top_k, monitor="step", mode="max", every_n_train_steps=1
@@ -74,7 +77,7 @@ def main() -> None:
             accelerator="cpu",
             devices=2,
             strategy=strategy,
-            plugins=[AsyncCheckpointIO()] if fmt == "full" else None,
+            plugins=[AsyncCheckpointIO()] if plugin else None,
             max_steps=max_steps,
             num_sanity_val_steps=0,
             limit_val_batches=0,

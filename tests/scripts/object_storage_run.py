@@ -3,9 +3,10 @@
 
 For each ``--formats`` entry (``state_dict_type``), in one process group:
 
-1. ``fit`` 3 steps of ToyLM with ``ModelCheckpoint(dirpath=URL/mc, save_top_k=1, every_n_train_steps=1)``: the
-   bucket listing of ``mc`` after fit (older checkpoints removed there);
-2. a new Trainer ``fit(ckpt_path=URL/mc/epoch=0-step=3.ckpt)`` to step 6: its full parameters;
+1. ``fit`` 3 steps of ToyLM with ``ModelCheckpoint(dirpath=URL/mc, save_top_k=1, every_n_train_steps=1,
+   save_last=True)``: the bucket listing of ``mc`` after fit (older checkpoints removed there);
+2. a new Trainer ``fit(ckpt_path=URL/mc/epoch=0-step=3.ckpt)`` to step 6, and one ``fit(ckpt_path=URL/mc/last.ckpt)``
+   (``save_last``'s checkpoint on the bucket) to step 6: their full parameters;
 3. (directory formats) a save over that checkpoint in which rank 1's upload fails: what each rank raised; then
    ``validate(ckpt_path=...)`` of it: the full parameters it restores (the previous checkpoint, intact);
 4. (directory formats) a save to a new path in which rank 1's upload fails and what was uploaded is left there (as
@@ -108,7 +109,7 @@ def main() -> None:
     for fmt in args.formats.split(","):
         base = f"{args.url}/{fmt}"
         res: dict = {}
-        checkpointing = ModelCheckpoint(dirpath=f"{base}/mc", save_top_k=1, every_n_train_steps=1)
+        checkpointing = ModelCheckpoint(dirpath=f"{base}/mc", save_top_k=1, every_n_train_steps=1, save_last=True)
         trainer = trainer_for(fmt, 3, [checkpointing])
         trainer.fit(Module(), loader_for(trainer))
         rank = trainer.global_rank
@@ -122,6 +123,12 @@ def main() -> None:
         module = Module()
         trainer.fit(module, loader_for(trainer), ckpt_path=step3)
         res["resumed"] = full_model_state_dict(trainer.strategy.engine)
+        # The documented recipe for resuming from the bucket's last.ckpt: its URL. (Lightning 2.6's ckpt_path="last"
+        # looks for it with the protocol stripped, on the local disk: Lightning-AI/pytorch-lightning#18261.)
+        resumer = trainer_for(fmt, 6)
+        resumer.fit(Module(), loader_for(resumer), ckpt_path=f"{base}/mc/last.ckpt")
+        res["resumed_last"] = full_model_state_dict(resumer.strategy.engine)
+        res["last_path"] = resumer.ckpt_path
 
         if fmt != "full":
             res["failed_over_existing"] = failing_upload_on_rank1(partial(trainer.save_checkpoint, step3))
