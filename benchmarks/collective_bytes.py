@@ -45,7 +45,9 @@ _KIND_OF = {
         ),
         "reduce_scatter",
     ),
-    **dict.fromkeys(("allreduce_", "allreduce_coalesced_", "all_reduce", "all_reduce_", "all_reduce_coalesced"), "all_reduce"),
+    **dict.fromkeys(
+        ("allreduce_", "allreduce_coalesced_", "all_reduce", "all_reduce_", "all_reduce_coalesced"), "all_reduce"
+    ),
     **dict.fromkeys(("send", "isend"), "send"),
     **dict.fromkeys(("recv_", "recv_any_source_", "irecv"), "recv"),
     **dict.fromkeys(("broadcast_", "broadcast"), "broadcast"),

@@ -37,7 +37,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [
             "",
             "Bound (TP=2 x DP=2 at most 1.0x ModelParallelStrategy): step time "
-            f"{'met' if bound['step_time'] else 'NOT met'}, peak memory {'met' if bound['peak_memory'] else 'NOT met'}.",
+            f"{'met' if bound['step_time'] else 'NOT met'}, "
+            f"peak memory {'met' if bound['peak_memory'] else 'NOT met'}.",
         ]
     lines += [
         "",
