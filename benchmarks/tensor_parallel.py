@@ -95,6 +95,7 @@ class TensorParallelConfig:
     count_steps: int = 1  # after the timed steps, under the byte counter
     rounds: int = 3
     variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    trim: bool = True  # False: fsdp_custom without its host-memory trimming (--without-trimming)
     optimizer: str = "adamw"
     lr: float = 3e-4
     seed: int = 0
@@ -202,6 +203,7 @@ def _launch(cfg: TensorParallelConfig, key: str, work: Path, **overrides: Any) -
         "collective_timeout": cfg.collective_timeout,
         "out": str(work),
         "state": False,
+        "trim": cfg.trim,
         **overrides,
     }
     (work / "spec.json").write_text(json.dumps(spec))
@@ -415,6 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: a temporary one)")
     parser.add_argument(
+        "--without-trimming",
+        action="store_true",
+        help="fsdp_custom without the engine's host-memory trimming after each unit's backward (engine/host_memory.py)",
+    )
+    parser.add_argument(
         "--check-3d",
         action="store_true",
         help="instead: P=2 x TP=2 x DP=2 (8 processes, a tiny GPT unless sizes are given) against one device; "
@@ -425,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--variants {','.join(unknown)} is not valid; choose from {','.join(VARIANTS)}")
     given = {k: getattr(args, k) for k in asdict(defaults) if hasattr(args, k) and k != "variants"}
+    given["trim"] = not args.without_trimming
     out = args.out or Path(tempfile.mkdtemp(prefix="lfsdp-tp-"))
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     if args.check_3d:

@@ -238,6 +238,14 @@ def _strategy(spec: dict[str, Any]) -> Any:
     )
 
 
+def _without_trimming() -> None:
+    """The engine's CPU runtime without its host-memory trimming after each unit's backward
+    (lightning_fsdp/engine/host_memory.py): ``--without-trimming``, to measure what trimming costs and saves."""
+    import lightning_fsdp.engine.devices as devices
+
+    devices.return_free_heap_memory = lambda *args, **kwargs: 0  # type: ignore[assignment]
+
+
 def main(spec_path: str) -> None:
     from lightning_fsdp.shutdown import destroy_process_group, settle_at_exit
 
@@ -245,6 +253,8 @@ def main(spec_path: str) -> None:
         spec = json.load(f)
     settle_at_exit()
     torch.set_num_threads(spec["threads"])
+    if not spec.get("trim", True):
+        _without_trimming()
     launch = LAUNCHES[spec["launch"]]
     probe = TensorParallelProbe(spec)
     trainer = L.Trainer(

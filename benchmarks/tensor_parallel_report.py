@@ -18,6 +18,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{cfg['threads']} thread per process: GPT {cfg['layers']} x {cfg['width']} ({cfg['heads']} heads, seq "
         f"{cfg['seq']}, vocab {cfg['vocab']}), global batch {cfg['global_batch']}, {cfg['optimizer']}; "
         f"{cfg['rounds']} rounds of {cfg['warmup']} warm-up + {cfg['steps']} timed steps per variant"
+        + ("" if cfg.get("trim", True) else "; fsdp_custom WITHOUT host-memory trimming")
         + (f"; `{results['command']}`" if results.get("command") else ""),
         "",
         "| variant | ranks (P x D x T) | median step, ms | x MPS | x TP2xDP2 | x FSDP x4 | peak over base, MiB/rank "
