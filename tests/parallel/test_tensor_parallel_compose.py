@@ -246,9 +246,15 @@ def test_local_checkpoint_of_tp2_dp2_converts_to_the_full_model(launched, tmp_pa
     results = _case(launched["tp"].result(), "pretrained")
     local = launched["folder"] / "tp" / "local.ckpt"
     assert convert(str(local), str(tmp_path / "full.ckpt")) == "full"
-    converted = torch.load(tmp_path / "full.ckpt", weights_only=True)["state_dict"]
+    converted = torch.load(tmp_path / "full.ckpt", weights_only=True)
     expected = {f"model.{k}": v for k, v in results[0]["state"].items()}
-    assert assert_all_close(converted, expected, "converted local", rtol=0, atol=0) == 21
+    assert assert_all_close(converted["state_dict"], expected, "converted local", rtol=0, atol=0) == 21
+    # the optimizer state joined from the TP pieces: the momentum of one device that trained the same
+    ref = launched["ref"].result()[0]["pretrained"]["optimizer"]["state"]
+    joined = converted["optimizer_states"][0]["state"]
+    assert sorted(joined) == sorted(ref) and len(ref) == 21
+    for index, entry in ref.items():
+        assert assert_all_close(joined[index], entry, f"converted momentum {index}") == 1
 
 
 def test_hybrid_shard_with_two_shard_ranks_per_replica_matches_one_device(launched):

@@ -22,7 +22,8 @@ loader takes the data-parallel rank and size from ``trainer.distributed_sampler_
 - ``pretrained``: the model built under ``trainer.init_module(empty_init=True)`` (parallelized on the meta device),
   filled by ``load_pretrained(self.model, --pretrained)`` in ``on_fit_start`` (SGD), each tensor the loader
   materialises from the file recorded by name and shape, beside each parameter's local shape; at the end a ``local``
-  checkpoint is saved to DIR/local.ckpt (with ``--devices 1``: the same load into the whole model);
+  checkpoint is saved to DIR/local.ckpt (with ``--devices 1``: the same load into the whole model, and the optimizer's
+  state dict recorded);
 - ``fault``: rank ``--fault-rank`` ``os._exit``s from a gradient hook in the middle of step 1's backward
   (tests/scripts/fault_run.py's fault), under ``FSDPStrategy(timeout=--timeout s)``; progress lines as fault_run's.
 
@@ -263,6 +264,8 @@ def run_case(case: str, args: argparse.Namespace, out: str) -> dict[str, Any]:
         result["frames_compiled"] = counters["stats"]["unique_graphs"]
     if case == "pretrained" and args.devices > 1:
         trainer.save_checkpoint(os.path.join(out, "local.ckpt"))
+    if case == "pretrained" and args.devices == 1:
+        result["optimizer"] = trainer.optimizers[0].state_dict()
     if case == "fault":
         say(trainer.global_rank, "train-end")
     return result
