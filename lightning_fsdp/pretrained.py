@@ -303,18 +303,18 @@ def _copy(reads: list[tuple[_Target, _FileTensor]]) -> None:
                 _fill_whole(target.tensor, f.get_tensor(ft.name))
             elif len(layout.shape) == 0:  # one element, held as one row by the rank that has it
                 target.tensor.data.copy_(layout.local_slice(f.get_tensor(ft.name)))
+            elif target.tensor_parallel is None:
+                start, end = layout.rows_of(layout.rank)
+                target.tensor.data.copy_(f.get_slice(ft.name)[start:end])
             else:
-                target.tensor.data.copy_(f.get_slice(ft.name)[_region(target)])
+                target.tensor.data.copy_(f.get_slice(ft.name)[_piece_rows(layout, target.tensor_parallel)])
 
 
-def _region(target: _Target) -> tuple[slice, ...]:
-    """The part of the unsplit file tensor this rank holds: its rows of the tensor, or under tensor parallelism its
-    rows of its TP piece (the piece's region, rows counted from the piece's first)."""
-    assert target.layout is not None
-    start, end = target.layout.rows_of(target.layout.rank)
-    if target.tensor_parallel is None:
-        return (slice(start, end),)
-    first, *rest = target.tensor_parallel.piece_region()
+def _piece_rows(layout: ShardLayout, spec: TensorParallelSpec) -> tuple[slice, ...]:
+    """The part of the unsplit file tensor this rank holds under tensor parallelism: its rows of its TP piece (the
+    piece's region, rows counted from the piece's first)."""
+    start, end = layout.rows_of(layout.rank)
+    first, *rest = spec.piece_region()
     return (slice(first.start + start, first.start + end), *rest)
 
 

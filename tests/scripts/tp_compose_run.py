@@ -58,67 +58,13 @@ from tests.scripts.fault_run import inject, say  # noqa: E402
 from tests.scripts.tensor_parallel_run import GLOBAL_BATCH, SAMPLES  # noqa: E402
 from tests.toolbox.lightning_scripts import quiet_trainer  # noqa: E402
 from tests.toolbox.models import Block, loss_fn, samples  # noqa: E402
+from tests.toolbox.safetensors_reads import FileReads  # noqa: E402
 from tests.toolbox.tp_models import chain_lm  # noqa: E402
 
 CLIP = 0.05
 STEPS = 3
 CASES = ("sgd", "adamw", "accumulate", "checkpointing", "full", "compile", "bf16", "pretrained")
 OPTIMIZER = {"adamw": "adamw", "checkpointing": "adamw", "compile": "adamw"}  # the others: SGD with momentum
-
-
-class FileReads:
-    """Every tensor ``safetensors.safe_open`` hands out while installed, by name and shape: what a loader
-    materialised from the file (``get_tensor``, or a ``get_slice`` indexed)."""
-
-    def __init__(self) -> None:
-        import safetensors
-
-        self.module = safetensors
-        self.original = safetensors.safe_open
-        self.reads: list[tuple[str, tuple[int, ...]]] = []
-
-    def __enter__(self) -> FileReads:
-        reads, original = self.reads, self.original
-
-        class Slice:
-            def __init__(self, inner: Any, name: str) -> None:
-                self.inner, self.name = inner, name
-
-            def get_shape(self) -> list[int]:
-                return self.inner.get_shape()
-
-            def __getitem__(self, index: Any) -> torch.Tensor:
-                value = self.inner[index]
-                reads.append((self.name, tuple(value.shape)))
-                return value
-
-        class Opened:
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                self.inner = original(*args, **kwargs)
-
-            def __enter__(self) -> Opened:
-                self.inner.__enter__()
-                return self
-
-            def __exit__(self, *exc: Any) -> None:
-                self.inner.__exit__(*exc)
-
-            def keys(self) -> list[str]:
-                return self.inner.keys()
-
-            def get_slice(self, name: str) -> Slice:
-                return Slice(self.inner.get_slice(name), name)
-
-            def get_tensor(self, name: str) -> torch.Tensor:
-                value = self.inner.get_tensor(name)
-                reads.append((name, tuple(value.shape)))
-                return value
-
-        self.module.safe_open = Opened
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.module.safe_open = self.original
 
 
 class Module(L.LightningModule):
