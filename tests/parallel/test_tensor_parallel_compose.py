@@ -200,22 +200,23 @@ def test_bf16_mixed_matches_one_device_bf16_mixed(launched):
     """``precision="bf16-mixed"``: the sharded run gathers bf16 parameters and reduces bf16 gradients, one device
     runs the same module under bf16 autocast with fp32 weights; they round differently (a bf16 element carries 8
     bits: relative rounding 2**-9). Tolerance: each step's loss within rtol 4e-3 (one bf16 ulp, measured 6e-4), and
-    each tensor's update over the 3 steps (final minus initial weight) within 2 % of the reference's update in norm
-    (measured below 1 %), where a wrong gradient scale or a gradient on the wrong rows moves it by its own size."""
+    each tensor's update over the 3 steps (final minus initial weight) within 3 % of the reference's update in norm
+    (measured 1.2 %), where a wrong gradient scale or a gradient on the wrong rows moves it by its own size."""
     results = _case(launched, "bf16")
     ref = launched["ref"].result()[0]
     bf16, fp32 = ref["bf16"], ref["sgd"]
     assert results[0]["fc1_weight_dtype"] == "torch.bfloat16" and bf16["fc1_weight_dtype"] == "torch.float32"
     torch.testing.assert_close(_global_losses(results), bf16["losses"], rtol=4e-3, atol=0)
     assert _global_losses(results) != fp32["losses"], "bf16 compute must show in the losses"
-    compared = 0
+    errors = []
     for rank, result in enumerate(results):
         for name, initial in bf16["initial"].items():
             update, want = result["state"][name] - initial, bf16["state"][name] - initial
-            error = (update - want).norm() / want.norm()
-            assert error <= 2e-2, f"rank {rank} {name}: update off by {error:.2%} of the reference's"
-            compared += 1
-    assert compared == 4 * 21
+            errors.append(float((update - want).norm() / want.norm()))
+            assert errors[-1] <= 3e-2, f"rank {rank} {name}: update off by {errors[-1]:.2%} of the reference's"
+    assert len(errors) == 4 * 21
+    loss_error = max(abs(a - b) / b for a, b in zip(_global_losses(results), bf16["losses"], strict=True))
+    print(f"\n[tp bf16] worst update error {max(errors):.2%}, worst loss error {loss_error:.1e} (rtol)")
 
 
 def test_load_pretrained_reads_each_ranks_slice_then_trains_as_one_device(launched):
