@@ -291,6 +291,12 @@ def load_local_checkpoint(
     return coll.run_agreed(read)
 
 
+def unsplit_shape(entry: Mapping[str, Any]) -> tuple[int, ...]:
+    """The full shape of a tensor entry of ``meta.pt``: a tensor-parallel parameter's unsplit shape, not its piece's."""
+    split = entry.get("tensor_parallel")
+    return tuple(int(s) for s in (split["shape"] if split is not None else entry["shape"]))
+
+
 def concat_rows(pieces: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
     row_numel = common.numel(shape[1:]) if len(shape) > 1 else 1
     return torch.cat([p.reshape(-1, row_numel) for p in pieces], dim=0).reshape(shape)

@@ -37,12 +37,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from benchmarks.ranks import clean_env, group_members
 from lightning_fsdp.checkpoint.convert import convert
+from lightning_fsdp.checkpoint.export import export_safetensors
 from lightning_fsdp.checkpoint.full import full_model_state_dict
 from lightning_fsdp.engine import fully_shard
 from tests.toolbox.compare import assert_all_close
@@ -245,7 +246,7 @@ def test_load_pretrained_reads_each_ranks_slice_then_trains_as_one_device(launch
     assert not any(torch.equal(ref["initial"][k], v) for k, v in full.items())
 
 
-def test_local_checkpoint_of_tp2_dp2_converts_to_the_full_model(launched, tmp_path):
+def test_local_checkpoint_of_tp2_dp2_converts_and_exports_as_the_full_model(launched, tmp_path):
     results = _case(launched, "pretrained")
     local = launched["folder"] / "tp" / "local.ckpt"
     assert convert(str(local), str(tmp_path / "full.ckpt")) == "full"
@@ -258,6 +259,10 @@ def test_local_checkpoint_of_tp2_dp2_converts_to_the_full_model(launched, tmp_pa
     assert sorted(joined) == sorted(ref) and len(ref) == 21
     for index, entry in ref.items():
         assert assert_all_close(joined[index], entry, f"converted momentum {index}") == 1
+    # lightning-fsdp export reads it as the unsplit model too
+    files = export_safetensors(str(local), str(tmp_path / "hf"), prefix="model.")
+    exported = {k: v for f in files if f.endswith(".safetensors") for k, v in load_file(f).items()}
+    assert assert_all_close(exported, results[0]["state"], "exported local", rtol=0, atol=0) == 21
 
 
 def test_hybrid_shard_with_two_shard_ranks_per_replica_matches_one_device(launched):
