@@ -21,6 +21,7 @@ from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.meta_init import mark_initialised
 from lightning_fsdp.engine.records import TrainingState
 from lightning_fsdp.engine.registry import find_engine
+from lightning_fsdp.engine.tensor_parallel import TensorParallelSpec
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -52,6 +53,8 @@ class _Target(NamedTuple):
     tensor: torch.Tensor  # the Parameter (its ``.data`` holds this rank's rows if sharded) or buffer
     layout: ShardLayout | None  # set for a parameter the engine shards: only its rows are read
     shape: tuple[int, ...]  # the full shape the file must have
+    # A tensor-parallel parameter's place on the TP mesh: ``layout`` is then of its TP piece, read from within it.
+    tensor_parallel: TensorParallelSpec | None = None
 
 
 def load_pretrained(
@@ -216,10 +219,13 @@ def _targets(module: nn.Module, engine: ShardingEngine | None) -> list[_Target]:
         if id(tensor) in targets:
             targets[id(tensor)].keys.append(key)
             continue
-        layout = engine.layout_of(tensor) if engine is not None and isinstance(tensor, nn.Parameter) else None
-        targets[id(tensor)] = _Target(
-            [key], tensor, layout, tuple(layout.shape if layout is not None else tensor.shape)
-        )
+        slot = engine.slot_of(tensor) if engine is not None and isinstance(tensor, nn.Parameter) else None
+        if slot is None:
+            targets[id(tensor)] = _Target([key], tensor, None, tuple(tensor.shape))
+            continue
+        spec = slot.tensor_parallel  # the file holds the unsplit tensor: its shape is the global one
+        shape = tuple(spec.shape if spec is not None else slot.layout.shape)
+        targets[id(tensor)] = _Target([key], tensor, slot.layout, shape, spec)
     return list(targets.values())
 
 
@@ -297,9 +303,19 @@ def _copy(reads: list[tuple[_Target, _FileTensor]]) -> None:
                 _fill_whole(target.tensor, f.get_tensor(ft.name))
             elif len(layout.shape) == 0:  # one element, held as one row by the rank that has it
                 target.tensor.data.copy_(layout.local_slice(f.get_tensor(ft.name)))
-            else:
+            elif target.tensor_parallel is None:
                 start, end = layout.rows_of(layout.rank)
                 target.tensor.data.copy_(f.get_slice(ft.name)[start:end])
+            else:
+                target.tensor.data.copy_(f.get_slice(ft.name)[_piece_rows(layout, target.tensor_parallel)])
+
+
+def _piece_rows(layout: ShardLayout, spec: TensorParallelSpec) -> tuple[slice, ...]:
+    """The part of the unsplit file tensor this rank holds under tensor parallelism: its rows of its TP piece (the
+    piece's region, rows counted from the piece's first)."""
+    start, end = layout.rows_of(layout.rank)
+    first, *rest = spec.piece_region()
+    return (slice(first.start + start, first.start + end), *rest)
 
 
 def _fill_whole(tensor: torch.Tensor, value: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ from lightning_fsdp.checkpoint.atomic_io import CheckpointLoadError, load_error
 from lightning_fsdp.checkpoint.common import numel
 from lightning_fsdp.checkpoint.convert import add_output_arguments, check_trust, run_command, same_path
 from lightning_fsdp.checkpoint.full import model_weights
-from lightning_fsdp.checkpoint.local import RankFiles
+from lightning_fsdp.checkpoint.local import RankFiles, unsplit_shape
 from lightning_fsdp.checkpoint.paths import (
     FULL,
     LOCAL,
@@ -205,7 +205,7 @@ def _local_source(path: str, weights_only: bool) -> _Source:
             infos[key] = None
         else:
             dtype = getattr(torch, str(entry["dtype"]).removeprefix("torch."))
-            infos[key] = TensorInfo(key, tuple(int(s) for s in entry["shape"]), dtype)
+            infos[key] = TensorInfo(key, unsplit_shape(entry), dtype)
     return _source(infos, files.full)
 
 

@@ -10,7 +10,9 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
+from torch.distributed.tensor import Shard
 from torch.optim import Optimizer
+from typing_extensions import NotRequired
 
 from lightning_fsdp.checkpoint import Checkpoint, StateDict, common
 from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO, CheckpointLoadError
@@ -22,6 +24,7 @@ from lightning_fsdp.checkpoint.common import (
 from lightning_fsdp.checkpoint.paths import LOCAL, META_FILE, file_problem, local_rank_file
 from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
+from lightning_fsdp.engine.tensor_parallel import TensorParallelSpec
 
 if TYPE_CHECKING:
     from lightning.fabric.utilities.types import _PATH
@@ -30,12 +33,21 @@ if TYPE_CHECKING:
 RankFileLoader = Callable[..., Checkpoint]
 
 
+class TensorParallelEntry(TypedDict):
+    """A tensor-parallel parameter's split: the unsplit shape and the dim its TP pieces split (None: replicated)."""
+
+    shape: tuple[int, ...]
+    dim: int | None
+
+
 class EntryLayout(TypedDict):
-    """How one state-dict entry is stored: its full shape (None: not a tensor), dtype, and each shard rank's rows."""
+    """How one state-dict entry is stored: its full shape (None: not a tensor; a TP piece's for a tensor-parallel
+    parameter), dtype, and each shard rank's rows."""
 
     shape: tuple[int, ...] | None
     dtype: str
     rows: list[tuple[int, int]] | None
+    tensor_parallel: NotRequired[TensorParallelEntry]  # absent without TP (and before TP pieces were recorded)
 
 
 class LocalLayout(TypedDict):
@@ -78,6 +90,8 @@ def layout_info(engine: ShardingEngine, optimizers: Sequence[Optimizer] | None, 
                 "dtype": str(slot.param.dtype),
                 "rows": [layout.rows_of(r) for r in range(layout.world_size)],
             }
+            if slot.tensor_parallel is not None:
+                entries[key]["tensor_parallel"] = _tensor_parallel_entry(slot.tensor_parallel)
         elif isinstance(value, torch.Tensor):
             entries[key] = {"shape": tuple(int(s) for s in value.shape), "dtype": str(value.dtype), "rows": None}
         else:
@@ -97,6 +111,11 @@ def layout_info(engine: ShardingEngine, optimizers: Sequence[Optimizer] | None, 
         "entries": entries,
         "optimizers": optimizer_names,
     }
+
+
+def _tensor_parallel_entry(spec: TensorParallelSpec) -> TensorParallelEntry:
+    dims = [p.dim for p in spec.placements if isinstance(p, Shard)]
+    return {"shape": tuple(int(s) for s in spec.shape), "dim": dims[0] if dims else None}
 
 
 def _write_file(obj: object, file: str) -> None:
@@ -123,6 +142,8 @@ def save_local_checkpoint(
     state = rest.pop("state_dict", {})
     optimizer_states = rest.pop("optimizer_states", None)
     shard_rank = engine.shard_comm.rank
+    specs = [s.tensor_parallel for u in engine.units for s in u.slots if s.tensor_parallel is not None]
+    tensor_parallel_rank = specs[0].mesh.get_local_rank() if specs else 0
 
     def write_part(tmp: str) -> None:
         part = {
@@ -131,6 +152,7 @@ def save_local_checkpoint(
             "rank": coll.rank,
             "world_size": coll.world_size,
             "shard_rank": shard_rank,
+            "tensor_parallel_rank": tensor_parallel_rank,
             "state_dict": state,
             "optimizer_states": optimizer_states,
         }
@@ -269,6 +291,12 @@ def load_local_checkpoint(
     return coll.run_agreed(read)
 
 
+def unsplit_shape(entry: Mapping[str, Any]) -> tuple[int, ...]:
+    """The full shape of a tensor entry of ``meta.pt``: a tensor-parallel parameter's unsplit shape, not its piece's."""
+    split = entry.get("tensor_parallel")
+    return tuple(int(s) for s in (split["shape"] if split is not None else entry["shape"]))
+
+
 def concat_rows(pieces: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
     row_numel = common.numel(shape[1:]) if len(shape) > 1 else 1
     return torch.cat([p.reshape(-1, row_numel) for p in pieces], dim=0).reshape(shape)
@@ -283,23 +311,40 @@ class RankFiles:
         self.entries: Mapping[str, Any] = info["entries"]
         self.optimizers = info.get("optimizers")
         world = info["world_size"]
+        self.tensor_parallel_size = int(info.get("tensor_parallel_size", 1))
         self.files = [_read_rank_file(path, r, world, weights_only, load) for r in range(world)]
-        # shard rank -> the first global rank holding its rows (with a subgroup as shard group, groups repeat)
-        self.holders: dict[int, int] = {}
+        # (TP rank, shard rank) -> the first global rank holding its rows (with a subgroup as shard group, or
+        # under HYBRID_SHARD, groups repeat)
+        self.holders: dict[tuple[int, int], int] = {}
         for rank, data in enumerate(self.files):
-            self.holders.setdefault(int(data.get("shard_rank", rank)), rank)
+            self.holders.setdefault((int(data.get("tensor_parallel_rank", 0)), int(data.get("shard_rank", rank))), rank)
 
-    def holding(self, entry: Mapping[str, Any]) -> list[Checkpoint]:
-        """The file holding each shard rank's rows of an entry split as its ``meta.pt`` ``entry`` records."""
-        return [self.files[self.holders[r]] for r in range(len(entry["rows"]))]
+    def holding(self, entry: Mapping[str, Any], tensor_parallel_rank: int = 0) -> list[Checkpoint]:
+        """The file holding each shard rank's rows of an entry split as its ``meta.pt`` ``entry`` records (of the
+        TP piece of ``tensor_parallel_rank``, for a tensor-parallel parameter)."""
+        return [self.files[self.holders[tensor_parallel_rank, r]] for r in range(len(entry["rows"]))]
 
     def full(self, key: str) -> Any:
         """``key``'s full value in the model's state dict (a tensor, or whatever else the files hold)."""
         entry = self.entries[key]
         if entry["rows"] is None:
             return self.files[0]["state_dict"][key]
-        pieces = [data["state_dict"][key] for data in self.holding(entry)]
-        return concat_rows(pieces, tuple(int(s) for s in entry["shape"]))
+        return self.assemble(entry, lambda data: data["state_dict"][key])
+
+    def assemble(self, entry: Mapping[str, Any], value_of: Callable[[Checkpoint], torch.Tensor]) -> torch.Tensor:
+        """The unsplit tensor of a split ``entry`` from each file's rows, ``value_of(file)``: the shard ranks' rows
+        joined, then, for a tensor-parallel parameter, the TP pieces joined on their dim (``torch.chunk``'s sizes, as
+        DTensor's ``Shard`` splits)."""
+        split = entry.get("tensor_parallel")
+        if split is None or split["dim"] is None:  # not split by TP, or the same on every TP rank
+            return concat_rows([value_of(d) for d in self.holding(entry)], tuple(int(s) for s in entry["shape"]))
+        shape, dim, size = tuple(split["shape"]), split["dim"], self.tensor_parallel_size
+        chunk = -(-shape[dim] // size)
+        pieces = []
+        for t in range(size):
+            piece_shape = (*shape[:dim], max(0, min(shape[dim], (t + 1) * chunk) - t * chunk), *shape[dim + 1 :])
+            pieces.append(concat_rows([value_of(d) for d in self.holding(entry, t)], piece_shape))
+        return torch.cat(pieces, dim=dim)
 
 
 def read_local_checkpoint_full(path: str, weights_only: bool | None = None) -> Checkpoint:
@@ -320,7 +365,11 @@ def read_local_checkpoint_full(path: str, weights_only: bool | None = None) -> C
                 new_entry = {}
                 for key, value in first["state"][position].items():
                     rows = entry["rows"] if entry is not None else None
-                    if entry is not None and rows is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
+                    if entry is not None and "tensor_parallel" in entry and isinstance(value, torch.Tensor):
+                        # a state tensor of the parameter's shape on every rank (momentum, moments): joined as it is
+                        if value.shape == files.files[0]["state_dict"][name].shape:
+                            value = files.assemble(entry, partial(_state_tensor, index, position, key))
+                    elif entry is not None and rows is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
                         pieces = [d["optimizer_states"][index]["state"][position][key] for d in files.holding(entry)]
                         local_rows = [end - start for start, end in rows]
                         if [p.shape[0] for p in pieces] == local_rows:
@@ -330,6 +379,11 @@ def read_local_checkpoint_full(path: str, weights_only: bool | None = None) -> C
             optimizer_states.append({"state": full_state, "param_groups": first["param_groups"]})
         checkpoint["optimizer_states"] = optimizer_states
     return checkpoint
+
+
+def _state_tensor(index: int, position: int, key: str, data: Checkpoint) -> torch.Tensor:
+    """One rank file's optimizer state tensor ``key`` of parameter ``position`` in optimizer ``index``."""
+    return data["optimizer_states"][index]["state"][position][key]
 
 
 class LocalFormat(common.DirectoryFormat):

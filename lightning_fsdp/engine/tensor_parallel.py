@@ -25,6 +25,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement
 
 
@@ -75,6 +76,12 @@ class TensorParallelSpec:
             .redistribute(spec.mesh, spec.placements)
             .to_local()
         )
+
+    def piece_region(self) -> tuple[slice, ...]:
+        """Where this TP rank's piece lies in the unsplit tensor, one slice per dim (no collective): what a loader
+        reads of an unsplit file (``pretrained.py``). torch's own rule (DTensor's local shape and global offset)."""
+        local_shape, offset = compute_local_shape_and_global_offset(self.shape, self.mesh, self.placements)
+        return tuple(slice(start, start + size) for start, size in zip(offset, local_shape, strict=True))
 
     def parameter(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """A DTensor parameter as ``parallelize_module`` makes, holding ``local`` (the module's own after a stage)."""

@@ -32,18 +32,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp import FSDPStrategy, pipelined_loss  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_model_state_dict  # noqa: E402
 from tests.toolbox.lightning_scripts import quiet_trainer  # noqa: E402
-from tests.toolbox.models import Block, ChainLM, loss_fn, samples  # noqa: E402
-from tests.toolbox.tp_models import SEQ, hf_causal_lm  # noqa: E402
+from tests.toolbox.models import Block, loss_fn, samples  # noqa: E402
+from tests.toolbox.tp_models import SEQ, chain_lm, hf_causal_lm  # noqa: E402
 from tests.toolbox.tp_models import VOCAB as LLAMA_VOCAB  # noqa: E402
 
 GLOBAL_BATCH = 8
 SAMPLES = 48
-VOCAB, DIM = 7, 6
-
-
-def chain_lm() -> ChainLM:
-    """Embedding, four blocks with even hidden widths (torch's row-wise layers take even pieces), a norm, a head."""
-    return ChainLM(VOCAB, DIM, lambda: [Block(DIM, 4), Block(DIM, 6), Block(DIM, 8), Block(DIM, 2)])
 
 
 def token_samples(count: int) -> TensorDataset:

@@ -9,6 +9,7 @@
 - ``lightning_scripts``: what the Lightning scripts in tests/scripts/ share (a quiet Trainer, ToyLM's module).
 - ``s3``: a real S3-compatible server (moto) on 127.0.0.1 for the object-storage tests.
 - ``compare``: named tensors and optimizer states compared, with a count of what was compared.
+- ``safetensors_reads``: what a loader materialised from safetensors files, tensor by tensor (name and shape).
 - ``tp_models``: tiny transformers and litgpt models for the tensor-parallel tests, and a model's tensors gathered
   in full (DTensors with ``full_tensor()``).
 

@@ -2,8 +2,8 @@
 
 The models are the libraries' own classes (transformers' Llama, Mistral, Qwen2 and Qwen3 causal LMs, litgpt's GPT)
 at sizes that train in milliseconds; every tensor is perturbed from its library initialisation (norms start at 1,
-biases at 0) so that a gradient or update landing on the wrong rows or heads shows. ``full_values`` gathers a
-model's parameters, DTensors or plain, into ordinary tensors by name.
+biases at 0) so that a gradient or update landing on the wrong rows or heads shows. ``chain_lm`` is the Lightning TP
+scripts' ChainLM. ``full_values`` gathers a model's parameters, DTensors or plain, into ordinary tensors by name.
 """
 
 from __future__ import annotations
@@ -12,7 +12,20 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tests.toolbox.models import Block, ChainLM
+
 VOCAB, SEQ, BATCH = 64, 8, 2
+CHAIN_VOCAB, CHAIN_DIM = 7, 6
+
+
+def chain_lm() -> ChainLM:
+    """The Lightning TP scripts' model: embedding, four blocks with even hidden widths (torch's row-wise layers take
+    even pieces), a norm, a head (tests/scripts/tensor_parallel_run.py, tp_compose_run.py)."""
+    return ChainLM(
+        CHAIN_VOCAB,
+        CHAIN_DIM,
+        lambda: [Block(CHAIN_DIM, 4), Block(CHAIN_DIM, 6), Block(CHAIN_DIM, 8), Block(CHAIN_DIM, 2)],
+    )
 
 
 def perturbed(model: nn.Module, seed: int = 0) -> nn.Module:
