@@ -1,6 +1,7 @@
 """Step time through Lightning: fsdp_custom FULL_SHARD against Lightning DDP on the small model, launches alternated.
 
     python -m benchmarks.lightning_steps --world-sizes 2,4 --pairs 4 --out DIR
+    python -m benchmarks.lightning_steps --merge DIR1 DIR2 --out DIR     # one report of several runs' pairs
 
 A Trainer owns its training loop, so two strategies cannot take turns step by step in one process as
 ``python -m benchmarks`` interleaves torch's DDP. Here each strategy is launched as a user launches a Lightning script
@@ -26,7 +27,7 @@ from typing import Any
 from benchmarks.common import command_line, machine
 from benchmarks.scale import VARIANT_NAMES, ScaleConfig, gpt_shape, run_variant, summarise
 
-__all__ = ["StepConfig", "run_steps", "steps_markdown"]
+__all__ = ["StepConfig", "merge_steps", "run_steps", "steps_markdown"]
 
 CANDIDATE = "fsdp_full"
 BASELINE = "ddp"
@@ -48,6 +49,7 @@ class StepConfig:
     steps: int = 16
     threads: int = 1
     profile: bool = False  # torch.profiler over each launch's steps after the first (runs/*/profile-rank*.txt)
+    fsdp_options: dict[str, Any] = field(default_factory=dict)  # FSDPStrategy arguments besides the defaults
 
     def scale_config(self) -> ScaleConfig:
         return ScaleConfig(
@@ -65,6 +67,7 @@ class StepConfig:
             monitor=False,
             save=False,
             profile=self.profile,
+            fsdp_options=self.fsdp_options,
             timeout=900.0,
         )
 
@@ -99,6 +102,29 @@ def run_steps(cfg: StepConfig, out: Path, say: Any = print) -> dict[str, Any]:
     return report
 
 
+def merge_steps(folders: list[Path], out: Path) -> dict[str, Any]:
+    """One report of several runs' ``steps.json`` (each run a few pairs, so that each holds a shared machine's lock
+    briefly): per world size, every run's pairs, renumbered in the order given, and the ratios over all of them."""
+    reports = [json.loads((folder / "steps.json").read_text()) for folder in folders]
+    launches: dict[int, list[dict[str, Any]]] = {}
+    for report in reports:
+        for w in report["worlds"]:
+            first = len(launches.setdefault(w["world"], [])) // 2
+            launches[w["world"]] += [{**r, "pair": first + r["pair"]} for r in w["launches"]]
+    worlds = [{"world": k, "launches": v, **_ratios(v, len(v) // 2)} for k, v in sorted(launches.items())]
+    merged = {
+        "config": reports[0]["config"],
+        "machine": reports[0]["machine"],
+        "dates": [report["date"] for report in reports],
+        "runs": [report.get("command") for report in reports],
+        "worlds": worlds,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "steps.json").write_text(json.dumps(merged, indent=1))
+    (out / "steps.md").write_text(steps_markdown(merged))
+    return merged
+
+
 def _ratios(launches: list[dict[str, Any]], pairs: int) -> dict[str, Any]:
     """Per pair, the candidate's median step over the baseline's; their median, and each variant's median step."""
     step = {(r["pair"], r["variant"]): r["median_step_s"] for r in launches}
@@ -122,7 +148,8 @@ def steps_markdown(report: dict[str, Any]) -> str:
             f"| {w['world']} | {len(w['pair_ratios'])} | {medians[CANDIDATE]:.3f} | {medians[BASELINE]:.3f} "
             f"| {', '.join(f'{r:.2f}' for r in w['pair_ratios'])} | {w['median_ratio']:.2f}x |"
         )
-    return "\n".join(rows) + "\n"
+    options = report["config"].get("fsdp_options")
+    return (f"fsdp_custom with {options}\n\n" if options else "") + "\n".join(rows) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,15 +159,27 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("pairs", "params", "width", "heads", "vocab", "seq", "batch", "steps", "threads"):
         parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
     parser.add_argument("--profile", action="store_true", help="torch.profiler tables of each launch's steps")
+    parser.add_argument(
+        "--fsdp-options",
+        type=json.loads,
+        default={},
+        help='fsdp_custom arguments as JSON, e.g. {"forward_prefetch": true}',
+    )
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: a temporary one)")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None, help="merge these runs' steps.json into --out")
     args = parser.parse_args(argv)
+    if args.merge:
+        if args.out is None:
+            parser.error("--merge needs --out")
+        print(steps_markdown(merge_steps(args.merge, args.out)))
+        return
     if args.pairs < 1 or args.steps < 2:
         parser.error(
             f"--pairs must be >= 1 and --steps >= 2 (the first step is not timed); got {args.pairs}, {args.steps}"
         )
     cfg = StepConfig(
         **{name: getattr(args, name) for name in ("world_sizes", "pairs", "params", "width", "heads", "vocab", "seq")},
-        **{name: getattr(args, name) for name in ("batch", "steps", "threads", "profile")},
+        **{name: getattr(args, name) for name in ("batch", "steps", "threads", "profile", "fsdp_options")},
     )
     out = args.out or Path(tempfile.mkdtemp(prefix="lfsdp-steps-"))
     report = run_steps(cfg, out, say=lambda text: print(text, file=sys.stderr, flush=True))
