@@ -86,6 +86,10 @@ class ScaleConfig:
     units: str = "blocks"  # "blocks": each Block a unit; "blocks+ends": also the token embedding and the head
     pretrained: bool = False  # fsdp_custom: load_pretrained of a safetensors file of the model at on_fit_start
     trace: bool = False  # sample each rank's RssAnon through training (results.json, "trace")
+    monitor: bool = True  # fsdp_custom: a ShardingMonitor logging every step (off for step-time comparisons)
+    save: bool = True  # save (and load) after training
+    fsdp_options: dict[str, Any] = field(default_factory=dict)  # more FSDPStrategy arguments for fsdp_custom
+    profile: bool = False  # torch.profiler over the steps after the first: {run}/profile-rank{r}.txt
     timeout: float = 1500.0  # seconds one variant may take
     collective_timeout: float = 900.0
 
@@ -202,7 +206,7 @@ def write_pretrained(shape: dict[str, Any], path: Path, seed: int) -> int:
     return path.stat().st_size
 
 
-def _run_variant(
+def run_variant(
     cfg: ScaleConfig, variant: str, world: int, shape: dict[str, Any], work: Path, load: bool
 ) -> dict[str, Any]:
     """Launch one variant; returns its ranks' records or a failure with the output's end."""
@@ -220,6 +224,10 @@ def _run_variant(
         "out": str(work),
         "load": load,
         "trace": cfg.trace,
+        "monitor": cfg.monitor,
+        "save": cfg.save,
+        "profile": cfg.profile,
+        "fsdp_options": cfg.fsdp_options,
         "units": cfg.units,
         "pretrained": None,
     }
@@ -340,7 +348,7 @@ def run_scale(cfg: ScaleConfig, out: Path, say: Any = print) -> dict[str, Any]:
                 say(f"[scale] {record['name']} ws={world}: no load, {record['load_skipped']}")
             say(f"[scale] {record['name']} ws={world}, {numel / 1e9:.3f}B parameters ...")
             work = out / "runs" / f"{variant}-ws{world}"
-            result = _run_variant(cfg, variant, world, shape, work, load)
+            result = run_variant(cfg, variant, world, shape, work, load)
             shutil.rmtree(work / "checkpoint", ignore_errors=True)
             (work / "checkpoint.ckpt").unlink(missing_ok=True)
             (work / "pretrained.safetensors").unlink(missing_ok=True)

@@ -187,6 +187,9 @@ class ScaleProbe(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         self._event(f"step {idx} start")
+        if self.spec.get("profile") and idx == 1:  # the steps after the first (which creates AdamW's state)
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profiler.__enter__()
         self._step_start = time.perf_counter()
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
@@ -203,6 +206,11 @@ class ScaleProbe(L.Callback):
     ) -> None:
         self.record["step_s"].append(time.perf_counter() - self._step_start)
         self._event(f"step {idx} end")
+        if self.spec.get("profile") and idx == self.spec["steps"] - 1:
+            self.profiler.__exit__(None, None, None)
+            table = self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=60)
+            with open(os.path.join(self.spec["out"], f"profile-rank{trainer.global_rank}.txt"), "w") as f:
+                f.write(table)
         self.record.setdefault("losses", []).append(float(outputs["loss"]))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -215,6 +223,9 @@ class ScaleProbe(L.Callback):
                 mine = f"/rank{trainer.global_rank}/"
                 last = callback.last  # type: ignore[attr-defined]
                 self.record["monitor"] = {k.split("/")[-1]: v for k, v in last.items() if mine in k}
+        if not self.spec.get("save", True):
+            self._phase_start()
+            return
         path = os.path.join(self.spec["out"], "checkpoint" + ("" if self.spec["variant"] != "ddp" else ".ckpt"))
         self._phase_start()
         trainer.save_checkpoint(path)
@@ -251,7 +262,7 @@ def main(spec_path: str) -> None:
         from lightning_fsdp import FSDPStrategy
         from lightning_fsdp.monitor import ShardingMonitor
 
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = dict(spec.get("fsdp_options") or {})
         if variant == "fsdp_hybrid" and hybrid_per_node(world) != world:
             from lightning_fsdp.process_groups import node_groups
 
@@ -265,7 +276,8 @@ def main(spec_path: str) -> None:
             timeout=timeout,
             **options,
         )
-        callbacks.append(ShardingMonitor(log_every_n_steps=1))
+        if spec.get("monitor", True):
+            callbacks.append(ShardingMonitor(log_every_n_steps=1))
     elif variant == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 

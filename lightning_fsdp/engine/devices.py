@@ -71,9 +71,10 @@ class DeviceRuntime:
         peak = getattr(getattr(torch, device.type, None), "max_memory_allocated", None)
         return None if peak is None else int(peak(device))
 
-    def return_free_memory(self) -> None:
+    def return_free_memory(self, largest_block: int) -> None:
         """Called after each unit's backward: give memory the allocator holds free back, where that lowers the peak
-        (nothing by default; an accelerator's caching allocator reuses its blocks)."""
+        (nothing by default; an accelerator's caching allocator reuses its blocks). ``largest_block``: the bytes of
+        the largest single buffer the engine's backward allocates."""
 
 
 class CPURuntime(DeviceRuntime):
@@ -88,10 +89,10 @@ class CPURuntime(DeviceRuntime):
     def pins_host_memory(self, device: torch.device) -> bool:
         return False
 
-    def return_free_memory(self) -> None:
-        # Freed activations would otherwise stay resident beside the new gradients ([Note: returning freed host
-        # memory] in engine/host_memory.py).
-        return_free_heap_memory()
+    def return_free_memory(self, largest_block: int) -> None:
+        # Freed activations would otherwise stay resident beside new gradients glibc maps afresh ([Note: returning
+        # freed host memory] in engine/host_memory.py).
+        return_free_heap_memory(largest_block)
 
 
 class CUDARuntime(DeviceRuntime):

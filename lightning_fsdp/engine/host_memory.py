@@ -9,21 +9,37 @@ about one activation set above the live tensors (0.6 GiB per rank at 0.85B param
 scale"). So after each unit's backward a CPU engine asks glibc how many bytes its heaps hold free (``mallinfo2``,
 all arenas) and, from ``RETURN_AT_BYTES`` on, gives them back (``malloc_trim(0)``, which also releases whole free
 pages inside the heaps); below that, only the count is paid. Off glibc nothing is done. The next forward faults the
-pages in again: the cost is that of touching one activation set afresh per step. The activations decide, not the
-model's size: the 19M-parameter benchmark GPT at 8 x 128 tokens also frees about 200 MiB per backward and trims;
-alternating steps with and without trimming on one rank measured -3% and +9% in two runs, within this machine's
-noise (docs/decisions.md, "Host memory at scale")."""
+pages in again: the cost is that of touching one activation set afresh per step, which is worth paying only where
+it lowers the peak, that is where the backward allocates blocks the freed heap memory cannot serve. glibc maps a
+block afresh only above its mmap threshold, which never rises past ``ALWAYS_MAPPED_BYTES`` (32 MiB on 64-bit); a
+smaller block, once the threshold has risen past it (the first freed buffer of that size raises it), is carved out of
+the freed activations and leaves the resident set where it was. So an engine returns memory only when its backward
+allocates a block of ``ALWAYS_MAPPED_BYTES`` or more (a unit's gradient shards, or one parameter's full-size
+gradient: ``ShardingEngine``'s ``_largest_backward_block``). The 19M-parameter benchmark GPT (6.3 MiB of gradient
+shards per Block at 2 ranks) frees about 200 MiB of activations per backward: trimming them after every unit made
+its step 1.21x slower through Lightning (1.94 s against 1.60 s, docs/decisions.md, "Host memory at scale") for a
+peak it cannot lower; the 0.84B GPT (96 MiB per Block) still trims after every unit."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["RETURN_AT_BYTES", "return_free_heap_memory", "trim_heap"]
+import torch
+
+if TYPE_CHECKING:
+    from lightning_fsdp.engine.unit import FlatUnit
+
+__all__ = ["ALWAYS_MAPPED_BYTES", "RETURN_AT_BYTES", "largest_backward_block", "return_free_heap_memory", "trim_heap"]
 
 RETURN_AT_BYTES = 64 * 2**20
+# glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit (4 MiB * sizeof(long)): the dynamic mmap threshold never rises past
+# it, so blocks this large are always mapped afresh, never carved out of freed heap memory.
+ALWAYS_MAPPED_BYTES = 32 * 2**20
 
 
 class _MallInfo2(ctypes.Structure):
@@ -70,12 +86,26 @@ def trim_heap() -> bool:
     return True
 
 
-def return_free_heap_memory(at_least: int = RETURN_AT_BYTES) -> int:
-    """If glibc's heaps hold ``at_least`` bytes free, give their free pages back to the kernel; returns the free bytes
-    found (0 off glibc). See [Note: returning freed host memory]."""
-    if _GLIBC is None:
+def return_free_heap_memory(largest_block: int, at_least: int = RETURN_AT_BYTES) -> int:
+    """If what comes next allocates blocks of ``ALWAYS_MAPPED_BYTES`` or more (``largest_block``: the largest, in
+    bytes) and glibc's heaps hold ``at_least`` bytes free, give their free pages back to the kernel; returns the free
+    bytes found (0 when not looked at: off glibc, or smaller blocks, which reuse the freed memory anyway). See
+    [Note: returning freed host memory]."""
+    if _GLIBC is None or largest_block < ALWAYS_MAPPED_BYTES:
         return 0
     free = int(_GLIBC.mallinfo2().fordblks)
     if free >= at_least:
         trim_heap()
     return free
+
+
+def largest_backward_block(units: Sequence[FlatUnit]) -> int:
+    """The bytes of the largest single buffer a backward of these units allocates: a parameter's full-size gradient
+    (in the compute dtype) or a unit's gradient shards (one buffer, in the reduction's dtype)."""
+    largest = 0
+    for unit in units:
+        reduced = unit.shard_numel * torch.empty((), dtype=unit.reduce_dtype).element_size()
+        compute_size = torch.empty((), dtype=unit.compute_dtype).element_size()
+        full = max((math.prod(slot.layout.shape) * compute_size for slot in unit.slots), default=0)
+        largest = max(largest, reduced, full)
+    return largest

@@ -31,6 +31,7 @@ from lightning_fsdp.engine.controls import (
 )
 from lightning_fsdp.engine.devices import device_runtime
 from lightning_fsdp.engine.diagnostics import describe_collective, report_nonfinite
+from lightning_fsdp.engine.host_memory import largest_backward_block
 from lightning_fsdp.engine.ignored import IgnoredParams
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.options import (
@@ -99,6 +100,7 @@ class ShardingEngine:
         names = {id(p): name for name, p in root.named_parameters(remove_duplicate=False)}
         self._ignored = IgnoredParams(list(ignored_params or []), names, shard_comm, replicate_comm)
         self._reduced_units: list[FlatUnit] = []
+        self._largest_backward_block = largest_backward_block(units)  # whether freeing host memory lowers the peak
         self._forward_depth = 0  # unit forwards open right now (outermost call of each, nested ones included)
         # reshard_after_forward=N: cached by size, as torch's groups are created once, by every rank.
         self.secondary_comm: Communicator | None = None
@@ -250,11 +252,10 @@ class ShardingEngine:
     def _sync_root_slots(self, slots: list[ParamSlot]) -> None:
         if self._training_state is TrainingState.BACKWARD:
             return
-        root = self.root_unit
-        root.sync_requires_grad(slots)
+        self.root_unit.sync_requires_grad(slots)
         # Also outside the root's forward (see [Note: calls from outside a step]).
-        if not root.is_unsharded:
-            root.unshard()
+        if not self.root_unit.is_unsharded:
+            self.root_unit.unshard()
 
     def _mark_root_use(self, output: object) -> None:
         root = self.root_unit
@@ -275,9 +276,8 @@ class ShardingEngine:
 
     def _after_optimizer_step(self) -> None:
         # Full parameters unsharded before a step are stale (kept units; the root under manual optimization).
-        if self.closed or self._training_state is TrainingState.BACKWARD:
-            return
-        self._reshard_all()
+        if not self.closed and self._training_state is not TrainingState.BACKWARD:
+            self._reshard_all()
 
     def reshard_idle(self) -> None:
         """Between forwards: reshard whatever an earlier forward left unsharded, so that the modules hold the user's
@@ -313,7 +313,7 @@ class ShardingEngine:
             return  # not every call's backward has ended (or one cannot signal it: then _finish_backward reduces)
         if unit.post_backward(self.finish_reductions):
             self._reduced_units.append(unit)
-        self._runtime.return_free_memory()  # the unit's activations are freed now
+        self._runtime.return_free_memory(self._largest_backward_block)  # the unit's activations are freed now
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch(self._neighbour(unit, -1))
 

@@ -7,6 +7,7 @@ Timing is never asserted (the machines are shared)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -124,3 +125,30 @@ def test_step_peak_takes_the_larger_of_activations_and_unsharded_gradients():
     assert estimate.step_peak(1000) == estimate.peak + 1000
     with pytest.raises(ValueError, match="activation_bytes=-1"):
         estimate.step_peak(-1)
+
+
+def test_alternated_step_pairs_and_their_merge(tmp_path):
+    """benchmarks.lightning_steps' arithmetic, on launches written out by hand (no launch): one ratio per pair, their
+    median, each variant's median step; a merge renumbers the second run's pairs after the first's."""
+    from benchmarks.lightning_steps import merge_steps, steps_markdown
+
+    def run(folder: str, steps: list[tuple[float, float]]) -> None:
+        launches = [
+            {"pair": p, "variant": v, "median_step_s": s}
+            for p, pair in enumerate(steps)
+            for v, s in zip(("fsdp_full", "ddp"), pair)
+        ]
+        report = {"config": {}, "machine": {}, "date": folder, "worlds": [{"world": 2, "launches": launches}]}
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "steps.json").write_text(json.dumps(report))
+
+    run("a", [(1.1, 1.0), (2.0, 2.5)])
+    run("b", [(3.0, 2.0)])
+    merged = merge_steps([tmp_path / "a", tmp_path / "b"], tmp_path / "merged")
+    (world,) = merged["worlds"]
+    assert [r["pair"] for r in world["launches"]] == [0, 0, 1, 1, 2, 2]
+    assert world["pair_ratios"] == pytest.approx([1.1, 0.8, 1.5])
+    assert world["median_ratio"] == pytest.approx(1.1)
+    assert world["median_step_s"] == pytest.approx({"fsdp_full": 2.0, "ddp": 2.0})
+    assert "| 2 | 3 | 2.000 | 2.000 | 1.10, 0.80, 1.50 | 1.10x |" in steps_markdown(merged)
+    assert (tmp_path / "merged" / "steps.md").read_text() == steps_markdown(merged)
