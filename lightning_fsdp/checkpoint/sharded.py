@@ -338,7 +338,8 @@ class _ShardedLoad:
         new tensor of this rank's rows (one shard's worth: see [Note: a sharded load reads in place])."""
         layout = slot.layout if slot is not None else None
         sharded = layout is not None and is_sharded(layout) and len(full_shape) > 0
-        here = tuple(layout.local_shape) if slot is not None and (sharded or slot.tensor_parallel) else full_shape
+        rows = slot is not None and (sharded or slot.tensor_parallel is not None)
+        here = tuple(slot.layout.local_shape) if slot is not None and rows else full_shape
         if live is None or live.device.type != "cpu" or live.dtype != dtype or tuple(live.shape) != here:
             live = torch.zeros(here, dtype=dtype)
         else:
