@@ -31,9 +31,9 @@ from lightning_fsdp.checkpoint.common import (
     managed_keys,
     shape_str,
 )
+from lightning_fsdp.checkpoint.dcp_writing import with_exact_storages, without_crc32
 from lightning_fsdp.checkpoint.paths import META_FILE, SHARDED
 from lightning_fsdp.checkpoint.safe_load import alone_on_purpose, check_shard_files, dcp_load, read_dcp_metadata
-from lightning_fsdp.checkpoint.zero_copy import with_exact_storages
 from lightning_fsdp.collective import Collective
 from lightning_fsdp.engine import ShardingEngine
 from lightning_fsdp.engine.comm import gather_rows
@@ -209,12 +209,13 @@ def _write(
         info["pipeline"] = pipeline.describe()
     meta[FORMAT_KEY] = info
 
-    # Shards are views into their unit's flat buffer, which DCP's writer would clone (zero_copy.py).
+    # Shards are views into their unit's flat buffer, which DCP's writer would clone (dcp_writing.py).
     tensors = with_exact_storages(tensors)
 
     def write_part(tmp: str) -> None:
-        # A failure on any rank raises a CheckpointException on every rank (DCP gathers the results).
-        with alone_on_purpose(coll):
+        # A failure on any rank raises a CheckpointException on every rank (DCP gathers the results). No CRC-32 of
+        # the records: no reader checks it (dcp_writing.py).
+        with alone_on_purpose(coll), without_crc32():
             dcp.save(tensors, checkpoint_id=tmp, process_group=coll.group, no_dist=not coll.distributed)
 
     common.write_directory(path, SHARDED, write_part, lambda: meta, coll)
