@@ -140,7 +140,8 @@ def load_model_state_dict(engine: ShardingEngine, state: Mapping[str, object], *
                     f"Checkpoint {rows.source!r}: this rank's part of {key!r} has shape {got}, but its shard here "
                     f"is {shape_str(local_shape)}."
                 )
-            slot.param.data.copy_(value)
+            if not _same_memory(value, slot.param.data):  # a sharded load reads into the shards themselves
+                slot.param.data.copy_(value)
             continue
         if not isinstance(value, torch.Tensor):
             raise CheckpointMismatchError(
@@ -160,6 +161,10 @@ def load_model_state_dict(engine: ShardingEngine, state: Mapping[str, object], *
     missing = [k for k in result.missing_keys if k not in managed] + [k for k in managed if k not in state]
     if rows is None:
         _check_keys(strict, f"Error loading state dict into {type(module).__name__}", missing, result.unexpected_keys)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.device == b.device and a.shape == b.shape and a.stride() == b.stride()
 
 
 # The names the formats' loaders had before they shared one.

@@ -31,6 +31,7 @@ from lightning_fsdp.checkpoint.common import (
     managed_keys,
     shape_str,
 )
+from lightning_fsdp.checkpoint.dcp_writing import with_exact_storages, without_crc32
 from lightning_fsdp.checkpoint.paths import META_FILE, SHARDED
 from lightning_fsdp.checkpoint.safe_load import alone_on_purpose, check_shard_files, dcp_load, read_dcp_metadata
 from lightning_fsdp.collective import Collective
@@ -208,9 +209,13 @@ def _write(
         info["pipeline"] = pipeline.describe()
     meta[FORMAT_KEY] = info
 
+    # Shards are views into their unit's flat buffer, which DCP's writer would clone (dcp_writing.py).
+    tensors = with_exact_storages(tensors)
+
     def write_part(tmp: str) -> None:
-        # A failure on any rank raises a CheckpointException on every rank (DCP gathers the results).
-        with alone_on_purpose(coll):
+        # A failure on any rank raises a CheckpointException on every rank (DCP gathers the results). No CRC-32 of
+        # the records: no reader checks it (dcp_writing.py).
+        with alone_on_purpose(coll), without_crc32():
             dcp.save(tensors, checkpoint_id=tmp, process_group=coll.group, no_dist=not coll.distributed)
 
     common.write_directory(path, SHARDED, write_part, lambda: meta, coll)
@@ -283,6 +288,14 @@ def _set(container: Any, path: _EntryPath, value: object) -> None:
         container = container[key]
 
 
+# [Note: a sharded load reads in place]
+# DCP reads each saved chunk into a tensor of its own (one entry's rows of one file: the staging) and copies the
+# rows this rank holds into the target. The targets are the live shards and the optimizer's state tensors where
+# they exist on the host with the entry's dtype and shape, so a load holds no second copy of the model state (a
+# resumed run's optimizer has no state yet: its targets are new tensors of this rank's rows, which
+# ``Optimizer.load_state_dict`` then keeps without copying). The model's values change while the files are read,
+# before the key check of ``load_model_state_dict``; a load that fails part-way leaves them partly loaded (as DCP's
+# in-place load of FSDP2 does): the run stops with the error either way.
 class _ShardedLoad:
     """Plans and performs the load of a sharded directory into a sharded module and its optimizers."""
 
@@ -314,13 +327,30 @@ class _ShardedLoad:
             )
         self._plan_model()
 
-    def _target(self, full_shape: tuple[int, ...], dtype: torch.dtype, slot: ParamSlot | None) -> torch.Tensor:
+    def _target(
+        self,
+        full_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        slot: ParamSlot | None,
+        live: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Where DCP reads an entry into: ``live`` (the shard or optimizer state tensor that will hold it, read in
+        place, as DCP loads FSDP2's) where it is a host tensor of the entry's dtype and of this rank's shape, else a
+        new tensor of this rank's rows (one shard's worth: see [Note: a sharded load reads in place])."""
         layout = slot.layout if slot is not None else None
+        sharded = layout is not None and is_sharded(layout) and len(full_shape) > 0
+        rows = slot is not None and (sharded or slot.tensor_parallel is not None)
+        here = tuple(slot.layout.local_shape) if slot is not None and rows else full_shape
+        if live is None or live.device.type != "cpu" or live.dtype != dtype or tuple(live.shape) != here:
+            live = torch.zeros(here, dtype=dtype)
+        else:
+            live = live.detach()
         if slot is not None and slot.tensor_parallel is not None:  # this rank's rows of the unsplit tensor
-            return _slot_global_tensor(torch.zeros(tuple(slot.layout.local_shape), dtype=dtype), slot, self.engine)
-        if layout is not None and is_sharded(layout) and len(full_shape) > 0:
-            return _dtensor(torch.zeros(tuple(layout.local_shape), dtype=dtype), layout, _mesh(self.engine, "cpu"))
-        return torch.zeros(full_shape, dtype=dtype)
+            return _slot_global_tensor(live, slot, self.engine)
+        if sharded:
+            assert layout is not None
+            return _dtensor(live, layout, _mesh(self.engine, "cpu"))
+        return live
 
     def _plan_model(self) -> None:
         module = self.engine.root
@@ -356,7 +386,8 @@ class _ShardedLoad:
                     f"checkpoint but {here} in the model; it is a checkpoint of another model."
                 )
             layout = slot.layout if slot is not None else None
-            self.tensor_targets[flat] = self._target(expected, storage.properties.dtype, slot)
+            live = self.engine.shard_of(slot) if slot is not None and not self.engine.closed else None
+            self.tensor_targets[flat] = self._target(expected, storage.properties.dtype, slot, live)
             if layout is not None:
                 self.layouts[flat] = layout
             self.model_keys[key] = flat
@@ -422,7 +453,9 @@ class _ShardedLoad:
                     # without a record (a converted full file), every entry but a step counter is.
                     row_names = recorded.get(str(p[2])) if recorded else None
                     rows = p[3] in row_names if row_names is not None else p[3] != "step"
-                self.tensor_targets[flat] = self._target(full, storage.properties.dtype, slot if rows else None)
+                live = optimizer.state.get(param, {}).get(p[3]) if rows and len(p) == 4 else None
+                target_slot = slot if rows else None
+                self.tensor_targets[flat] = self._target(full, storage.properties.dtype, target_slot, live)
                 if rows and layout is not None:
                     self.layouts[flat] = layout
                 state_targets[flat] = (position, tuple(p[3:]), "tensor")
