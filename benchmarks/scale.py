@@ -335,14 +335,14 @@ def run_scale(cfg: ScaleConfig, out: Path, say: Any = print) -> dict[str, Any]:
                 say(f"[scale] {record['name']} ws={world}: skipped, {record['reason']}")
                 records.append(record)
                 continue
-            # Loading after training holds the trained parameters and optimizer state, and (but for DCP's in-place
-            # load under FSDP2) the checkpoint's copy of them; gradients are dropped first.
+            # Loading after training holds the trained parameters and optimizer state, read into in place (DCP's load
+            # under FSDP2, the sharded loader's under fsdp_custom); gradients are dropped first.
             kept = estimate.params + estimate.optimizer_state
-            load_gib = world * (1.1 * (kept * (1 if variant == "fsdp2" else 2) + activations) / GIB + BASE_GIB)
+            load_gib = world * (1.1 * (kept + activations) / GIB + BASE_GIB)
             load = load_gib <= budget
             if not load:
                 record["load_skipped"] = (
-                    f"loading needs ~{load_gib:.1f} GiB over {world} ranks (the trained state and the loaded copy); "
+                    f"loading needs ~{load_gib:.1f} GiB over {world} ranks (the trained state, read into in place); "
                     f"{budget:.1f} GiB available"
                 )
                 say(f"[scale] {record['name']} ws={world}: no load, {record['load_skipped']}")
