@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import tempfile
 import time
 import traceback
@@ -80,6 +81,21 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def run_logged(cmd: list[str], log: Path, env: dict[str, str], cwd: Path, timeout: float) -> int | None:
+    """Run ``cmd`` (a launch: rank 0, which Lightning's launcher makes start the others) in a session of its own,
+    its output into ``log``; its whole process group killed when it ends or outlives ``timeout``. The exit status,
+    or None on a timeout."""
+    with open(log, "wb") as output:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            kill_group(proc.pid)
+            proc.wait()
 
 
 # ----------------------------------------------------------------------------------------- spawned ranks

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import command_line, machine
-from benchmarks.ranks import clean_env, kill_group
+from benchmarks.ranks import clean_env, run_logged
 from benchmarks.scale_rank import FSDP_CUSTOM, hybrid_per_node, is_unit
 
 __all__ = [
@@ -239,22 +238,7 @@ def run_variant(
     env = clean_env(OMP_NUM_THREADS=str(cfg.threads), MKL_NUM_THREADS=str(cfg.threads))
     log = work / "log.txt"
     start = time.perf_counter()
-    with open(log, "wb") as output:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.scale_rank", str(spec_path)],
-            env=env,
-            cwd=work,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            code = proc.wait(timeout=cfg.timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            kill_group(proc.pid)
-            proc.wait()
+    code = run_logged([sys.executable, "-m", "benchmarks.scale_rank", str(spec_path)], log, env, work, cfg.timeout)
     wall = time.perf_counter() - start
     files = [work / f"rank{r}.json" for r in range(world)]
     ranks = [json.loads(f.read_text()) for f in files if f.exists()]

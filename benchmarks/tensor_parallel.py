@@ -48,7 +48,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import command_line, machine
-from benchmarks.ranks import clean_env, kill_group
+from benchmarks.ranks import clean_env, run_logged
 
 __all__ = [
     "VARIANTS",
@@ -209,22 +208,8 @@ def _launch(cfg: TensorParallelConfig, key: str, work: Path, **overrides: Any) -
     (work / "spec.json").write_text(json.dumps(spec))
     env = clean_env(OMP_NUM_THREADS=str(cfg.threads), MKL_NUM_THREADS=str(cfg.threads))
     log = work / "log.txt"
-    with open(log, "wb") as output:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.tensor_parallel_rank", str(work / "spec.json")],
-            env=env,
-            cwd=work,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            code: int | None = proc.wait(timeout=cfg.timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            kill_group(proc.pid)
-            proc.wait()
+    cmd = [sys.executable, "-m", "benchmarks.tensor_parallel_rank", str(work / "spec.json")]
+    code = run_logged(cmd, log, env, work, cfg.timeout)
     world = LAUNCHES[key]["world"]
     files = [work / f"rank{r}.json" for r in range(world)]
     if code != 0 or not all(f.exists() for f in files):
