@@ -32,6 +32,12 @@ from tests.toolbox.training import sgd_with_momentum, train_on_shares
 STEPS, BATCH, CLIP = 3, 8, 0.05
 adamw: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = partial(torch.optim.AdamW, lr=0.01)
 OPTIMIZERS = {"sgd": sgd_with_momentum, "adamw": adamw}
+# The other sharding strategies and the engine's prefetch controls under TP (SGD with momentum, as the rest).
+ENGINE_CASES: dict[str, dict[str, object]] = {
+    "shard_grad_op": {"sharding_strategy": "SHARD_GRAD_OP"},
+    "no_shard": {"sharding_strategy": "NO_SHARD"},
+    "prefetch": {"forward_prefetch": True, "backward_prefetch": "BACKWARD_POST", "limit_all_gathers": False},
+}
 
 
 def tp2_dp2(rank: int, world_size: int, folder: str) -> dict:
@@ -51,6 +57,8 @@ def tp2_dp2(rank: int, world_size: int, folder: str) -> dict:
         results["local"] = str(err)
     alone = [dist.new_group([r]) for r in range(world_size)][rank]  # every rank creates every group
     results["hybrid"] = train_tp_dp(mesh, sgd_with_momentum, hybrid_shard_group=alone)
+    for name, options in ENGINE_CASES.items():
+        results[name] = train_tp_dp(mesh, sgd_with_momentum, **options)
     return results
 
 
@@ -78,16 +86,17 @@ def train_tp_dp(
     mesh: DeviceMesh,
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
     hybrid_shard_group: dist.ProcessGroup | None = None,
+    **options: object,
 ) -> tuple:
     """ToyLM parallelized over ``mesh['tensor_parallel']`` and sharded over ``mesh['data_parallel']`` (with
     ``hybrid_shard_group``: HYBRID_SHARD, sharded over that group and replicated over the data-parallel one), trained
-    with clipping: the mean loss over the data-parallel ranks at each step, the full state dict, each step's norm,
-    and how many parameters this rank holds as TP pieces."""
+    with clipping (``options``: more of ``fully_shard``'s): the mean loss over the data-parallel ranks at each step,
+    the full state dict, each step's norm, and how many parameters this rank holds as TP pieces."""
     dp = mesh["data_parallel"]
     torch.manual_seed(0)
     model = parallelize_toy_lm(ToyLM(), mesh["tensor_parallel"])
     if hybrid_shard_group is None:
-        engine = fully_shard(model, auto_wrap_policy={Block}, process_group=dp.get_group())
+        engine = fully_shard(model, auto_wrap_policy={Block}, process_group=dp.get_group(), **options)
     else:
         engine = fully_shard(
             model,
@@ -136,7 +145,8 @@ def test_tp2_dp2_and_tp2_hybrid_match_one_device(tmp_path):
         assert all(initialised for _, _, initialised in meta.values()), meta
         assert meta["block1.fc1.weight"][0] == ((2, 5) if rank < 2 else (1, 5)), "rows of the TP piece over DP"
     compared = 0
-    for name, make_optimizer in [*OPTIMIZERS.items(), ("hybrid", sgd_with_momentum)]:
+    cases = [*OPTIMIZERS.items(), ("hybrid", sgd_with_momentum), *((n, sgd_with_momentum) for n in ENGINE_CASES)]
+    for name, make_optimizer in cases:
         ref = toy_lm_on_step_batches(STEPS, BATCH, clip_norm=CLIP, optimizer=make_optimizer)
         losses, state, norms, pieces, optimizer_state, (reloaded, reloaded_optimizer) = results[0][name]
         # block1.fc1 weight and bias, block1.fc2 weight (its bias is replicated), block2.fc1 weight and bias
@@ -153,4 +163,4 @@ def test_tp2_dp2_and_tp2_hybrid_match_one_device(tmp_path):
         assert_optimizer_equal(reloaded_optimizer, optimizer_state, f"{name}: the full optimizer state loaded back")
         for rank in range(1, 4):
             assert results[rank][name][2] == norms, f"{name}: rank {rank} clipped by another norm"
-    assert compared == 3 * len(ToyLM().state_dict())
+    assert compared == len(cases) * len(ToyLM().state_dict())
