@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -63,26 +62,13 @@ class LocalHeadsAttention(CausalSelfAttention):
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
-def _local_heads(width: int, tp_mesh: DeviceMesh) -> Any:
-    """A forward hook for ``c_attn`` (column-wise, output left a DTensor): its weight's rows are ``[q | k | v]``, so a
-    row split gives each rank a contiguous block of rows, not its heads of each; the output is all-gathered over TP
-    and each rank keeps ``[q_r | k_r | v_r]``; in backward the kept columns' gradient is reduce-scattered back
-    (``Partial``: each column's gradient comes from the one rank that kept it). The same device as
-    lightning_fsdp.tensor_parallel_plans uses for litgpt's fused ``qkv``."""
-    rank, size = tp_mesh.get_local_rank(), tp_mesh.size()
-
-    def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: DTensor) -> torch.Tensor:
-        full = output.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
-        return torch.cat([part.chunk(size, dim=-1)[rank] for part in full.split(width, dim=-1)], dim=-1)
-
-    return hook
-
-
 def parallelize_gpt(model: PipelineGPT, tp_mesh: DeviceMesh) -> None:
     """Megatron's split of each Block on ``tp_mesh`` (no sequence parallelism): ``c_attn`` and ``mlp.c_fc``
     column-wise, ``attn.c_proj`` and ``mlp.c_proj`` row-wise (their outputs all-reduced); the LayerNorms, embeddings
     and head stay whole on every TP rank (sharded over data-parallel ranks only)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lightning_fsdp.tensor_parallel_plans import take_local_heads
 
     plan = {
         "attn.c_attn": ColwiseParallel(use_local_output=False),
@@ -95,7 +81,9 @@ def parallelize_gpt(model: PipelineGPT, tp_mesh: DeviceMesh) -> None:
         parallelize_module(block, tp_mesh, plan)
         block.attn.__class__ = LocalHeadsAttention
         block.attn.head_dim = model.config.n_embd // model.config.n_head
-        block.attn.c_attn.register_forward_hook(_local_heads(model.config.n_embd, tp_mesh))
+        width = model.config.n_embd  # q, k and v each as wide as the model (no grouped-query attention)
+        # c_attn's rows are [q | k | v]: each rank keeps its own heads of each, as the built-in litgpt plan does.
+        block.attn.c_attn.register_forward_hook(take_local_heads(width, width, tp_mesh))
 
 
 # ----------------------------------------------------------------------------------------------------- data

@@ -10,7 +10,7 @@ size the plan splits divides the tensor-parallel size, then calls ``parallelize_
   (vocabulary rows), ``lm_head`` colwise, and with sequence parallelism the RMSNorms on sequence shards.
 - litgpt's ``GPT`` (``CausalSelfAttention`` with its fused ``qkv``, ``LLaMAMLP``/``GemmaMLP`` or ``GptNeoxMLP``,
   RMSNorm or LayerNorm): the same split, ``qkv`` colwise with each rank taking its own heads out of the gathered
-  ``[q | k | v]`` output (see :func:`_take_local_heads`).
+  ``[q | k | v]`` output (see :func:`take_local_heads`).
 
 Every error is raised from what all ranks of the group share (the model's shapes, the mesh's size, the batch's
 sequence length), before any collective, so every rank raises the same error at the same point.
@@ -403,7 +403,7 @@ def _litgpt_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool)
             (f"{prefix}.attn", "the number of attention heads (n_head)", heads.n_head),
             (f"{prefix}.attn", "the number of key/value heads (n_query_groups)", heads.n_query_groups),
         ]
-        # qkv's output is taken apart by _take_local_heads, which needs it as a DTensor.
+        # qkv's output is taken apart by take_local_heads, which needs it as a DTensor.
         plan.styles[f"{prefix}.attn.qkv"] = ColwiseParallel(use_local_output=False)
         plan.styles[f"{prefix}.attn.proj"] = RowwiseParallel(output_layouts=sequence)
         mlp = block.get_submodule("mlp")
@@ -441,12 +441,12 @@ def _litgpt_local_heads(attention: nn.Module, heads: _HeadCounts) -> Callable[[D
         local = copy.copy(heads)
         local.n_head, local.n_query_groups = heads.n_head // tp_size, heads.n_query_groups // tp_size
         setattr(attention, "config", local)  # noqa: B010 - a plain attribute of litgpt's module
-        attention.get_submodule("qkv").register_forward_hook(_take_local_heads(q_size, kv_size, tp_mesh))
+        attention.get_submodule("qkv").register_forward_hook(take_local_heads(q_size, kv_size, tp_mesh))
 
     return fix
 
 
-def _take_local_heads(
+def take_local_heads(
     q_size: int, kv_size: int, tp_mesh: DeviceMesh
 ) -> Callable[[nn.Module, tuple[torch.Tensor, ...], DTensor], torch.Tensor]:
     """litgpt fuses the projections into one weight whose rows are ``[q | k | v]``. A colwise split of that weight
