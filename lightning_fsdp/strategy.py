@@ -63,6 +63,7 @@ from lightning_fsdp.process_groups import GroupChoice
 from lightning_fsdp.registration import register_strategies
 from lightning_fsdp.rendezvous import check_launch_size, check_timeout, init_default_group
 from lightning_fsdp.shutdown import settle_at_exit
+from lightning_fsdp.stale_gradients import release_stale_gradients
 from lightning_fsdp.stage_end import StageEnd, check_reusable
 from lightning_fsdp.weight_averaging import shard_averaged_models
 
@@ -509,6 +510,8 @@ class FSDPStrategy(ParallelStrategy):
         trainer, (model, module) = self._trainer(), self._connected()
         self._step_boundary(trainer)
         self._even_batches.before_step(trainer)
+        if self.pipeline is None:  # a pipeline's schedule runs the backward inside this step
+            release_stale_gradients(trainer, module)  # [Note: Lightning's order keeps the last step's gradients ...]
         # Through the LightningModule's __call__, so that the root unit's hooks see the step.
         with self._pipeline_role.training_step(trainer, module), self.precision_plugin.train_step_context():
             out = self._forward_redirection(model, module, "training_step", *args, **kwargs)

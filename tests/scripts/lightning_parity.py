@@ -26,12 +26,23 @@ GLOBAL_BATCH = 6
 SAMPLES = 48
 
 
+class ZeroGradWatcher(L.Callback):
+    """A callback with ``on_before_zero_grad``: counts the gradients Lightning's zeroing finds."""
+
+    def __init__(self) -> None:
+        self.grads_before_zero = []
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer):
+        self.grads_before_zero.append(sum(p.grad is not None for p in pl_module.parameters()))
+
+
 class Module(L.LightningModule):
     def __init__(self, optimizer: str, meta: bool) -> None:
         super().__init__()
         self.optimizer_name = optimizer
         self.meta = meta
         self.step_losses = []
+        self.grads_at_step = []
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=7)
         if not meta:
             torch.manual_seed(0)
@@ -42,6 +53,8 @@ class Module(L.LightningModule):
             self.model = ToyLM()
 
     def training_step(self, b, i):
+        # How many parameters still hold a gradient when the step starts (the last step's, under Lightning's order).
+        self.grads_at_step.append(sum(p.grad is not None for p in self.parameters()))
         x, y = b
         loss = loss_fn(self.model(x), y)
         self.step_losses.append(self.all_gather(loss.detach()).mean().item())
@@ -91,6 +104,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--meta", action="store_true")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--watch-zero-grad", action="store_true")  # a callback with on_before_zero_grad
     return parser
 
 
@@ -117,6 +131,7 @@ def run(args: argparse.Namespace) -> None:
             auto_wrap_policy={"tests.toolbox.models.Block"},
             activation_checkpointing_policy={"tests.toolbox.models.Block"},
         )
+    watcher = ZeroGradWatcher() if args.watch_zero_grad else None
     clip = {} if args.clip == "none" else {"gradient_clip_val": 0.05, "gradient_clip_algorithm": args.clip}
     trainer = quiet_trainer(
         accelerator=args.accelerator,
@@ -131,6 +146,7 @@ def run(args: argparse.Namespace) -> None:
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         precision=args.precision,
+        callbacks=[watcher] if watcher else [],
         **clip,
     )
     with trainer.init_module(empty_init=args.meta):
@@ -174,6 +190,8 @@ def run(args: argparse.Namespace) -> None:
                 "all_gather_bytes": gathered,
                 "reduce_scatter_calls": module.fit_reduce_scatter_calls,
                 "losses": module.step_losses,
+                "grads_at_step": module.grads_at_step,
+                "grads_before_zero": watcher.grads_before_zero if watcher else None,
                 "state": full,
                 "val": val,
                 "test": test,

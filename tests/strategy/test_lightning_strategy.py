@@ -19,6 +19,7 @@ from tests.toolbox.launch import argument_groups, run_together
 from tests.toolbox.one_device import lightning_parity_runs
 
 ACCUMULATION = ("--optimizer", "sgd", "--accumulate", "2")
+WATCHED = ("--optimizer", "sgd", "--watch-zero-grad")  # a callback with on_before_zero_grad
 
 
 def _strategy_label(devices: int, strategy: tuple[str, ...]) -> str:
@@ -35,6 +36,7 @@ def runs(tmp_path_factory) -> dict:
         by_devices.setdefault(devices, {})[_strategy_label(devices, strategy), training] = (*strategy, *training)
     for name in ("fsdp_custom_blocks", "fsdp_custom_deferred_sync"):
         by_devices[2][name, ACCUMULATION] = ("--strategy", name, *ACCUMULATION)
+    by_devices[2]["fsdp_custom_blocks", WATCHED] = ("--strategy", "fsdp_custom_blocks", *WATCHED)
     for training in dict.fromkeys([*(training for _, _, training in CASES), ACCUMULATION, ("--optimizer", "sgd")]):
         by_devices.setdefault(1, {})["ref", training] = ("--strategy", "auto", *training)
     futures: dict = {}
@@ -101,3 +103,30 @@ def test_training_changed_the_model(runs):
     # Guards the parity test above against a run where nothing trains: the loss must fall.
     ref = runs["ref", ("--optimizer", "sgd")].result()
     assert ref["losses"][-1] < ref["losses"][0] - 0.3
+
+
+def test_last_steps_gradients_are_freed_before_the_forward(runs):
+    # [Note: Lightning's order keeps the last step's gradients through the forward]: the strategy zeroes them before
+    # training_step where Lightning would zero them right after it. Counted at the start of each of the 6 batches.
+    ref = runs["ref", ("--optimizer", "sgd")].result()
+    n = ref["grads_at_step"][1]
+    assert 0 < n <= len(ref["names"])  # ToyLM has parameters the loss does not reach
+    assert ref["grads_at_step"] == [0] + [n] * 5  # Lightning's order, one device: the counting sees them
+    assert runs[_strategy_label(2, ("--strategy", "fsdp_custom_blocks")), ("--optimizer", "sgd")].result()["grads_at_step"] == [0] * 6
+    # Accumulating batches (the 2nd of each window of 2) keep the gradients they add to.
+    assert runs["ref", ACCUMULATION].result()["grads_at_step"] == [0] + [n] * 5
+    # (Under sharding a rank counts the parameters whose shard on it is not empty.)
+    accumulated = runs["fsdp_custom_blocks", ACCUMULATION].result()["grads_at_step"]
+    assert accumulated[0::2] == [0] * 3 and min(accumulated[1::2]) > 0, accumulated
+
+
+def test_on_before_zero_grad_keeps_lightnings_order(runs):
+    # A callback with on_before_zero_grad is called with the gradients there: the strategy then leaves the zeroing
+    # to Lightning, and training is the same.
+    ref = runs["ref", ("--optimizer", "sgd")].result()
+    got = runs["fsdp_custom_blocks", WATCHED].result()
+    # (Under sharding a rank counts the parameters whose shard on it is not empty.)
+    for counts in (got["grads_at_step"], got["grads_before_zero"]):
+        assert len(counts) == 6 and counts[0] == 0 and min(counts[1:]) > 0, counts
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+    assert assert_all_close(got["state"], ref["state"], "watched") == len(ref["state"]) > 0
