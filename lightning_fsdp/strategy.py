@@ -63,8 +63,8 @@ from lightning_fsdp.process_groups import GroupChoice
 from lightning_fsdp.registration import register_strategies
 from lightning_fsdp.rendezvous import check_launch_size, check_timeout, init_default_group
 from lightning_fsdp.shutdown import settle_at_exit
-from lightning_fsdp.stale_gradients import release_stale_gradients
 from lightning_fsdp.stage_end import StageEnd, check_reusable
+from lightning_fsdp.stale_gradients import release_stale_gradients
 from lightning_fsdp.weight_averaging import shard_averaged_models
 
 log = logging.getLogger(__name__)

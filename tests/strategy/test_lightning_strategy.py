@@ -112,7 +112,8 @@ def test_last_steps_gradients_are_freed_before_the_forward(runs):
     n = ref["grads_at_step"][1]
     assert 0 < n <= len(ref["names"])  # ToyLM has parameters the loss does not reach
     assert ref["grads_at_step"] == [0] + [n] * 5  # Lightning's order, one device: the counting sees them
-    assert runs[_strategy_label(2, ("--strategy", "fsdp_custom_blocks")), ("--optimizer", "sgd")].result()["grads_at_step"] == [0] * 6
+    sharded = runs[_strategy_label(2, ("--strategy", "fsdp_custom_blocks")), ("--optimizer", "sgd")].result()
+    assert sharded["grads_at_step"] == [0] * 6
     # Accumulating batches (the 2nd of each window of 2) keep the gradients they add to.
     assert runs["ref", ACCUMULATION].result()["grads_at_step"] == [0] + [n] * 5
     # (Under sharding a rank counts the parameters whose shard on it is not empty.)
