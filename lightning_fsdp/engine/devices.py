@@ -19,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from lightning_fsdp.engine.host_memory import return_free_heap_memory
+from lightning_fsdp.engine.host_memory import ALWAYS_MAPPED_BYTES, return_free_heap_memory
 
 __all__ = ["CPURuntime", "CUDARuntime", "DeviceRuntime", "device_runtime", "register_device_runtime"]
 
@@ -76,6 +76,12 @@ class DeviceRuntime:
         (nothing by default; an accelerator's caching allocator reuses its blocks). ``largest_block``: the bytes of
         the largest single buffer the engine's backward allocates."""
 
+    def finishes_reduction_first(self, largest_block: int) -> bool:
+        """Whether a unit's reduction is finished before the next unit's backward starts, rather than overlapping
+        it (False by default: an accelerator reduces on its own stream while the next backward computes).
+        ``largest_block`` as in ``return_free_memory``."""
+        return False
+
 
 class CPURuntime(DeviceRuntime):
     """Host memory: no streams, nothing to pin, the process's own memory (torch keeps no allocator statistics)."""
@@ -93,6 +99,10 @@ class CPURuntime(DeviceRuntime):
         # Freed activations would otherwise stay resident beside new gradients glibc maps afresh ([Note: returning
         # freed host memory] in engine/host_memory.py).
         return_free_heap_memory(largest_block)
+
+    def finishes_reduction_first(self, largest_block: int) -> bool:
+        # [Note: at scale, one unit's full-size gradients in flight on the host] in engine/host_memory.py.
+        return largest_block >= ALWAYS_MAPPED_BYTES
 
 
 class CUDARuntime(DeviceRuntime):

@@ -18,7 +18,19 @@ allocates a block of ``ALWAYS_MAPPED_BYTES`` or more (a unit's gradient shards, 
 gradient: ``ShardingEngine``'s ``_largest_backward_block``). The 19M-parameter benchmark GPT (6.3 MiB of gradient
 shards per Block at 2 ranks) frees about 200 MiB of activations per backward: trimming them after every unit made
 its step 1.21x slower through Lightning (1.94 s against 1.60 s, docs/decisions.md, "Host memory at scale") for a
-peak it cannot lower; the 0.84B GPT (96 MiB per Block) still trims after every unit."""
+peak it cannot lower; the 0.84B GPT (96 MiB per Block) still trims after every unit.
+
+[Note: at scale, one unit's full-size gradients in flight on the host]
+A unit's reduction runs while backward goes on with the next unit, and is waited for when that unit's reduction
+starts: through the next unit's whole backward, the previous unit's full-size gradients are alive beside the next
+unit's gathered parameters and its own full-size gradients, three units' worth at the top of every unit's
+backward. On the host, where the backward allocates blocks of ``ALWAYS_MAPPED_BYTES`` or more (the same line as
+above, the models where host memory is what limits), the CPU runtime has the engine finish the previous reduction
+before the next unit's backward starts instead (``DeviceRuntime.finishes_reduction_first``): 0.84B parameters on 2
+ranks, Block units, 227 MiB less per rank at the step's peak (7463 against 7690 MiB over base) and no slower step
+(32.96 s against 34.83 s, one launch each; docs/benchmarks.md, "At scale"). On a CPU each rank's collectives and
+its compute share the same cores, so the overlap given up buys little there; smaller models keep it. Accelerators
+keep it always: their reduction runs on its own stream."""
 
 from __future__ import annotations
 

@@ -101,6 +101,9 @@ class ShardingEngine:
         self._ignored = IgnoredParams(list(ignored_params or []), names, shard_comm, replicate_comm)
         self._reduced_units: list[FlatUnit] = []
         self._largest_backward_block = largest_backward_block(units)  # whether freeing host memory lowers the peak
+        # Whether the previous unit's reduction is finished before a unit's backward starts: on the host at scale, so
+        # that one unit's full-size gradients are alive at a time instead of two (see the runtime's rule).
+        self.finish_reduction_first = self._runtime.finishes_reduction_first(self._largest_backward_block)
         self._forward_depth = 0  # unit forwards open right now (outermost call of each, nested ones included)
         # reshard_after_forward=N: cached by size, as torch's groups are created once, by every rank.
         self.secondary_comm: Communicator | None = None
@@ -303,6 +306,8 @@ class ShardingEngine:
     def _pre_backward(self, unit: FlatUnit) -> None:
         self._start_backward()
         self._make_room(unit)
+        if self.finish_reduction_first:
+            self.finish_reductions()
         unit.pre_backward()
         self._update_peak()
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:

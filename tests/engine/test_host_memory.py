@@ -77,6 +77,13 @@ def test_the_cpu_runtime_returns_memory_and_others_do_nothing(monkeypatch):
     assert calls == [LARGE_BLOCK]
 
 
+def test_the_cpu_runtime_finishes_a_reduction_first_only_at_scale():
+    # [Note: at scale, one unit's full-size gradients in flight on the host]
+    assert device_runtime("cpu").finishes_reduction_first(LARGE_BLOCK)
+    assert not device_runtime("cpu").finishes_reduction_first(LARGE_BLOCK - 1)
+    assert not device_runtime("meta").finishes_reduction_first(LARGE_BLOCK)  # the default: overlap
+
+
 def _unit(shapes: list[tuple[int, ...]], shard_numel: int, compute: torch.dtype, reduce: torch.dtype) -> object:
     """What ``largest_backward_block`` reads of a ``FlatUnit``: its parameters' full shapes, its shard's size, and
     the dtypes its full gradients and its reduction use."""

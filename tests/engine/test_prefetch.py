@@ -16,6 +16,8 @@ CONFIGS = [
     dict(forward_prefetch=True, backward_prefetch="BACKWARD_PRE"),
     dict(forward_prefetch=False, backward_prefetch="BACKWARD_POST"),
     dict(forward_prefetch=True, backward_prefetch="BACKWARD_PRE", limit_all_gathers=False),
+    # Not an option: the engine's attribute the CPU runtime sets for models with large backward buffers.
+    dict(forward_prefetch=False, backward_prefetch="BACKWARD_PRE", finish_reduction_first=True),
 ]
 
 
@@ -64,13 +66,32 @@ def cases(rank, world_size, flip):
     for config in CONFIGS:
         torch.manual_seed(0)
         model = Stack(flip)
-        engine = fully_shard(model, auto_wrap_policy={Block}, **config)
+        options = dict(config)
+        finish_first = options.pop("finish_reduction_first", False)
+        engine = fully_shard(model, auto_wrap_policy={Block}, **options)
+        assert not engine.finish_reduction_first  # tiny blocks: the reduction overlaps the next unit's backward
+        engine.finish_reduction_first = finish_first
+        in_flight = _count_reductions_in_flight(engine)
         losses, peaks, gathers = train(model, rank, world_size, engine)
         with engine.unsharded():
             params = {k: v.detach().clone() for k, v in model.named_parameters()}
         alive = sum(u.full_flat.untyped_storage().nbytes() for u in engine.units)
-        results.append((losses, params, peaks, gathers, alive))
+        results.append((losses, params, peaks, gathers, alive, in_flight))
     return results
+
+
+def _count_reductions_in_flight(engine) -> list[int]:
+    """At the start of each unit's backward, how many units' reductions are in flight (appended to the list
+    returned)."""
+    counts: list[int] = []
+    pre_backward = engine._pre_backward
+
+    def counted(unit):
+        pre_backward(unit)
+        counts.append(sum(u._pending_reduce is not None for u in engine.units))
+
+    engine._pre_backward = counted
+    return counts
 
 
 def one_device_on_halves(flip):
@@ -93,7 +114,7 @@ def one_device_on_halves(flip):
 def check(results, flip):
     ref_losses, ref_params = one_device_on_halves(flip)
     baseline = results[0][0]
-    for config, (losses, params, peaks, gathers, alive) in zip(CONFIGS, results[0]):
+    for config, (losses, params, peaks, gathers, alive, _) in zip(CONFIGS, results[0]):
         # Bitwise the run without prefetching, and the unsharded reference within fp32 rounding.
         torch.testing.assert_close(losses, baseline[0], rtol=0, atol=0, msg=str(config))
         for key in params:
@@ -115,6 +136,11 @@ def test_prefetch_keeps_parity_and_the_in_flight_limit():
     assert peaks[str(CONFIGS[0])] == 1  # FULL_SHARD without prefetch: one block at a time
     assert peaks[str(CONFIGS[1])] == 2  # prefetching keeps the next block in flight
     assert peaks[str(CONFIGS[3])] >= 2
+    # The previous unit's reduction overlaps a unit's backward, unless finished first (one in flight at most either way).
+    overlapped, finished_first = results[0][1][5], results[0][4][5]
+    assert len(finished_first) == len(overlapped) >= 4 * STEPS
+    assert max(overlapped) == 1 and sum(overlapped) >= 3 * STEPS, overlapped
+    assert max(finished_first) == 0, finished_first
 
 
 def test_changing_execution_order_still_trains_correctly():
