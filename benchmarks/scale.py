@@ -461,7 +461,8 @@ def merge(folders: list[Path], out: Path) -> dict[str, Any]:
     """One report of several runs' ``results.json`` (each variant run on its own, so that each holds the lock of a
     shared machine briefly): their records in the order given, each with its run's command and date."""
     reports = [json.loads((folder / "results.json").read_text()) for folder in folders]
-    records = [{**r, "command": rep.get("command"), "date": rep["date"]} for rep in reports for r in rep["records"]]
+    # A record merged before keeps its own run's command and date.
+    records = [{"command": rep.get("command"), "date": rep["date"], **r} for rep in reports for r in rep["records"]]
     for record in records:
         if "estimate_step_peak_bytes" not in record and "estimate_training_peak_bytes" in record:  # older runs
             grads = record["estimate_training_peak_bytes"] - record["estimate_peak_bytes"]
