@@ -30,7 +30,8 @@ def release_stale_gradients(trainer: pl.Trainer | None, module: pl.LightningModu
         return False
     if is_overridden("optimizer_zero_grad", module) or is_overridden("on_before_zero_grad", module):
         return False
-    if any(is_overridden("on_before_zero_grad", callback, pl.Callback) for callback in trainer.callbacks):
+    callbacks = getattr(trainer, "callbacks", [])  # set by Lightning's callback connector, not declared
+    if any(is_overridden("on_before_zero_grad", callback, pl.Callback) for callback in callbacks):
         return False
     epoch_loop = trainer.fit_loop.epoch_loop
     if getattr(epoch_loop.automatic_optimization, "_skip_backward", False):

@@ -311,7 +311,7 @@ class ShardingEngine:
         unit.pre_backward()
         self._update_peak()
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-            self._prefetch(self._neighbour(unit, -1))
+            self._prefetch_for_backward(self._neighbour(unit, -1))
 
     def _post_backward(self, unit: FlatUnit) -> None:
         if not unit.step_state.backward_ended():
@@ -320,7 +320,11 @@ class ShardingEngine:
             self._reduced_units.append(unit)
         self._runtime.return_free_memory(self._largest_backward_block)  # the unit's activations are freed now
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            self._prefetch(self._neighbour(unit, -1))
+            self._prefetch_for_backward(self._neighbour(unit, -1))
+
+    def _prefetch_for_backward(self, unit: FlatUnit | None) -> None:
+        if unit is not None and unit.backward_reads_parameters:  # [Note: an embedding's backward reads no weight]
+            self._prefetch(unit)
 
     def finish_reductions(self) -> None:
         # Only the latest can be in flight: each waited for its predecessor.

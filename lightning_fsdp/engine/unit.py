@@ -75,6 +75,7 @@ class FlatUnit:
         self.device = self.slots[0].param.device if self.slots else torch.device("cpu")
         self.compute_dtype = param_dtype or self.dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.backward_reads_parameters = not only_embedding_lookups(self.slots)
         # See [Note: narrow on the wire, wide in the sum].
         if reduce_wire_dtype is not None:
             check_wire_narrower(reduce_wire_dtype, self.reduce_dtype)
@@ -462,8 +463,10 @@ class FlatUnit:
             self.reshard()
 
     def pre_backward(self) -> None:
-        """The first gradient of the unit's outputs arrived: its backward needs the full parameters."""
-        self.unshard()
+        """The first gradient of the unit's outputs arrived: its backward needs the full parameters, unless it reads
+        none of them ([Note: an embedding's backward reads no weight])."""
+        if self.backward_reads_parameters:
+            self.unshard()
 
     def post_backward(self, finish_previous_reduction: Callable[[], None]) -> bool:
         """The backward is done: free the full parameters, then ``reduce_or_hold``; True if a reduction started."""
@@ -596,3 +599,27 @@ T = TypeVar("T")
 
 def _cast_floating(tree: T, dtype: torch.dtype) -> T:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+def only_embedding_lookups(slots: list[ParamSlot]) -> bool:
+    """Whether every parameter of ``slots`` is the weight of a plain dense ``nn.Embedding`` and nothing else's.
+
+    [Note: an embedding's backward reads no weight]
+    A lookup's gradient is the output's gradient added into the looked-up rows: autograd saves the indices and the
+    weight's size, never its values. So a unit whose parameters are only such weights (torchtitan's token-embedding
+    unit) is not gathered for its backward, which comes last and so at the top of the gradients' memory: its
+    full-size gradient is still made (autograd accumulates into the full-size stand-in, whose storage is empty, by
+    its shape) and reduced as any other. Exactly ``nn.Embedding``: a subclass may compute otherwise. Not sparse
+    (a sparse gradient is refused anyway), not a tensor-parallel piece (its lookup runs through DTensor), not tied to
+    another module (the tied use may be a matmul, whose backward reads the weight). A forward recomputed inside
+    backward (activation checkpointing) gathers the unit as every forward does."""
+    if not slots:
+        return False
+    for slot in slots:
+        if slot.tensor_parallel is not None or not slot.uses:
+            return False
+        for use in slot.uses:
+            module = use.module
+            if type(module) is not nn.Embedding or use.attr != "weight" or module.sparse:
+                return False
+    return True

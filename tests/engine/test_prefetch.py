@@ -136,7 +136,7 @@ def test_prefetch_keeps_parity_and_the_in_flight_limit():
     assert peaks[str(CONFIGS[0])] == 1  # FULL_SHARD without prefetch: one block at a time
     assert peaks[str(CONFIGS[1])] == 2  # prefetching keeps the next block in flight
     assert peaks[str(CONFIGS[3])] >= 2
-    # The previous unit's reduction overlaps a unit's backward, unless finished first (one in flight at most either way).
+    # The previous reduction overlaps a unit's backward, unless finished first (one in flight at most either way).
     overlapped, finished_first = results[0][1][5], results[0][4][5]
     assert len(finished_first) == len(overlapped) >= 4 * STEPS
     assert max(overlapped) == 1 and sum(overlapped) >= 3 * STEPS, overlapped
