@@ -32,6 +32,10 @@ class Waitable(Protocol):
 
 T = TypeVar("T")
 
+# From this size on, an all-to-all form's reduction runs in place ([Note: a large reduction in place]); glibc maps
+# blocks this large afresh (engine/host_memory.py), so the all-to-all's receive buffer would add to the resident set.
+IN_PLACE_REDUCE_BYTES = 32 * 2**20
+
 
 def _torch_flat(name: str, old_name: str) -> Callable[..., Waitable | None]:
     # torch 2.13 renamed the flat collectives; older releases only have the *_tensor names. Looked up per call.
@@ -204,8 +208,11 @@ class Communicator:
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, async_op: bool = False) -> Waitable | None:
         """SUM-reduce ``full`` (N * output.numel(),) across ranks into this rank's slice, ``output``; with
-        ``async_op``, keep ``full`` alive and wait on the returned handle (if any) before reading ``output``."""
+        ``async_op``, keep ``full`` alive and wait on the returned handle (if any) before reading ``output``.
+        ``full`` may be overwritten (see [Note: a large reduction in place])."""
         if self.world_size > 1 and self.forms.reduce_scatter_form(full.dtype) is ReduceScatter.ALL_TO_ALL:
+            if full.numel() * full.element_size() >= IN_PLACE_REDUCE_BYTES and self.forms.carries(full.dtype):
+                return self._reduce_in_place(output, full, async_op)
             return self.reduce_scatter_wide(output, full, full.dtype, async_op=async_op)
         self.stats.reduce_scatter_bytes += full.numel() * full.element_size()
         self.stats.reduce_scatter_calls += 1
@@ -214,6 +221,21 @@ class Communicator:
             return None
         scatter = _torch_flat("reduce_scatter_single", "reduce_scatter_tensor")
         return scatter(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+
+    def _reduce_in_place(self, output: torch.Tensor, full: torch.Tensor, async_op: bool) -> Pending | None:
+        """[Note: a large reduction in place]
+        Where the backend's form is an all-to-all and a local sum (gloo, MPI), the all-to-all needs a receive buffer
+        as large as ``full``: a second full-size gradient alive through the reduction (192 MiB per Block at 0.84B on 2
+        ranks). From ``IN_PLACE_REDUCE_BYTES`` on, ``full`` is all-reduced in place and this rank's slice copied out
+        instead: twice the bytes on the wire, yet on gloo the faster of the two at these sizes (2 ranks: 29 against
+        38 ms at 32 MiB, 143 against 203 ms at 192 MiB; 4 ranks: 53 against 58 ms, 106 against 115 ms at 64 MiB),
+        while below it the all-to-all is (10 against 17 ms at 12 MiB). docs/decisions.md, "Host memory at scale"."""
+        self.stats.reduce_scatter_bytes += full.numel() * full.element_size()
+        self.stats.reduce_scatter_calls += 1
+        work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        rows = full.view(self.world_size, -1)[self.rank]
+        pending = Pending([work], lambda: output.copy_(rows), self._timeout_ms, keep=full)
+        return _settle(pending, async_op)
 
     def reduce_scatter_wide(
         self, output: torch.Tensor, full: torch.Tensor, wire_dtype: torch.dtype, *, async_op: bool = False

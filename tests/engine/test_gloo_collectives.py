@@ -5,6 +5,8 @@ bit for bit on 2 ranks (a + b is b + a), to float32 rounding on 4, with the same
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -49,3 +51,62 @@ def test_gloo_forms_train_as_torchs_collectives(world_size):
                 torch.testing.assert_close(value, torchs[name], rtol=1e-6, atol=1e-7)
             compared += 1
     assert compared == world_size * 14  # every parameter of ToyLM (the tied head once), on every rank
+
+
+def resident_peak_growth(fn) -> int:
+    """Bytes the process's resident peak (``VmHWM``, reset first through ``/proc/self/clear_refs``) rose over its
+    resident set while ``fn()`` ran."""
+
+    def status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    fn()
+    return status("VmHWM") - before
+
+
+def _reductions(rank: int, world_size: int) -> dict:
+    """One reduction of each size through the engine's ``Communicator`` (the in-place all-reduce from
+    ``IN_PLACE_REDUCE_BYTES`` on, the all-to-all below) and through torch's ``reduce_scatter_tensor``, with the
+    process's resident peak growth during each of the large one's forms."""
+    from lightning_fsdp.engine.comm import IN_PLACE_REDUCE_BYTES, Communicator
+
+    torch.set_num_threads(1)
+    comm = Communicator(None)
+    out: dict = {}
+    for name, numel in (("small", 3 * 2**20 // 4), ("large", 2 * IN_PLACE_REDUCE_BYTES // 4)):
+        numel -= numel % world_size
+        g = torch.Generator().manual_seed(rank)
+        full = torch.randn(numel, generator=g)
+        expected = torch.empty(numel // world_size)
+        torch.distributed.reduce_scatter_tensor(expected, full.clone())
+        got, reduced = torch.zeros_like(expected), full.clone()
+        growth = resident_peak_growth(partial(comm.reduce_scatter, got, reduced))
+        out[name] = (got, expected, growth)
+    # The all-to-all form at the large size, for its memory: the receive buffer the in-place form does without.
+    large, got = full.clone(), torch.zeros_like(got)
+    out["all_to_all_growth"] = resident_peak_growth(partial(comm.reduce_scatter_wide, got, large, large.dtype))
+    out["calls"] = comm.stats.reduce_scatter_calls
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_large_reduction_runs_in_place(world_size):
+    # [Note: a large reduction in place]: the same sums as torch's reduce-scatter, without a full-size receive buffer.
+    from lightning_fsdp.engine.comm import IN_PLACE_REDUCE_BYTES
+
+    for result in run_distributed(_reductions, world_size):
+        for name in ("small", "large"):
+            got, expected, _ = result[name]
+            assert got.numel() > 0
+            if world_size == 2:
+                assert torch.equal(got, expected), name  # a + b either way
+            else:
+                torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        assert result["calls"] == 3
+        # The all-to-all's receive buffer is the full tensor (64 MiB); the in-place form allocates none of it.
+        in_place, all_to_all = result["large"][2], result["all_to_all_growth"]
+        assert all_to_all - in_place >= IN_PLACE_REDUCE_BYTES, (in_place, all_to_all)
