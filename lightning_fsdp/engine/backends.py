@@ -3,7 +3,8 @@ carries: the capability table ``comm.py`` reads.
 
 [Note: the capability table]
 NCCL and HCCL have the flat collectives and every dtype. gloo on CPU has them, but slow (its all-gather copies out of
-a temporary, its reduce-scatter is emulated): broadcasts and all-to-all take half the time (docs/decisions.md); it
+a temporary, its reduce-scatter is emulated): broadcasts and all-to-all take half the time (docs/decisions.md), and
+from 32 MiB on a reduction is an all-reduce in place instead (comm.py's [Note: a large reduction in place]); it
 keeps its own reduce-scatter below float32, where a local float32 sum would be more exact than NCCL's. MPI has
 neither flat collective (pytorch/pytorch#85628) and carries no half dtype: such tensors travel as uint8 bytes where
 the collective only moves data, and an all-reduce of them runs in float32."""
