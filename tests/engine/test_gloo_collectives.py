@@ -93,19 +93,15 @@ def _reductions(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_a_large_reduction_runs_in_place(world_size):
+def test_a_large_reduction_runs_in_place():
     # [Note: a large reduction in place]: the same sums as torch's reduce-scatter, without a full-size receive buffer.
     from lightning_fsdp.engine.comm import IN_PLACE_REDUCE_BYTES
 
-    for result in run_distributed(_reductions, world_size):
+    # 2 ranks: a + b either way, so bit for bit (the 4-rank sums differ only in their order, as for the forms above).
+    for result in run_distributed(_reductions, 2):
         for name in ("small", "large"):
             got, expected, _ = result[name]
-            assert got.numel() > 0
-            if world_size == 2:
-                assert torch.equal(got, expected), name  # a + b either way
-            else:
-                torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+            assert got.numel() > 0 and torch.equal(got, expected), name
         assert result["calls"] == 3
         # The all-to-all's receive buffer is the full tensor (64 MiB); the in-place form allocates none of it.
         in_place, all_to_all = result["large"][2], result["all_to_all_growth"]
