@@ -90,7 +90,7 @@ def install_spans() -> None:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from lightning_fsdp import strategy as ours
-    from lightning_fsdp.checkpoint import common, paths, sharded
+    from lightning_fsdp.checkpoint import checkpointer, common, paths, sharded
     from lightning_fsdp.checkpoint.atomic_io import AtomicCheckpointIO
     from lightning_fsdp.collective import Collective
 
@@ -105,28 +105,33 @@ def install_spans() -> None:
         _wrap(cls, "load_model_state_dict", f"{label}.load_model_state_dict", window="load")
         _wrap(cls, "load_optimizer_state_dict", f"{label}.load_optimizer_state_dict", window="load")
         _wrap(cls, "barrier", f"{label}.barrier")
-    _wrap(ours, "gather_averages_for_save", "gather_averages_for_save")
-    _wrap(dcp, "save", "dcp.save")
-    _wrap(dcp, "load", "dcp.load")
-    _wrap(DefaultSavePlanner, "create_local_plan", "dcp: create_local_plan")
-    _wrap(DefaultSavePlanner, "create_global_plan", "dcp: create_global_plan")
-    _wrap(fs._FileSystemWriter, "write_data", "dcp: write_data")
-    _wrap(fs._FileSystemWriter, "finish", "dcp: finish (.metadata)")
+    _wrap(checkpointer, "gather_averages_for_save", "gather_averages_for_save")
     _wrap_generator(fs._SerialCpuLoader, "values", "dcp: take each tensor (clone if a view)")
-    _wrap(fs, "_write_item", "dcp: torch.save of each item")
-    _wrap(fs.FileSystemReader, "read_data", "dcp: read_data")
-    _wrap(os, "fsync", "os.fsync")
-    _wrap(sharded, "sharded_model_state_dict", "sharded_model_state_dict")
-    _wrap(sharded, "sharded_optimizer_state_dict", "sharded_optimizer_state_dict")
-    _wrap(common, "write_directory", "write_directory (atomic protocol, all)")
-    _wrap(paths, "prepare_temp_dir", "prepare_temp_dir")
-    _wrap(paths, "commit_directory", "commit_directory (fsync tree, rename)")
-    _wrap(paths, "_fsync_tree", "commit: fsync every file again")
-    _wrap(paths, "remove_stale_temps", "remove_stale_temps")
-    _wrap(AtomicCheckpointIO, "save_checkpoint", "meta.pt (atomic write)")
-    _wrap(Collective, "agree_from_rank0", "Collective.agree_from_rank0")
-    _wrap(Collective, "broadcast", "Collective.broadcast")
-    _wrap(sharded, "load_sharded_checkpoint", "load_sharded_checkpoint")
+    # (owner, function, span label): DCP's save and load, then fsdp_custom's checkpoint functions.
+    spans = [
+        (dcp, "save", "dcp.save"),
+        (dcp, "load", "dcp.load"),
+        (DefaultSavePlanner, "create_local_plan", "dcp: create_local_plan"),
+        (DefaultSavePlanner, "create_global_plan", "dcp: create_global_plan"),
+        (fs._FileSystemWriter, "write_data", "dcp: write_data"),
+        (fs._FileSystemWriter, "finish", "dcp: finish (.metadata)"),
+        (fs, "_write_item", "dcp: torch.save of each item"),
+        (fs.FileSystemReader, "read_data", "dcp: read_data"),
+        (os, "fsync", "os.fsync"),
+        (sharded, "sharded_model_state_dict", "sharded_model_state_dict"),
+        (sharded, "sharded_optimizer_state_dict", "sharded_optimizer_state_dict"),
+        (common, "write_directory", "write_directory (atomic protocol, all)"),
+        (paths, "prepare_temp_dir", "prepare_temp_dir"),
+        (paths, "commit_directory", "commit_directory (fsync tree, rename)"),
+        (paths, "_fsync_tree", "commit: fsync every file again"),
+        (paths, "remove_stale_temps", "remove_stale_temps"),
+        (AtomicCheckpointIO, "save_checkpoint", "meta.pt (atomic write)"),
+        (Collective, "agree_from_rank0", "Collective.agree_from_rank0"),
+        (Collective, "broadcast", "Collective.broadcast"),
+        (sharded, "load_sharded_checkpoint", "load_sharded_checkpoint"),
+    ]
+    for owner, name, label in spans:
+        _wrap(owner, name, label)
 
 
 def _rank_main(spec_path: str) -> None:

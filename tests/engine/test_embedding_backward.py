@@ -10,6 +10,7 @@ from lightning_fsdp.engine import MixedPrecision, fully_shard
 from lightning_fsdp.engine.unit import only_embedding_lookups
 from tests.toolbox.distributed import run_distributed
 from tests.toolbox.models import VOCAB, Block, batch, loss_fn
+from tests.toolbox.training import parameters_of, sgd_with_momentum
 
 STEPS = 3
 DIM = 8
@@ -52,7 +53,7 @@ def train(rank: int, world_size: int, skip: bool, mixed: bool, tied: bool = Fals
     flag = lookup_unit.backward_reads_parameters
     if not skip:
         lookup_unit.backward_reads_parameters = True  # the reference: gathered for its backward as any unit
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = sgd_with_momentum(model.parameters())
     losses, gathers, backward_gathers = [], [], []
     for step in range(STEPS):
         x, y = batch(step, size=8)
@@ -66,7 +67,7 @@ def train(rank: int, world_size: int, skip: bool, mixed: bool, tied: bool = Fals
         gathers.append(engine.shard_comm.stats.all_gather_calls)
         backward_gathers.append(engine.shard_comm.stats.all_gather_calls - forward_calls)
     with engine.unsharded():
-        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        params = parameters_of(model)
     return {"flag": flag, "losses": torch.stack(losses), "params": params, "gathers": gathers, "bwd": backward_gathers}
 
 
@@ -79,7 +80,7 @@ def runs(rank: int, world_size: int) -> dict:
 def one_device() -> tuple[torch.Tensor, dict]:
     torch.manual_seed(0)
     model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = sgd_with_momentum(model.parameters())
     losses = []
     for step in range(STEPS):
         x, y = batch(step, size=8)
@@ -88,7 +89,7 @@ def one_device() -> tuple[torch.Tensor, dict]:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(halves[0].detach())
-    return torch.stack(losses), {k: v.detach().clone() for k, v in model.named_parameters()}
+    return torch.stack(losses), parameters_of(model)
 
 
 def test_an_embedding_unit_is_not_gathered_for_its_backward_and_trains_the_same():
