@@ -292,8 +292,11 @@ def run_scale(cfg: ScaleConfig, out: Path, say: Any = print) -> dict[str, Any]:
         activations = activation_bytes(model, cfg.batch, cfg.seq)
         for variant in cfg.variants:
             estimate = _estimate(model, variant, world, cfg.units)
+            # Lightning zeroes gradients between training_step and backward; fsdp_custom zeroes them before the
+            # forward instead (docs/how-it-works.md, "A training step"), so only the peers hold them through it.
+            step_peak = estimate.step_peak(activations, gradients_in_forward=variant in ("ddp", "fsdp2"))
             theory = STATE_BYTES_PER_PARAM * numel / shard_size(variant, world)
-            need_gib = world * (estimate.step_peak(activations) / GIB + BASE_GIB)
+            need_gib = world * (step_peak / GIB + BASE_GIB)
             record: dict[str, Any] = {
                 "variant": variant,
                 "name": VARIANT_NAMES[variant],
@@ -306,7 +309,7 @@ def run_scale(cfg: ScaleConfig, out: Path, say: Any = print) -> dict[str, Any]:
                 "estimate_model_state_bytes": estimate.model_state,
                 "estimate_gathered_bytes": estimate.gathered_params,
                 "estimate_training_peak_bytes": estimate.training_peak,
-                "estimate_step_peak_bytes": estimate.step_peak(activations),
+                "estimate_step_peak_bytes": step_peak,
                 "units": cfg.units,
                 "need_gib": need_gib,
             }
@@ -346,7 +349,7 @@ def run_scale(cfg: ScaleConfig, out: Path, say: Any = print) -> dict[str, Any]:
                 peak = record["train_peak_bytes"]
                 say(
                     f"[scale]   peak {peak / MIB:.0f} MiB/rank over base ({peak / theory:.2f}x theory, "
-                    f"{peak / estimate.step_peak(activations):.2f}x estimate), step {record['median_step_s']:.2f} s, "
+                    f"{peak / step_peak:.2f}x estimate), step {record['median_step_s']:.2f} s, "
                     f"init {record['init_s']:.1f} s, save {record['save_s']:.1f} s, load {_secs(record['load_s'])} s"
                 )
             records.append(record)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_fsdp.engine.layout import ShardLayout
 from lightning_fsdp.engine.options import (
@@ -16,6 +17,7 @@ from lightning_fsdp.engine.options import (
     parse_mixed_precision,
     parse_sharding_strategy,
 )
+from lightning_fsdp.engine.unit import is_embedding_lookup
 from lightning_fsdp.engine.wrap import assign_owners, enclosing_units, select_unit_modules
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
@@ -50,6 +52,9 @@ class MemoryEstimate:
     # Full-size gradients before their reduction: the unit reducing and the one in flight (added field, last so that
     # positional construction keeps working).
     unsharded_grads: int = 0
+    # The peak of gathered full parameters once backward has begun, where the root is freed as soon as the gradients
+    # its backward reads are in (None: as ``gathered_params``).
+    gathered_in_backward: int | None = None
 
     @property
     def model_state(self) -> int:
@@ -67,13 +72,22 @@ class MemoryEstimate:
         the model at most, activations aside (docs/monitoring.md)."""
         return self.peak + self.unsharded_grads
 
-    def step_peak(self, activation_bytes: int) -> int:
-        """A training step's peak with ``activation_bytes`` of activations (one forward's saved tensors): ``peak`` plus
-        the larger of the activations, alive at the end of the forward, and the full-size gradients, alive while
-        units reduce in backward, by when autograd has freed the activations of the units behind them."""
+    def step_peak(self, activation_bytes: int, *, gradients_in_forward: bool = False) -> int:
+        """A training step's peak with ``activation_bytes`` of activations (one forward's saved tensors): the larger
+        of the end of the forward (parameter shards, optimizer state, gathered units, the activations) and the end of
+        the backward (model state, the units gathered in backward, the full-size gradients reducing; autograd has
+        freed the activations by then). ``gradients_in_forward``: the gradient shards are alive through the forward,
+        as when gradients accumulate over batches or are zeroed after the forward; the strategy's automatic
+        optimization zeroes them before it (docs/how-it-works.md, "A training step")."""
         if isinstance(activation_bytes, bool) or not isinstance(activation_bytes, int) or activation_bytes < 0:
             raise ValueError(f"activation_bytes={activation_bytes!r} is not valid; expected an int >= 0.")
-        return self.peak + max(self.unsharded_grads, activation_bytes)
+        if not isinstance(gradients_in_forward, bool):
+            raise ValueError(f"gradients_in_forward={gradients_in_forward!r} is not valid; expected True or False.")
+        held = self.params + self.optimizer_state + (self.grads if gradients_in_forward else 0)
+        end_of_forward = held + self.gathered_params + activation_bytes
+        in_backward = self.gathered_params if self.gathered_in_backward is None else self.gathered_in_backward
+        end_of_backward = self.model_state + in_backward + self.unsharded_grads
+        return max(end_of_forward, end_of_backward)
 
     def __str__(self) -> str:
         rows = [
@@ -190,8 +204,21 @@ def estimate_memory(
         # Alive while a unit computes: itself and every unit enclosing it (the root included).
         chains = enclosing_units(model, unit_modules)
         gathered = max(sum(full_bytes[id(u)] for u in chains[id(m)]) for m in unit_modules)
+        # [Note: the root freed inside backward]: once the gradients of the root's parameters its backward reads are
+        # in (the head's, the final norm's), only the other units are gathered.
+        root_reads = [
+            params_by_id[pid]
+            for pid, (owner, uses, _name) in owners.items()
+            if owner is model and not is_embedding_lookup(uses, isinstance(params_by_id[pid], DTensor))
+        ]
+        if root_reads and all(p.requires_grad for p in root_reads):
+            in_backward = [sum(full_bytes[id(u)] for u in chains[id(m)] if u is not model) for m in unit_modules]
+            gathered_in_backward: int | None = max(in_backward)
+        else:
+            gathered_in_backward = None
     else:
         gathered = sum(full_bytes.values())
+        gathered_in_backward = None
 
     # One reduction in flight: a unit's gradients are reduced while those of the unit before it in backward (after it
     # in forward) may still be read; the root's reduction comes last, after the first unit's.
@@ -217,6 +244,7 @@ def estimate_memory(
         sharding_strategy=strategy.value,
         num_units=len(unit_modules),
         unsharded_grads=unsharded_grads,
+        gathered_in_backward=gathered_in_backward,
     )
 
 

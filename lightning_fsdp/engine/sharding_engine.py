@@ -45,7 +45,7 @@ from lightning_fsdp.engine.records import ParamSlot, TrainingState
 from lightning_fsdp.engine.registry import detach_engine, unwatch_optimizer_steps, watch_optimizer_steps
 from lightning_fsdp.engine.streams import CollectiveStreams, streams_for
 from lightning_fsdp.engine.tensor_parallel import split_pieces
-from lightning_fsdp.engine.unit import FlatUnit
+from lightning_fsdp.engine.unit import FlatUnit, only_embedding_lookups
 
 
 def outside_compile(hook: Callable[..., object]) -> Callable[..., object]:
@@ -100,6 +100,11 @@ class ShardingEngine:
         names = {id(p): name for name, p in root.named_parameters(remove_duplicate=False)}
         self._ignored = IgnoredParams(list(ignored_params or []), names, shard_comm, replicate_comm)
         self._reduced_units: list[FlatUnit] = []
+        # See [Note: the root freed inside backward]: the root's parameters its backward reads, those whose gradient
+        # this backward still awaits (None: the root is not freed early), and whether it was.
+        self._root_reads = [s for s in self.root_unit.slots if not only_embedding_lookups([s])]
+        self._root_awaited: set[int] | None = None
+        self._root_freed_early = False
         self._largest_backward_block = largest_backward_block(units)  # whether freeing host memory lowers the peak
         # Whether the previous unit's reduction is finished before a unit's backward starts: on the host at scale, so
         # that one unit's full-size gradients are alive at a time instead of two (see the runtime's rule).
@@ -158,16 +163,22 @@ class ShardingEngine:
                     outside_compile(lambda _m, _a, slots=slots: self._sync_root_slots(slots))
                 )
             )
-            # A later backward of the same training_step needs the root again: these outputs unshard it.
+            # A later backward of the same training_step needs the root again: these outputs unshard it (unless the
+            # module's backward reads none of its parameters: [Note: an embedding's backward reads no weight]).
+            reads = not only_embedding_lookups(slots)
             self._handles.append(
-                module.register_forward_hook(outside_compile(lambda _m, _a, output: self._mark_root_use(output)))
+                module.register_forward_hook(
+                    outside_compile(lambda _m, _a, output, reads=reads: self._mark_root_use(output, gather=reads))
+                )
             )
         # No unit above the root starts its backward, which may begin before its forward ends: its gradients do.
         for slot in root.slots:
             # torch refuses hooks on tensors that need no gradient; this one stays when the parameter is unfrozen.
             frozen = not slot.full.requires_grad
             slot.full.requires_grad_(True)
-            self._handles.append(slot.full.register_post_accumulate_grad_hook(lambda _p: self._start_backward()))
+            self._handles.append(
+                slot.full.register_post_accumulate_grad_hook(lambda _p, slot=slot: self._root_gradient_ready(slot))
+            )
             slot.full.requires_grad_(not frozen)
         watch_optimizer_steps(self)
 
@@ -254,24 +265,58 @@ class ShardingEngine:
 
     def _sync_root_slots(self, slots: list[ParamSlot]) -> None:
         if self._training_state is TrainingState.BACKWARD:
+            if self._root_freed_early:
+                self.root_unit.unshard()  # a forward recomputed after the root was freed (activation checkpointing)
             return
         self.root_unit.sync_requires_grad(slots)
         # Also outside the root's forward (see [Note: calls from outside a step]).
         if not self.root_unit.is_unsharded:
             self.root_unit.unshard()
 
-    def _mark_root_use(self, output: object) -> None:
+    def _mark_root_use(self, output: object, *, gather: bool) -> None:
         root = self.root_unit
         if root.forward_depth == 0 or self._training_state is TrainingState.BACKWARD or not torch.is_grad_enabled():
             return
         for tensor in tree_flatten(output)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(lambda _grad: self._pre_backward(root))
+                tensor.register_hook(lambda _grad: self._pre_backward(root, gather=gather))
 
     def _start_backward(self) -> None:
         if self._training_state is not TrainingState.BACKWARD:
             self._training_state = TrainingState.BACKWARD
+            self._root_awaited = self._root_reads_to_await()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    # [Note: the root freed inside backward]
+    # The root's parameters sit outside every unit (the token embedding, the final norm, the head), so the root's
+    # backward ends with the whole backward: kept until then, its full parameters would be alive through every other
+    # unit's backward (at 0.84B, 500 MiB at the peak). A parameter's gradient is accumulated once every use of it in
+    # the graph has sent its part, so no node of this backward reads it afterwards. Once that has happened to every
+    # root parameter the backward reads (all but embedding lookups), the root is resharded right away; the lookups
+    # still to come accumulate into the full-size stand-ins by their shape. A frozen parameter the backward reads
+    # never says when its last read is: the root then stays until the end, as does a root that is kept
+    # (``reshard_after_backward`` off, ``unshard()``). Anything that needs the root again inside the backward gathers
+    # it as before: the gradient of a root user's output (a second backward through a retained graph) and a forward
+    # recomputed by activation checkpointing. Those are the same calls on every rank: freeing makes no collective.
+    def _root_reads_to_await(self) -> set[int] | None:
+        root, reads = self.root_unit, self._root_reads
+        if not reads or root.kept or not root.reshard_after_backward or not self._in_scope(root):
+            return None
+        if not all(slot.full.requires_grad for slot in reads):
+            return None
+        return {id(slot) for slot in reads}
+
+    def _root_gradient_ready(self, slot: ParamSlot) -> None:
+        self._start_backward()
+        awaited = self._root_awaited
+        if awaited is None or id(slot) not in awaited:
+            return
+        awaited.discard(id(slot))
+        if not awaited:
+            self._root_awaited = None
+            if self.root_unit.is_unsharded and not self.root_unit.kept:
+                self.root_unit.reshard()
+                self._root_freed_early = True
 
     def _check_held_gradients(self, optimizer: Optimizer, *, late: bool) -> None:
         if not self.closed and self._training_state is not TrainingState.BACKWARD:
@@ -303,12 +348,13 @@ class ShardingEngine:
         self._begin_step()
         self._end_backward_state()
 
-    def _pre_backward(self, unit: FlatUnit) -> None:
+    def _pre_backward(self, unit: FlatUnit, *, gather: bool = True) -> None:
         self._start_backward()
         self._make_room(unit)
         if self.finish_reduction_first:
             self.finish_reductions()
-        unit.pre_backward()
+        if gather:
+            unit.pre_backward()
         self._update_peak()
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             self._prefetch_for_backward(self._neighbour(unit, -1))
@@ -403,6 +449,7 @@ class ShardingEngine:
             unit.streams = streams
 
     def _end_backward_state(self) -> None:
+        self._root_awaited, self._root_freed_early = None, False
         # The backward may have run inside the root's forward (manual optimization), which is still open.
         self._training_state = TrainingState.FORWARD if self._forward_depth > 0 else TrainingState.IDLE
 

@@ -1,10 +1,14 @@
-"""[Note: an embedding's backward reads no weight]: a unit of embedding weights only is not gathered for its backward,
-and trains exactly as when it is (and as one device); a tied embedding, or one beside other parameters, still is."""
+"""What a backward reads. [Note: an embedding's backward reads no weight]: a unit of embedding weights only is not
+gathered for its backward, and trains exactly as when it is (and as one device); a tied embedding, or one beside other
+parameters, still is. [Note: the root freed inside backward]: the root (embedding and head) is resharded once the head's
+gradient is in, before the other units' backwards, and gathered again for a forward recomputed later."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_fsdp.engine import MixedPrecision, fully_shard
 from lightning_fsdp.engine.unit import only_embedding_lookups
@@ -29,16 +33,17 @@ class Lookup(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, tied: bool = False) -> None:
+    def __init__(self, tied: bool = False, checkpoint_lookup: bool = False) -> None:
         super().__init__()
         self.lookup = Lookup()
         self.blocks = nn.ModuleList(Block(DIM, 12) for _ in range(3))
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         if tied:
             self.head.weight = self.lookup.tokens.weight
+        self.checkpoint_lookup = checkpoint_lookup  # recomputed in backward, after the head's gradient
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.lookup(ids)
+        h = checkpoint(self.lookup, ids, use_reentrant=False) if self.checkpoint_lookup else self.lookup(ids)
         for block in self.blocks:
             h = block(h)
         return self.head(h)
@@ -71,10 +76,67 @@ def train(rank: int, world_size: int, skip: bool, mixed: bool, tied: bool = Fals
     return {"flag": flag, "losses": torch.stack(losses), "params": params, "gathers": gathers, "bwd": backward_gathers}
 
 
+def train_root(
+    rank: int,
+    world_size: int,
+    *,
+    free: bool,
+    tied: bool = False,
+    checkpoint_lookup: bool = False,
+    freeze_head: bool = False,
+) -> dict:
+    """The lookup and the head left in the root (Block units only); ``free=False`` keeps the root gathered to the end
+    of backward (the reference). Records, at each Block's backward start, whether the root is gathered."""
+    torch.manual_seed(0)
+    model = Net(tied, checkpoint_lookup)
+    model.head.weight.requires_grad_(not freeze_head)
+    engine = fully_shard(model, auto_wrap_policy={Block})
+    if not free:
+        engine._root_reads = []  # no parameter to wait for: the root is not freed early
+    root, gathered_at_block = engine.root_unit, []
+    pre_backward = engine._pre_backward
+
+    def recorded(unit, **kwargs):
+        pre_backward(unit, **kwargs)
+        if unit is not root:
+            gathered_at_block.append(root.is_unsharded)
+
+    engine._pre_backward = recorded
+    optimizer = sgd_with_momentum(p for p in model.parameters() if p.requires_grad)
+    losses, gathers = [], []
+    for step in range(STEPS):
+        x, y = batch(step, size=8)
+        engine.shard_comm.stats.reset()
+        loss = loss_fn(model(x[rank::world_size]), y[rank::world_size])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+        gathers.append(engine.shard_comm.stats.all_gather_calls)
+    with engine.unsharded():
+        params = parameters_of(model)
+    return {"losses": torch.stack(losses), "params": params, "gathers": gathers, "at_block": gathered_at_block}
+
+
 def runs(rank: int, world_size: int) -> dict:
-    return {
-        (skip, mixed): train(rank, world_size, skip, mixed) for skip in (True, False) for mixed in (False, True)
-    } | {"tied": train(rank, world_size, True, False, tied=True)}
+    return (
+        {(skip, mixed): train(rank, world_size, skip, mixed) for skip in (True, False) for mixed in (False, True)}
+        | {"tied": train(rank, world_size, True, False, tied=True)}
+        | {
+            ("root", free, recompute): train_root(rank, world_size, free=free, checkpoint_lookup=recompute)
+            for free in (True, False)
+            for recompute in (False, True)
+        }
+        | {
+            "root tied": train_root(rank, world_size, free=True, tied=True),
+            "root frozen head": train_root(rank, world_size, free=True, freeze_head=True),
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_distributed(runs, 2)
 
 
 def one_device() -> tuple[torch.Tensor, dict]:
@@ -92,8 +154,7 @@ def one_device() -> tuple[torch.Tensor, dict]:
     return torch.stack(losses), parameters_of(model)
 
 
-def test_an_embedding_unit_is_not_gathered_for_its_backward_and_trains_the_same():
-    ranks = run_distributed(runs, 2)
+def test_an_embedding_unit_is_not_gathered_for_its_backward_and_trains_the_same(ranks):
     ref_losses, ref_params = one_device()
     compared = 0
     for rank, result in enumerate(ranks):
@@ -120,6 +181,34 @@ def test_an_embedding_unit_is_not_gathered_for_its_backward_and_trains_the_same(
     assert tied["flag"] is False and min(tied["bwd"]) >= 1
 
 
+def test_the_root_is_freed_once_the_head_has_its_gradient_and_trains_the_same(ranks):
+    ref_losses, ref_params = one_device()
+    blocks_backward = STEPS * 3
+    compared = 0
+    for rank, result in enumerate(ranks):
+        for recompute in (False, True):
+            freed, kept = result["root", True, recompute], result["root", False, recompute]
+            # Freed before every Block's backward; the reference holds it through them.
+            assert freed["at_block"] == [False] * blocks_backward, (recompute, freed["at_block"])
+            assert kept["at_block"] == [True] * blocks_backward
+            # No gather more, but for the lookup recomputed after the head: it gathers the root again, once a step.
+            assert freed["gathers"] == [g + recompute for g in kept["gathers"]], (freed["gathers"], kept["gathers"])
+            assert torch.equal(freed["losses"], kept["losses"]), recompute
+            for key, value in kept["params"].items():
+                assert torch.equal(freed["params"][key], value), (recompute, key)
+                compared += 1
+            if rank == 0:  # as one device on the same global batches
+                torch.testing.assert_close(freed["losses"], ref_losses, rtol=1e-5, atol=1e-6)
+                for key, value in ref_params.items():
+                    torch.testing.assert_close(freed["params"][key], value, rtol=1e-5, atol=1e-6)
+                    compared += 1
+        # A tied head's gradient is complete only after the lookup, the last node; a frozen head's backward reads its
+        # weight with no gradient to say when it is done: the root stays gathered through the Blocks' backward.
+        assert result["root tied"]["at_block"] == [True] * blocks_backward
+        assert result["root frozen head"]["at_block"] == [True] * blocks_backward
+    assert compared == 2 * (2 * len(ref_params) + len(ref_params)) > 0
+
+
 def test_only_plain_dense_embedding_weights_qualify():
     from types import SimpleNamespace
 
@@ -129,13 +218,19 @@ def test_only_plain_dense_embedding_weights_qualify():
         return [SimpleNamespace(uses=[use], tensor_parallel=tensor_parallel) for use in uses]
 
     class OwnLookup(nn.Embedding):
-        pass
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids) * self.weight.norm()
+
+    class OwnInit(nn.Embedding):  # the demo GPT's kind: only reset_parameters differs
+        def reset_parameters(self) -> None:
+            nn.init.normal_(self.weight, std=0.02)
 
     lookup, linear = nn.Embedding(4, 2), nn.Linear(2, 2)
     assert only_embedding_lookups(slots(ParamUse(lookup, "weight"), ParamUse(nn.Embedding(3, 2), "weight")))
     assert not only_embedding_lookups([])
     assert not only_embedding_lookups(slots(ParamUse(lookup, "weight"), ParamUse(linear, "weight")))
-    assert not only_embedding_lookups(slots(ParamUse(OwnLookup(4, 2), "weight")))  # a subclass may compute otherwise
+    assert not only_embedding_lookups(slots(ParamUse(OwnLookup(4, 2), "weight")))  # its forward reads the weight
+    assert only_embedding_lookups(slots(ParamUse(OwnInit(4, 2), "weight")))
     assert not only_embedding_lookups(slots(ParamUse(nn.Embedding(4, 2, sparse=True), "weight")))
     assert not only_embedding_lookups(slots(ParamUse(lookup, "weight"), tensor_parallel=object()))
     tied = [SimpleNamespace(uses=[ParamUse(lookup, "weight"), ParamUse(linear, "weight")], tensor_parallel=None)]

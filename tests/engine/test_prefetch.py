@@ -86,8 +86,8 @@ def _count_reductions_in_flight(engine) -> list[int]:
     counts: list[int] = []
     pre_backward = engine._pre_backward
 
-    def counted(unit):
-        pre_backward(unit)
+    def counted(unit, **kwargs):
+        pre_backward(unit, **kwargs)
         counts.append(sum(u._pending_reduce is not None for u in engine.units))
 
     engine._pre_backward = counted
