@@ -605,16 +605,16 @@ def _cast_floating(tree: T, dtype: torch.dtype) -> T:
 def only_embedding_lookups(slots: list[ParamSlot]) -> bool:
     """Whether every parameter of ``slots`` is the weight of a plain dense ``nn.Embedding`` and nothing else's.
 
-        [Note: an embedding's backward reads no weight]
-        A lookup's gradient is the output's gradient added into the looked-up rows: autograd saves the indices and the
-        weight's size, never its values. So a unit whose parameters are only such weights (torchtitan's token-embedding
-        unit) is not gathered for its backward, which comes last and so at the top of the gradients' memory: its
-        full-size gradient is still made (autograd accumulates into the full-size stand-in, whose storage is empty, by
-        its shape) and reduced as any other. ``nn.Embedding``'s own forward: a subclass that only changes the
-    initialisation qualifies, one with a forward of its own may compute otherwise and does not. Not sparse
-        (a sparse gradient is refused anyway), not a tensor-parallel piece (its lookup runs through DTensor), not tied to
-        another module (the tied use may be a matmul, whose backward reads the weight). A forward recomputed inside
-        backward (activation checkpointing) gathers the unit as every forward does."""
+    [Note: an embedding's backward reads no weight]
+    A lookup's gradient is the output's gradient added into the looked-up rows: autograd saves the indices and the
+    weight's size, never its values. So a unit whose parameters are only such weights (torchtitan's token-embedding
+    unit) is not gathered for its backward, which comes last and so at the top of the gradients' memory: its
+    full-size gradient is still made (autograd accumulates into the full-size stand-in, whose storage is empty, by
+    its shape) and reduced as any other. ``nn.Embedding``'s own forward: a subclass that only changes the
+    initialisation qualifies, one with a forward of its own may compute otherwise and does not. Not sparse (a sparse
+    gradient is refused anyway), not a tensor-parallel piece (its lookup runs through DTensor), not tied to another
+    module (the tied use may be a matmul, whose backward reads the weight). A forward recomputed inside backward
+    (activation checkpointing) gathers the unit as every forward does."""
     return bool(slots) and all(is_embedding_lookup(slot.uses, slot.tensor_parallel is not None) for slot in slots)
 
 

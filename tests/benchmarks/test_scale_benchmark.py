@@ -34,7 +34,7 @@ SMALL = ScaleConfig(
     seq=32,
     batch=1,
     steps=3,
-    memory_gib=3.0,  # fsdp_full needs ~2.8 GiB over 2 ranks by the estimate, DDP ~3.3: DDP is skipped
+    memory_gib=3.0,  # fsdp_full needs ~2.4 GiB over 2 ranks by the estimate, DDP ~3.3: DDP is skipped
     pretrained=True,  # load_pretrained of a 253 MB safetensors file of the model at on_fit_start
 )
 PHASES = ("init", "train", "save", "load", "teardown")
