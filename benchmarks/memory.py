@@ -271,7 +271,8 @@ class CollectiveCounter:
 
 
 def status_bytes(field: str) -> int:
-    """A byte count of this process from ``/proc/self/status`` (Linux): ``VmHWM``, ``VmRSS``, ``RssAnon``."""
+    """A byte count of this process from ``/proc/self/status`` (Linux): ``VmHWM``, ``VmRSS``, ``RssAnon``,
+    ``RssFile``, ``RssShmem``."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 

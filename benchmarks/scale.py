@@ -58,11 +58,14 @@ VARIANT_NAMES = {
 STATE_BYTES_PER_PARAM = 16
 # A Lightning rank's resident memory before the model exists (torch, Lightning, gloo), measured here: ~0.45 GiB.
 BASE_GIB = 0.5
-# estimate_memory's step_peak with one activation set agrees with the measured peak over base within this
-# fraction (docs/benchmarks.md, "At scale"; tests/benchmarks/test_scale_benchmark.py checks it on a small size).
-ESTIMATE_TOLERANCE = 0.10
 GIB = 2**30
 MIB = 2**20
+# estimate_memory's step_peak with one activation set agrees with the measured private peak over base within this
+# fraction, or within ESTIMATE_SLACK_BYTES where that is larger: freed heap memory glibc keeps resident (74-99 MiB
+# per rank after a backward at 63M, mallinfo2's free bytes), which no estimate from shapes can see (docs/benchmarks.md,
+# "At scale"; tests/benchmarks/test_scale_benchmark.py checks it on a small size).
+ESTIMATE_TOLERANCE = 0.10
+ESTIMATE_SLACK_BYTES = 128 * MIB
 
 
 @dataclass
@@ -265,6 +268,10 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         out[f"{phase}_s"] = max(r[f"{phase}_s"] for r in ranks) if measured else None
         out[f"{phase}_peak_bytes"] = max(r[f"{phase}_peak_bytes"] for r in ranks) if measured else None
     out["after_init_bytes"] = max(r["after_init_bytes"] for r in ranks)
+    # The training peak less the file pages gained since the base (they only grow here): private memory at the peak,
+    # what estimate_memory models.
+    out["train_private_peak_bytes"] = max(r["train_peak_bytes"] - r["train_file_bytes"] for r in ranks)
+    out["train_file_bytes"] = max(r["train_file_bytes"] for r in ranks)
     if "pretrained_s" in ranks[0]:
         out["pretrained_s"] = max(r["pretrained_s"] for r in ranks)
         out["pretrained_rss_bytes"] = max(r["pretrained_rss_bytes"] for r in ranks)

@@ -125,6 +125,11 @@ class RssTrace:
         return {"samples": self.samples, "events": self.events}
 
 
+def _file_bytes() -> int:
+    """Resident pages of files and shared memory: the part of ``VmRSS`` that is not private."""
+    return status_bytes("RssFile") + status_bytes("RssShmem")
+
+
 class ScaleProbe(L.Callback):
     """Measures one rank: resident memory over the base (``VmRSS`` when the process group is up and before the model
     exists), its peak (``VmHWM``, reset between phases) during init, training, save and load; the time of each."""
@@ -142,6 +147,8 @@ class ScaleProbe(L.Callback):
     def _phase_end(self, name: str) -> None:
         self.record[f"{name}_s"] = time.perf_counter() - self._t
         self.record[f"{name}_peak_bytes"] = status_bytes("VmHWM") - self.record["base_rss_bytes"]
+        # Pages of files (shared libraries' code first touched in this phase) that VmHWM counts beside private memory.
+        self.record[f"{name}_file_bytes"] = _file_bytes() - self.record["base_file_bytes"]
 
     def write(self, rank: int, **extra: Any) -> None:
         path = os.path.join(self.spec["out"], f"rank{rank}.json")
@@ -152,6 +159,7 @@ class ScaleProbe(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         gc.collect()
         self.record["base_rss_bytes"] = status_bytes("VmRSS")
+        self.record["base_file_bytes"] = _file_bytes()
         self._phase_start()
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

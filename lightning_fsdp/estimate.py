@@ -200,25 +200,24 @@ def estimate_memory(
             if strategy.is_hybrid:  # the reduced gradient shard is then all-reduced across the replicas
                 all_reduce += unit_grad_padded + unit_flags
 
+    # [Note: the root freed inside backward]: once the gradients of the root's parameters its backward reads are in
+    # (the head's, the final norm's), only the other units are gathered.
+    root_reads = [
+        params_by_id[pid]
+        for pid, (owner, uses, _name) in owners.items()
+        if owner is model and not is_embedding_lookup(uses, isinstance(params_by_id[pid], DTensor))
+    ]
+    root_freed = bool(root_reads) and all(p.requires_grad for p in root_reads)
     if strategy.reshard_after_forward:
         # Alive while a unit computes: itself and every unit enclosing it (the root included).
         chains = enclosing_units(model, unit_modules)
         gathered = max(sum(full_bytes[id(u)] for u in chains[id(m)]) for m in unit_modules)
-        # [Note: the root freed inside backward]: once the gradients of the root's parameters its backward reads are
-        # in (the head's, the final norm's), only the other units are gathered.
-        root_reads = [
-            params_by_id[pid]
-            for pid, (owner, uses, _name) in owners.items()
-            if owner is model and not is_embedding_lookup(uses, isinstance(params_by_id[pid], DTensor))
-        ]
-        if root_reads and all(p.requires_grad for p in root_reads):
-            in_backward = [sum(full_bytes[id(u)] for u in chains[id(m)] if u is not model) for m in unit_modules]
-            gathered_in_backward: int | None = max(in_backward)
-        else:
-            gathered_in_backward = None
+        in_backward = max(sum(full_bytes[id(u)] for u in chains[id(m)] if u is not model) for m in unit_modules)
     else:
+        # Every unit stays gathered from its forward to its backward.
         gathered = sum(full_bytes.values())
-        gathered_in_backward = None
+        in_backward = gathered - full_bytes[id(model)]
+    gathered_in_backward = in_backward if root_freed else None
 
     # One reduction in flight: a unit's gradients are reduced while those of the unit before it in backward (after it
     # in forward) may still be read; the root's reduction comes last, after the first unit's.

@@ -1,7 +1,7 @@
 """The scale benchmark (benchmarks/scale.py) on a small size: one launch through Lightning (fsdp_custom FULL_SHARD on
 2 ranks), its records complete, a variant the memory budget cannot hold skipped with the reason, and
 ``estimate_memory`` against what the run measured: exactly against the engine's own accounting (ShardingMonitor), and
-within ``ESTIMATE_TOLERANCE`` against the peak resident memory over the process's base.
+within ``ESTIMATE_TOLERANCE`` (or ``ESTIMATE_SLACK_BYTES``) against the peak private memory over the process's base.
 
 Timing is never asserted (the machines are shared)."""
 
@@ -13,6 +13,7 @@ import math
 import pytest
 
 from benchmarks.scale import (
+    ESTIMATE_SLACK_BYTES,
     ESTIMATE_TOLERANCE,
     STATE_BYTES_PER_PARAM,
     ScaleConfig,
@@ -91,9 +92,12 @@ def test_estimate_memory_agrees_with_the_measurement(small_run):
     for rank in record["monitor"]:
         assert rank["model_state_bytes"] == record["estimate_model_state_bytes"]
         assert rank["gathered_peak_bytes"] == record["estimate_gathered_bytes"]
-    # The process's peak over its base (RSS): the step's peak with one activation set, within the tolerance.
-    planned = record["estimate_step_peak_bytes"]
-    assert abs(record["train_peak_bytes"] / planned - 1) <= ESTIMATE_TOLERANCE, (record["train_peak_bytes"], planned)
+    # The process's private peak over its base (the resident peak less the file pages first touched while training):
+    # the step's peak with one activation set, within the stated tolerance.
+    planned, private = record["estimate_step_peak_bytes"], record["train_private_peak_bytes"]
+    assert 0 <= record["train_file_bytes"] and 0 < private <= record["train_peak_bytes"]
+    allowed = max(ESTIMATE_TOLERANCE * planned, ESTIMATE_SLACK_BYTES)
+    assert abs(private - planned) <= allowed, (private, record["train_peak_bytes"], planned)
 
 
 def test_sizes_and_shapes():
