@@ -14,7 +14,7 @@ from lightning_fsdp.engine import MixedPrecision, fully_shard
 from lightning_fsdp.engine.unit import only_embedding_lookups
 from tests.toolbox.distributed import run_distributed
 from tests.toolbox.models import VOCAB, Block, batch, loss_fn
-from tests.toolbox.training import parameters_of, sgd_with_momentum
+from tests.toolbox.training import parameters_of, sgd_with_momentum, train_on_shares
 
 STEPS = 3
 DIM = 8
@@ -102,17 +102,15 @@ def train_root(
             gathered_at_block.append(root.is_unsharded)
 
     engine._pre_backward = recorded
+    stats, gathers = engine.shard_comm.stats, []
+
+    def count_gathers() -> None:  # after each backward: the step's all-gathers (the optimizer step makes none)
+        gathers.append(stats.all_gather_calls)
+        stats.reset()
+
+    stats.reset()
     optimizer = sgd_with_momentum(p for p in model.parameters() if p.requires_grad)
-    losses, gathers = [], []
-    for step in range(STEPS):
-        x, y = batch(step, size=8)
-        engine.shard_comm.stats.reset()
-        loss = loss_fn(model(x[rank::world_size]), y[rank::world_size])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach())
-        gathers.append(engine.shard_comm.stats.all_gather_calls)
+    losses = train_on_shares(model, optimizer, STEPS, 8, rank, world_size, before_step=count_gathers)
     with engine.unsharded():
         params = parameters_of(model)
     return {"losses": torch.stack(losses), "params": params, "gathers": gathers, "at_block": gathered_at_block}
