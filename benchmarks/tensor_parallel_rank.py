@@ -235,11 +235,15 @@ def _without_trimming() -> None:
 
 
 def main(spec_path: str) -> None:
+    from lightning_fsdp.engine.shared_memory import SWITCH_VARIABLE
     from lightning_fsdp.shutdown import destroy_process_group, settle_at_exit
 
     with open(spec_path) as f:
         spec = json.load(f)
     settle_at_exit()
+    # Bytes per collective are counted on gloo's wire, as ranks on separate hosts send them: the same-host exchange,
+    # which would move the engine's through /dev/shm instead, stays off (inherited by the ranks Lightning starts).
+    os.environ[SWITCH_VARIABLE] = "0"
     torch.set_num_threads(spec["threads"])
     if not spec.get("trim", True):
         _without_trimming()

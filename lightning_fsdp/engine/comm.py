@@ -9,7 +9,9 @@ collective, so ranks that disagree raise, naming what each was about to do, inst
 ``reduce_wire_dtype`` (``reduce_scatter_wide``): docs/options.md, and why an all-to-all: docs/decisions.md.
 
 [Note: collectives on gloo]
-The form each backend gets is ``backends.py``'s [Note: the capability table]; ``Communicator`` reads its row once."""
+The form each backend gets is ``backends.py``'s [Note: the capability table]; ``Communicator`` reads its row once.
+The engine's own groups of CPU ranks on one host all-gather and reduce-scatter (float32/float64) through shared
+memory instead ([Note: the shared-memory exchange] in shared_memory.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch.distributed as dist
 
 from lightning_fsdp.engine.backends import FLAT, CollectiveForms, Gather, ReduceScatter, as_carried, forms_for
 from lightning_fsdp.engine.layout import ShardLayout
+from lightning_fsdp.engine.shared_memory import SharedMemoryExchange, shared_memory_wanted
 
 
 class Waitable(Protocol):
@@ -145,10 +148,19 @@ class Communicator:
             if distributed
             else [0]
         )
+        self.exchange: SharedMemoryExchange | None = None
         self.stats = CommStats()
         # Turns a ``check_same_collective`` tag into words for the error message; the engine installs one that names
         # units.
         self.describe_tag: Callable[[int], str] = lambda tag: f"collective #{tag}"
+
+    def use_shared_memory(self) -> bool:
+        """Route this group's all-gathers and float reduce-scatters through the same-host exchange where its ranks
+        share ``/dev/shm`` (CPU groups on gloo or MPI; [Note: the shared-memory exchange]). Collective: every rank
+        of the group calls it at the same point. True where the exchange is in use."""
+        if self.world_size > 1 and self.forms is not FLAT and self.device.type == "cpu" and shared_memory_wanted():
+            self.exchange = SharedMemoryExchange.for_group(self.group, self.world_size, self.rank)
+        return self.exchange is not None
 
     def check_same_collective(self, tag: int) -> None:
         """Under anomaly checking, confirm every rank is about to issue the same collective (``tag``): otherwise a
@@ -187,6 +199,9 @@ class Communicator:
         if self.world_size == 1:
             output.copy_(shard)
             return None
+        if self.exchange is not None and self.exchange.usable_here():
+            self.exchange.all_gather(output, shard)
+            return None
         form = self.forms.gather_form(self.world_size)
         output, shard = as_carried(output, self.forms), as_carried(shard, self.forms)
         if form is Gather.FLAT:
@@ -210,7 +225,14 @@ class Communicator:
         """SUM-reduce ``full`` (N * output.numel(),) across ranks into this rank's slice, ``output``; with
         ``async_op``, keep ``full`` alive and wait on the returned handle (if any) before reading ``output``.
         ``full`` may be overwritten (see [Note: a large reduction in place])."""
+        local = self.exchange is not None and self.exchange.usable_here()
         if self.world_size > 1 and self.forms.reduce_scatter_form(full.dtype) is ReduceScatter.ALL_TO_ALL:
+            if local:
+                assert self.exchange is not None
+                self.stats.reduce_scatter_bytes += full.numel() * full.element_size()
+                self.stats.reduce_scatter_calls += 1
+                self.exchange.reduce_scatter(output, full)
+                return None
             if full.numel() * full.element_size() >= IN_PLACE_REDUCE_BYTES and self.forms.carries(full.dtype):
                 return self._reduce_in_place(output, full, async_op)
             return self.reduce_scatter_wide(output, full, full.dtype, async_op=async_op)

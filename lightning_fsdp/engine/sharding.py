@@ -142,6 +142,8 @@ def fully_shard(
         for dtype in {p.dtype for p in module.parameters() if p.is_floating_point()}:
             check_wire_narrower(mixed_precision.reduce_wire_dtype, dtype)
 
+    if sharded:
+        shard_comm.use_shared_memory()  # collective: after every check above, which all ranks pass or fail alike
     unit_modules = select_unit_modules(module, options.auto_wrap_policy, ignored)
     owners = assign_owners(module, unit_modules, ignored_ids, ignored_param_ids)
     owned: dict[int, list[int]] = {id(m): [] for m in unit_modules}

@@ -1,0 +1,105 @@
+"""The same-host exchange ([Note: the shared-memory exchange] in lightning_fsdp/engine/shared_memory.py) against
+torch's own collectives on the same gloo group: tensors larger than a slot (several chunks), sizes that do not divide
+a slot, bytes of any dtype, float64 sums; and every way it must decline: a ``/dev/shm`` that is not shared, none at
+all, the switch, another thread."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_fsdp.engine import shared_memory
+from lightning_fsdp.engine.comm import Communicator
+from lightning_fsdp.engine.shared_memory import SLOT_BYTES
+from tests.toolbox.distributed import run_distributed
+
+
+def _arena_files() -> set[str]:
+    return {name for name in os.listdir(shared_memory.SHARED_MEMORY_DIR) if name.startswith("lightning_fsdp_")}
+
+
+def _against_torch(rank: int, world_size: int) -> dict:
+    before = _arena_files()
+    comm = Communicator(None)
+    assert comm.use_shared_memory()
+    exchange = comm.exchange
+    assert exchange is not None
+    dist.barrier()  # rank 0 unlinks right after the last collective of the set-up
+    left = _arena_files() - before
+    g = torch.Generator().manual_seed(100 + rank)
+    counted = 0
+    # 3 slots and a bit per rank (4 chunks), one slot exactly, a few odd elements; float32, bfloat16 and int64 bytes.
+    for numel, dtype in ((3 * SLOT_BYTES // 4 + 7, torch.float32), (SLOT_BYTES // 2, torch.bfloat16), (5, torch.int64)):
+        shard = (torch.randn(numel, generator=g) * 100).to(dtype)
+        got = torch.full((world_size * numel,), -1).to(dtype)
+        exchange.all_gather(got, shard)
+        expected = torch.empty_like(got)
+        dist.all_gather_into_tensor(expected, shard)
+        assert torch.equal(got, expected), (numel, dtype)
+        counted += 1
+    # Reductions: more than a slot per region, an odd count, float64; torch's reduce-scatter as the reference.
+    for numel, dtype in ((SLOT_BYTES // 4 + 3, torch.float32), (11, torch.float32), (SLOT_BYTES // 16, torch.float64)):
+        full = torch.randn(world_size * numel, generator=g, dtype=dtype)
+        got = torch.full((numel,), float("nan"), dtype=dtype)
+        comm.reduce_scatter(got, full.clone())  # through the Communicator: its float32/float64 route
+        expected = torch.empty(numel, dtype=dtype)
+        dist.reduce_scatter_tensor(expected, full.clone())
+        if world_size == 2:
+            assert torch.equal(got, expected), (numel, dtype)  # a + b either way
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-12 if dtype == torch.float64 else 1e-6, atol=1e-6)
+        counted += 1
+    # A thread other than the one that made it takes gloo (slots are not interleaved between threads).
+    result: dict = {}
+
+    def other_thread() -> None:
+        result["usable"] = exchange.usable_here()
+        shard = torch.full((4,), float(rank))
+        out = torch.empty(4 * world_size)
+        comm.all_gather(out, shard)
+        result["gathered"] = out
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    assert not result["usable"]
+    assert torch.equal(result["gathered"], torch.arange(world_size, dtype=torch.float32).repeat_interleave(4))
+    return {"counted": counted, "left": left, "calls": comm.stats.reduce_scatter_calls}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_exchange_matches_torchs_collectives(world_size):
+    results = run_distributed(_against_torch, world_size)
+    assert [r["counted"] for r in results] == [6] * world_size
+    assert [r["left"] for r in results] == [set()] * world_size
+    assert [r["calls"] for r in results] == [3] * world_size
+
+
+def _declines(rank: int, world_size: int, case: str, folder: str) -> bool:
+    if case == "not shared":
+        # Rank 1 looks in a /dev/shm of its own (another container of the host): it cannot open rank 0's file.
+        if rank == 1:
+            shared_memory.SHARED_MEMORY_DIR = folder
+    elif case == "no /dev/shm":
+        shared_memory.SHARED_MEMORY_DIR = os.path.join(folder, "missing")
+    else:
+        os.environ[shared_memory.SWITCH_VARIABLE] = "0"
+    comm = Communicator(None)
+    used = comm.use_shared_memory()
+    assert (comm.exchange is not None) == used
+    # The group still works, through gloo.
+    out = torch.empty(2 * world_size)
+    comm.all_gather(out, torch.full((2,), float(rank)))
+    assert torch.equal(out, torch.tensor([0.0, 0, 1, 1]))
+    return used
+
+
+@pytest.mark.parametrize("case", ["not shared", "no /dev/shm", "switched off"])
+def test_exchange_declines_on_every_rank(case, tmp_path):
+    before = _arena_files()
+    assert run_distributed(_declines, 2, case, str(tmp_path)) == [False, False]
+    assert _arena_files() == before  # the file rank 0 made for the unshared case is gone too
