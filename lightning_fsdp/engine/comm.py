@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from lightning_fsdp.engine.backends import FLAT, CollectiveForms, Gather, ReduceScatter, as_carried, forms_for
 from lightning_fsdp.engine.layout import ShardLayout
-from lightning_fsdp.engine.shared_memory import SharedMemoryExchange, shared_memory_wanted
+from lightning_fsdp.engine.shared_memory import ExchangeHandle, SharedMemoryExchange, shared_memory_wanted
 
 
 class Waitable(Protocol):
@@ -50,6 +50,13 @@ def _settle(pending: Pending, async_op: bool) -> Pending | None:
     if async_op:
         return pending
     pending.wait()
+    return None
+
+
+def _settle_exchange(handle: ExchangeHandle, async_op: bool) -> ExchangeHandle | None:
+    if async_op:
+        return handle
+    handle.wait()
     return None
 
 
@@ -200,8 +207,7 @@ class Communicator:
             output.copy_(shard)
             return None
         if self.exchange is not None and self.exchange.usable_here():
-            self.exchange.all_gather(output, shard)
-            return None
+            return _settle_exchange(self.exchange.all_gather(output, shard), async_op)
         form = self.forms.gather_form(self.world_size)
         output, shard = as_carried(output, self.forms), as_carried(shard, self.forms)
         if form is Gather.FLAT:
@@ -231,8 +237,7 @@ class Communicator:
                 assert self.exchange is not None
                 self.stats.reduce_scatter_bytes += full.numel() * full.element_size()
                 self.stats.reduce_scatter_calls += 1
-                self.exchange.reduce_scatter(output, full)
-                return None
+                return _settle_exchange(self.exchange.reduce_scatter(output, full), async_op)
             if full.numel() * full.element_size() >= IN_PLACE_REDUCE_BYTES and self.forms.carries(full.dtype):
                 return self._reduce_in_place(output, full, async_op)
             return self.reduce_scatter_wide(output, full, full.dtype, async_op=async_op)

@@ -3,20 +3,21 @@
 [Note: the shared-memory exchange]
 gloo moves a CPU rank's bytes through the loopback TCP stack: every byte is copied into the kernel and out again, on
 the same cores that compute, by gloo's worker threads. Ranks of one host can read each other's memory instead. The
-ranks of a group map one file of ``/dev/shm`` (the arena): two buffers, each with one slot of ``SLOT_BYTES`` per
-rank. An exchange writes this rank's part into its slot of the next buffer, waits until every rank has written (a
-one-element gloo all-reduce: the barrier, which keeps the group's timeout and its error when a rank is gone), then
-reads: an all-gather copies every slot into the output, a reduce-scatter sums every slot's copy of this rank's rows
-in rank order. Tensors larger than a slot go in chunks, one barrier each.
+ranks of a group map one file of ``/dev/shm`` (the arena): ``BUFFERS`` buffers, each with one slot of ``SLOT_BYTES``
+per rank. Issuing an exchange writes this rank's part into its slot of the next buffer and starts a one-element gloo
+all-reduce, the barrier (it keeps the group's timeout and its error when a rank is gone, and its sends and receives
+are system calls, which order the memory); waiting for it waits for the barrier, then reads: an all-gather copies
+every slot into the output, a reduce-scatter sums every slot's copy of this rank's rows in rank order. Tensors
+larger than a slot go in chunks, one exchange each. Between issue and wait the rank computes on; a prefetched
+gather or a reduction in flight thus absorbs the ranks' drift instead of stopping the faster one at every unit.
 
-Why two buffers and one barrier: a rank writes buffer ``b`` again at exchange ``k + 2`` only after passing exchange
-``k + 1``'s barrier, which no rank reaches before it has finished reading exchange ``k`` from ``b``. So the reads of
-one exchange never race the writes of the next, provided every rank issues the same exchanges in the same order,
-which the engine already requires of its collectives ([Note: which collectives] in comm.py).
-
-An exchange completes before it returns: nothing is left in flight, and no background thread competes with the
-compute for the cores (the 2-rank timings are in docs/decisions.md, "Same-host ranks through shared memory"). It is
-used only from the thread that made it; other threads (the asynchronous checkpoint writer) keep gloo.
+Why ``MAX_IN_FLIGHT + 2`` buffers: before issuing exchange ``j`` a rank reads every exchange up to
+``j - MAX_IN_FLIGHT`` (the oldest first, whatever order the handles were waited in), and waits for the barrier of
+``j - 2``, i.e. until every rank has issued ``j - 2`` and so has read up to ``j - 2 - MAX_IN_FLIGHT``: the exchange
+that last used ``j``'s buffer. So no write reaches a slot another rank has still to read, provided every rank issues
+the same exchanges in the same order, which the engine already requires of its collectives ([Note: which
+collectives] in comm.py). Exchanges are issued and read only from the thread that made the arena; other threads
+(the asynchronous checkpoint writer) keep gloo.
 
 Setting up is collective and proves the arena is shared: group rank 0 creates the file, reserves its pages (so a
 full ``/dev/shm`` is an error now, not a SIGBUS later) and writes a random token; every other rank opens the file
@@ -30,12 +31,17 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-# Bytes per rank per buffer: the arena is 2 * SLOT_BYTES per rank of the group (16 MiB per rank, mapped once per host).
+# Bytes per rank per buffer: the arena is BUFFERS * SLOT_BYTES per rank of the group (32 MiB per rank, mapped once
+# per host). MAX_IN_FLIGHT exchanges issued and not yet read per rank, BUFFERS = MAX_IN_FLIGHT + 2 (see the Note).
 SLOT_BYTES = 8 * 2**20
+MAX_IN_FLIGHT = 2
+BUFFERS = MAX_IN_FLIGHT + 2
 SHARED_MEMORY_DIR = "/dev/shm"
 # "0" keeps gloo for every collective (a comparison, or a host whose /dev/shm is too small to share).
 SWITCH_VARIABLE = "LIGHTNING_FSDP_SHARED_MEMORY"
@@ -48,20 +54,42 @@ def shared_memory_wanted() -> bool:
     return os.environ.get(SWITCH_VARIABLE, "1") != "0"
 
 
+class _Exchange(NamedTuple):
+    """One exchange issued: its barrier in flight, and the copy out of the arena to run once it is passed."""
+
+    number: int
+    barrier: dist.Work
+    read: Callable[[torch.Tensor], object]
+
+
+class ExchangeHandle:
+    """Exchanges issued by one collective; ``wait()`` completes them (a ``Waitable`` for ``comm.Pending``)."""
+
+    def __init__(self, owner: SharedMemoryExchange, exchanges: list[_Exchange]) -> None:
+        self._owner, self._exchanges = owner, exchanges
+
+    def wait(self) -> None:
+        exchanges, self._exchanges = self._exchanges, []
+        for exchange in exchanges:
+            self._owner._complete(exchange)
+
+
 class SharedMemoryExchange:
     """The arena of one process group ([Note: the shared-memory exchange]); ``for_group`` makes it on every rank."""
 
     def __init__(self, arena: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, rank: int) -> None:
-        self._buffers = arena.view(2, world_size, SLOT_BYTES)
+        self._buffers = arena.view(BUFFERS, world_size, SLOT_BYTES)
         self.group, self.world_size, self.rank = group, world_size, rank
-        self._exchanges = 0
-        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._issued = 0
+        self._in_flight: list[_Exchange] = []  # issued, not yet read, in issue order
+        self._barriers: dict[int, dist.Work] = {}  # the last two exchanges' barriers (see the Note)
+        self._flags = [torch.zeros(1, dtype=torch.int32) for _ in range(BUFFERS)]
         self._thread = threading.get_ident()
 
     @classmethod
     def for_group(cls, group: dist.ProcessGroup | None, world_size: int, rank: int) -> SharedMemoryExchange | None:
         """The group's exchange, or None on every rank where any rank cannot share the arena. Collective."""
-        size = 2 * world_size * SLOT_BYTES
+        size = BUFFERS * world_size * SLOT_BYTES
         # Each rank looks for the name in its own /dev/shm: the same file only where the ranks share one.
         name, token = f"lightning_fsdp_{uuid.uuid4().hex}", os.urandom(_TOKEN_BYTES)
         created = rank == 0 and _create_arena(name, size, token)
@@ -88,38 +116,73 @@ class SharedMemoryExchange:
         """Only the thread that made the exchange issues its collectives (others would interleave slots)."""
         return threading.get_ident() == self._thread
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
-        """``output`` (N * shard.numel(),) receives every rank's ``shard`` in rank order (any dtype: moved as bytes)."""
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> ExchangeHandle:
+        """``output`` (N * shard.numel(),) receives every rank's ``shard`` in rank order (any dtype: moved as bytes)
+        once the handle is waited for; ``shard`` may change as soon as this returns."""
         mine = _bytes_of(shard)
         rows = _bytes_of(output).view(self.world_size, -1)
+        exchanges = []
         for start in range(0, mine.numel(), SLOT_BYTES):
             end = min(start + SLOT_BYTES, mine.numel())
-            slots = self._next_buffer()
-            slots[self.rank, : end - start].copy_(mine[start:end])
-            self._barrier()
-            rows[:, start:end].copy_(slots[:, : end - start])
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> None:
-        """SUM of every rank's ``full`` (N * output.numel(),) over this rank's rows into ``output``, in rank order."""
+            def write(slots: torch.Tensor, start: int = start, end: int = end) -> None:
+                slots[self.rank, : end - start].copy_(mine[start:end])
+
+            def read(slots: torch.Tensor, start: int = start, end: int = end) -> None:
+                rows[:, start:end].copy_(slots[:, : end - start])
+
+            exchanges.append(self._issue(write, read))
+        return ExchangeHandle(self, exchanges)
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> ExchangeHandle:
+        """SUM of every rank's ``full`` (N * output.numel(),) over this rank's rows into ``output``, in rank order,
+        once the handle is waited for; ``full`` may be freed as soon as this returns."""
         n, dtype = output.numel(), output.dtype
         regions = full.reshape(self.world_size, n)
+        out = output.view(-1)
         per_region = SLOT_BYTES // (self.world_size * full.element_size())
+        exchanges = []
         for start in range(0, n, per_region):
-            end = min(start + per_region, n)
-            width = end - start
-            slots = self._next_buffer().view(dtype)  # (N, SLOT_BYTES // itemsize)
-            slots[self.rank, : self.world_size * width].view(self.world_size, width).copy_(regions[:, start:end])
-            self._barrier()
-            theirs = slots[:, : self.world_size * width].view(self.world_size, self.world_size, width)[:, self.rank]
-            torch.sum(theirs, dim=0, out=output.view(-1)[start:end])
+            width = min(per_region, n - start)
 
-    def _next_buffer(self) -> torch.Tensor:
-        buffer = self._buffers[self._exchanges % 2]
-        self._exchanges += 1
-        return buffer
+            def write(slots: torch.Tensor, start: int = start, width: int = width) -> None:
+                mine = slots.view(dtype)[self.rank, : self.world_size * width].view(self.world_size, width)
+                mine.copy_(regions[:, start : start + width])
 
-    def _barrier(self) -> None:
-        dist.all_reduce(self._flag, group=self.group)
+            def read(slots: torch.Tensor, start: int = start, width: int = width) -> None:
+                every = slots.view(dtype)[:, : self.world_size * width].view(self.world_size, self.world_size, width)
+                torch.sum(every[:, self.rank], dim=0, out=out[start : start + width])
+
+            exchanges.append(self._issue(write, read))
+        return ExchangeHandle(self, exchanges)
+
+    def _issue(self, write: Callable[[torch.Tensor], object], read: Callable[[torch.Tensor], object]) -> _Exchange:
+        index = self._issued
+        # Every exchange up to index - MAX_IN_FLIGHT is read before this one is issued, whatever order the handles
+        # were waited in (a prefetched gather is often waited before the reduction issued ahead of it).
+        while self._in_flight and self._in_flight[0].number <= index - MAX_IN_FLIGHT:
+            self._complete(self._in_flight[0])
+        # This buffer last served exchange index - BUFFERS, which every rank has read once all have issued
+        # exchange index - 2 (each reads up to j - MAX_IN_FLIGHT before issuing j).
+        earlier = self._barriers.pop(index - 2, None)
+        if earlier is not None:
+            earlier.wait()
+        slots = self._buffers[index % BUFFERS]
+        write(slots)
+        barrier = dist.all_reduce(self._flags[index % BUFFERS], group=self.group, async_op=True)
+        assert barrier is not None
+        self._barriers[index] = barrier
+        self._issued += 1
+        exchange = _Exchange(index, barrier, read)
+        self._in_flight.append(exchange)
+        return exchange
+
+    def _complete(self, exchange: _Exchange) -> None:
+        if exchange not in self._in_flight:
+            return  # read already, to make room for a later exchange
+        exchange.barrier.wait()
+        exchange.read(self._buffers[exchange.number % BUFFERS])
+        self._in_flight.remove(exchange)
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:

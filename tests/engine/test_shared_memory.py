@@ -36,7 +36,7 @@ def _against_torch(rank: int, world_size: int) -> dict:
     for numel, dtype in ((3 * SLOT_BYTES // 4 + 7, torch.float32), (SLOT_BYTES // 2, torch.bfloat16), (5, torch.int64)):
         shard = (torch.randn(numel, generator=g) * 100).to(dtype)
         got = torch.full((world_size * numel,), -1).to(dtype)
-        exchange.all_gather(got, shard)
+        exchange.all_gather(got, shard).wait()
         expected = torch.empty_like(got)
         dist.all_gather_into_tensor(expected, shard)
         assert torch.equal(got, expected), (numel, dtype)
@@ -77,6 +77,35 @@ def test_exchange_matches_torchs_collectives(world_size):
     assert [r["counted"] for r in results] == [6] * world_size
     assert [r["left"] for r in results] == [set()] * world_size
     assert [r["calls"] for r in results] == [3] * world_size
+
+
+def _waited_out_of_order(rank: int, world_size: int) -> int:
+    """A reduction issued first and waited last, after more gathers than the arena has buffers (each waited at once):
+    its slots must be read before a later exchange reuses them. torch's collectives are the reference."""
+    comm = Communicator(None)
+    assert comm.use_shared_memory()
+    g = torch.Generator().manual_seed(7 + rank)
+    full = torch.randn(world_size * 1000, generator=g)
+    reduced = torch.full((1000,), float("nan"))
+    late = comm.reduce_scatter(reduced, full.clone(), async_op=True)
+    compared = 0
+    for i in range(2 * shared_memory.BUFFERS):
+        shard = torch.randn(500, generator=g)
+        got = torch.empty(world_size * 500)
+        comm.all_gather(got, shard, async_op=True).wait()
+        expected = torch.empty_like(got)
+        dist.all_gather_into_tensor(expected, shard)
+        assert torch.equal(got, expected), i
+        compared += 1
+    late.wait()
+    expected = torch.empty(1000)
+    dist.reduce_scatter_tensor(expected, full.clone())
+    assert torch.equal(reduced, expected)
+    return compared + 1
+
+
+def test_a_reduction_waited_after_later_gathers_keeps_its_sum():
+    assert run_distributed(_waited_out_of_order, 2) == [2 * shared_memory.BUFFERS + 1] * 2
 
 
 def _declines(rank: int, world_size: int, case: str, folder: str) -> bool:
