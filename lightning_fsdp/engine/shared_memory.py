@@ -3,13 +3,14 @@
 [Note: the shared-memory exchange]
 gloo moves a CPU rank's bytes through the loopback TCP stack: every byte is copied into the kernel and out again, on
 the same cores that compute, by gloo's worker threads. Ranks of one host can read each other's memory instead. The
-ranks of a group map one file of ``/dev/shm`` (the arena): ``BUFFERS`` buffers, each with one slot of ``SLOT_BYTES``
-per rank. Issuing an exchange writes this rank's part into its slot of the next buffer and starts a one-element gloo
-all-reduce, the barrier (it keeps the group's timeout and its error when a rank is gone, and its sends and receives
-are system calls, which order the memory); waiting for it waits for the barrier, then reads: an all-gather copies
-every slot into the output, a reduce-scatter sums every slot's copy of this rank's rows in rank order. Tensors
-larger than a slot go in chunks, one exchange each. Between issue and wait the rank computes on; a prefetched
-gather or a reduction in flight thus absorbs the ranks' drift instead of stopping the faster one at every unit.
+ranks of a group map one file of ``/dev/shm`` (the arena): ``BUFFERS`` buffers, each with one slot per rank
+(``slot_bytes``: ``ARENA_BYTES`` shared out, at most 8 MiB). Issuing an exchange writes this rank's part into its
+slot of the next buffer and starts a one-element gloo all-reduce, the barrier (it keeps the group's timeout and its
+error when a rank is gone, and its sends and receives are system calls, which order the memory); waiting for it
+waits for the barrier, then reads: an all-gather copies every slot into the output, a reduce-scatter sums every
+slot's copy of this rank's rows in rank order. Tensors larger than a slot go in chunks, one exchange each.
+Between issue and wait the rank computes on; a prefetched gather or a reduction in flight thus absorbs the ranks'
+drift instead of stopping the faster one at every unit.
 
 Why ``MAX_IN_FLIGHT + 2`` buffers: before issuing exchange ``j`` a rank reads every exchange up to
 ``j - MAX_IN_FLIGHT`` (the oldest first, whatever order the handles were waited in), and waits for the barrier of
@@ -37,9 +38,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-# Bytes per rank per buffer: the arena is BUFFERS * SLOT_BYTES per rank of the group (32 MiB per rank, mapped once
-# per host). MAX_IN_FLIGHT exchanges issued and not yet read per rank, BUFFERS = MAX_IN_FLIGHT + 2 (see the Note).
-SLOT_BYTES = 8 * 2**20
+# The arena: at most 64 MiB per group, once per host, resident in every rank (each reads every slot); a slot of at
+# most 8 MiB per rank and buffer (2 ranks: 8 MiB; 8 ranks: 2 MiB). MAX_IN_FLIGHT exchanges issued and not yet read
+# per rank, BUFFERS = MAX_IN_FLIGHT + 2 (see the Note).
+ARENA_BYTES = 64 * 2**20
+MAX_SLOT_BYTES = 8 * 2**20
 MAX_IN_FLIGHT = 2
 BUFFERS = MAX_IN_FLIGHT + 2
 SHARED_MEMORY_DIR = "/dev/shm"
@@ -48,6 +51,11 @@ SWITCH_VARIABLE = "LIGHTNING_FSDP_SHARED_MEMORY"
 _TOKEN_BYTES = 16
 
 log = logging.getLogger(__name__)
+
+
+def slot_bytes(world_size: int) -> int:
+    """Bytes of one rank's slot in one buffer: the arena shared out, a multiple of 64 (any dtype's alignment)."""
+    return min(MAX_SLOT_BYTES, ARENA_BYTES // (BUFFERS * world_size) // 64 * 64)
 
 
 def shared_memory_wanted() -> bool:
@@ -78,7 +86,8 @@ class SharedMemoryExchange:
     """The arena of one process group ([Note: the shared-memory exchange]); ``for_group`` makes it on every rank."""
 
     def __init__(self, arena: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, rank: int) -> None:
-        self._buffers = arena.view(BUFFERS, world_size, SLOT_BYTES)
+        self.slot_bytes = slot_bytes(world_size)
+        self._buffers = arena.view(BUFFERS, world_size, self.slot_bytes)
         self.group, self.world_size, self.rank = group, world_size, rank
         self._issued = 0
         self._in_flight: list[_Exchange] = []  # issued, not yet read, in issue order
@@ -89,7 +98,7 @@ class SharedMemoryExchange:
     @classmethod
     def for_group(cls, group: dist.ProcessGroup | None, world_size: int, rank: int) -> SharedMemoryExchange | None:
         """The group's exchange, or None on every rank where any rank cannot share the arena. Collective."""
-        size = BUFFERS * world_size * SLOT_BYTES
+        size = BUFFERS * world_size * slot_bytes(world_size)
         # Each rank looks for the name in its own /dev/shm: the same file only where the ranks share one.
         name, token = f"lightning_fsdp_{uuid.uuid4().hex}", os.urandom(_TOKEN_BYTES)
         created = rank == 0 and _create_arena(name, size, token)
@@ -122,8 +131,8 @@ class SharedMemoryExchange:
         mine = _bytes_of(shard)
         rows = _bytes_of(output).view(self.world_size, -1)
         exchanges = []
-        for start in range(0, mine.numel(), SLOT_BYTES):
-            end = min(start + SLOT_BYTES, mine.numel())
+        for start in range(0, mine.numel(), self.slot_bytes):
+            end = min(start + self.slot_bytes, mine.numel())
 
             def write(slots: torch.Tensor, start: int = start, end: int = end) -> None:
                 slots[self.rank, : end - start].copy_(mine[start:end])
@@ -140,7 +149,7 @@ class SharedMemoryExchange:
         n, dtype = output.numel(), output.dtype
         regions = full.reshape(self.world_size, n)
         out = output.view(-1)
-        per_region = SLOT_BYTES // (self.world_size * full.element_size())
+        per_region = self.slot_bytes // (self.world_size * full.element_size())
         exchanges = []
         for start in range(0, n, per_region):
             width = min(per_region, n - start)

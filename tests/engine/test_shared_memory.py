@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from lightning_fsdp.engine import shared_memory
 from lightning_fsdp.engine.comm import Communicator
-from lightning_fsdp.engine.shared_memory import SLOT_BYTES
+from lightning_fsdp.engine.shared_memory import slot_bytes
 from tests.toolbox.distributed import run_distributed
 
 
@@ -33,7 +33,9 @@ def _against_torch(rank: int, world_size: int) -> dict:
     g = torch.Generator().manual_seed(100 + rank)
     counted = 0
     # 3 slots and a bit per rank (4 chunks), one slot exactly, a few odd elements; float32, bfloat16 and int64 bytes.
-    for numel, dtype in ((3 * SLOT_BYTES // 4 + 7, torch.float32), (SLOT_BYTES // 2, torch.bfloat16), (5, torch.int64)):
+    slot = slot_bytes(world_size)
+    assert exchange.slot_bytes == slot == 8 * 2**20 // (world_size // 2)  # 64 MiB over 4 buffers of N slots
+    for numel, dtype in ((3 * slot // 4 + 7, torch.float32), (slot // 2, torch.bfloat16), (5, torch.int64)):
         shard = (torch.randn(numel, generator=g) * 100).to(dtype)
         got = torch.full((world_size * numel,), -1).to(dtype)
         exchange.all_gather(got, shard).wait()
@@ -42,7 +44,7 @@ def _against_torch(rank: int, world_size: int) -> dict:
         assert torch.equal(got, expected), (numel, dtype)
         counted += 1
     # Reductions: more than a slot per region, an odd count, float64; torch's reduce-scatter as the reference.
-    for numel, dtype in ((SLOT_BYTES // 4 + 3, torch.float32), (11, torch.float32), (SLOT_BYTES // 16, torch.float64)):
+    for numel, dtype in ((slot // 4 + 3, torch.float32), (11, torch.float32), (slot // 16, torch.float64)):
         full = torch.randn(world_size * numel, generator=g, dtype=dtype)
         got = torch.full((numel,), float("nan"), dtype=dtype)
         comm.reduce_scatter(got, full.clone())  # through the Communicator: its float32/float64 route
