@@ -15,7 +15,7 @@ memory instead ([Note: the shared-memory exchange] in shared_memory.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Protocol, TypeVar
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from lightning_fsdp.engine.backends import FLAT, CollectiveForms, Gather, ReduceScatter, as_carried, forms_for
 from lightning_fsdp.engine.layout import ShardLayout
-from lightning_fsdp.engine.shared_memory import ExchangeHandle, SharedMemoryExchange, shared_memory_wanted
+from lightning_fsdp.engine.shared_memory import SharedMemoryExchange, shared_memory_wanted
 
 
 class Waitable(Protocol):
@@ -50,13 +50,6 @@ def _settle(pending: Pending, async_op: bool) -> Pending | None:
     if async_op:
         return pending
     pending.wait()
-    return None
-
-
-def _settle_exchange(handle: ExchangeHandle, async_op: bool) -> ExchangeHandle | None:
-    if async_op:
-        return handle
-    handle.wait()
     return None
 
 
@@ -92,12 +85,12 @@ class Pending:
 
     def __init__(
         self,
-        works: list[Waitable],
+        works: Sequence[Waitable],
         finish: Callable[[], object] | None = None,
         timeout_ms: int | None = None,
         keep: object = None,
     ) -> None:
-        self._works, self._finish, self._timeout_ms, self._keep = works, finish, timeout_ms, keep
+        self._works, self._finish, self._timeout_ms, self._keep = list(works), finish, timeout_ms, keep
 
     def wait(self) -> None:
         works, self._works = self._works, []
@@ -169,6 +162,10 @@ class Communicator:
             self.exchange = SharedMemoryExchange.for_group(self.group, self.world_size, self.rank)
         return self.exchange is not None
 
+    def _exchange_here(self) -> SharedMemoryExchange | None:
+        """The same-host exchange where this thread may issue into it (the one that made it), else None: gloo."""
+        return self.exchange if self.exchange is not None and self.exchange.usable_here() else None
+
     def check_same_collective(self, tag: int) -> None:
         """Under anomaly checking, confirm every rank is about to issue the same collective (``tag``): otherwise a
         unit run on some ranks only pairs unrelated collectives, a hang or a silent mix of tensors. One small
@@ -206,8 +203,9 @@ class Communicator:
         if self.world_size == 1:
             output.copy_(shard)
             return None
-        if self.exchange is not None and self.exchange.usable_here():
-            return _settle_exchange(self.exchange.all_gather(output, shard), async_op)
+        exchange = self._exchange_here()
+        if exchange is not None:
+            return _settle(Pending(exchange.all_gather(output, shard), timeout_ms=self._timeout_ms), async_op)
         form = self.forms.gather_form(self.world_size)
         output, shard = as_carried(output, self.forms), as_carried(shard, self.forms)
         if form is Gather.FLAT:
@@ -231,13 +229,12 @@ class Communicator:
         """SUM-reduce ``full`` (N * output.numel(),) across ranks into this rank's slice, ``output``; with
         ``async_op``, keep ``full`` alive and wait on the returned handle (if any) before reading ``output``.
         ``full`` may be overwritten (see [Note: a large reduction in place])."""
-        local = self.exchange is not None and self.exchange.usable_here()
         if self.world_size > 1 and self.forms.reduce_scatter_form(full.dtype) is ReduceScatter.ALL_TO_ALL:
-            if local:
-                assert self.exchange is not None
+            exchange = self._exchange_here()
+            if exchange is not None:
                 self.stats.reduce_scatter_bytes += full.numel() * full.element_size()
                 self.stats.reduce_scatter_calls += 1
-                return _settle_exchange(self.exchange.reduce_scatter(output, full), async_op)
+                return _settle(Pending(exchange.reduce_scatter(output, full), timeout_ms=self._timeout_ms), async_op)
             if full.numel() * full.element_size() >= IN_PLACE_REDUCE_BYTES and self.forms.carries(full.dtype):
                 return self._reduce_in_place(output, full, async_op)
             return self.reduce_scatter_wide(output, full, full.dtype, async_op=async_op)

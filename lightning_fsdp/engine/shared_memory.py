@@ -32,8 +32,9 @@ import logging
 import os
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -62,24 +63,18 @@ def shared_memory_wanted() -> bool:
     return os.environ.get(SWITCH_VARIABLE, "1") != "0"
 
 
-class _Exchange(NamedTuple):
-    """One exchange issued: its barrier in flight, and the copy out of the arena to run once it is passed."""
+@dataclass(eq=False)
+class Exchange:
+    """One exchange issued: its barrier in flight, and the copy out of the arena to run once it is passed. A
+    ``Waitable``: ``comm.Pending`` waits for a collective's exchanges as for gloo's work handles."""
 
+    owner: SharedMemoryExchange
     number: int
     barrier: dist.Work
     read: Callable[[torch.Tensor], object]
 
-
-class ExchangeHandle:
-    """Exchanges issued by one collective; ``wait()`` completes them (a ``Waitable`` for ``comm.Pending``)."""
-
-    def __init__(self, owner: SharedMemoryExchange, exchanges: list[_Exchange]) -> None:
-        self._owner, self._exchanges = owner, exchanges
-
     def wait(self) -> None:
-        exchanges, self._exchanges = self._exchanges, []
-        for exchange in exchanges:
-            self._owner._complete(exchange)
+        self.owner._complete(self)
 
 
 class SharedMemoryExchange:
@@ -90,8 +85,8 @@ class SharedMemoryExchange:
         self._buffers = arena.view(BUFFERS, world_size, self.slot_bytes)
         self.group, self.world_size, self.rank = group, world_size, rank
         self._issued = 0
-        self._in_flight: list[_Exchange] = []  # issued, not yet read, in issue order
-        self._barriers: dict[int, dist.Work] = {}  # the last two exchanges' barriers (see the Note)
+        self._in_flight: list[Exchange] = []  # issued, not yet read, in issue order
+        self._last_barriers: deque[dist.Work] = deque(maxlen=2)  # of the last two exchanges issued (see the Note)
         self._flags = [torch.zeros(1, dtype=torch.int32) for _ in range(BUFFERS)]
         self._thread = threading.get_ident()
 
@@ -125,9 +120,9 @@ class SharedMemoryExchange:
         """Only the thread that made the exchange issues its collectives (others would interleave slots)."""
         return threading.get_ident() == self._thread
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> ExchangeHandle:
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> list[Exchange]:
         """``output`` (N * shard.numel(),) receives every rank's ``shard`` in rank order (any dtype: moved as bytes)
-        once the handle is waited for; ``shard`` may change as soon as this returns."""
+        once the exchanges are waited for; ``shard`` may change as soon as this returns."""
         mine = _bytes_of(shard)
         rows = _bytes_of(output).view(self.world_size, -1)
         exchanges = []
@@ -141,11 +136,11 @@ class SharedMemoryExchange:
                 rows[:, start:end].copy_(slots[:, : end - start])
 
             exchanges.append(self._issue(write, read))
-        return ExchangeHandle(self, exchanges)
+        return exchanges
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> ExchangeHandle:
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> list[Exchange]:
         """SUM of every rank's ``full`` (N * output.numel(),) over this rank's rows into ``output``, in rank order,
-        once the handle is waited for; ``full`` may be freed as soon as this returns."""
+        once the exchanges are waited for; ``full`` may be freed as soon as this returns."""
         n, dtype = output.numel(), output.dtype
         regions = full.reshape(self.world_size, n)
         out = output.view(-1)
@@ -163,30 +158,29 @@ class SharedMemoryExchange:
                 torch.sum(every[:, self.rank], dim=0, out=out[start : start + width])
 
             exchanges.append(self._issue(write, read))
-        return ExchangeHandle(self, exchanges)
+        return exchanges
 
-    def _issue(self, write: Callable[[torch.Tensor], object], read: Callable[[torch.Tensor], object]) -> _Exchange:
+    def _issue(self, write: Callable[[torch.Tensor], object], read: Callable[[torch.Tensor], object]) -> Exchange:
         index = self._issued
         # Every exchange up to index - MAX_IN_FLIGHT is read before this one is issued, whatever order the handles
         # were waited in (a prefetched gather is often waited before the reduction issued ahead of it).
         while self._in_flight and self._in_flight[0].number <= index - MAX_IN_FLIGHT:
             self._complete(self._in_flight[0])
         # This buffer last served exchange index - BUFFERS, which every rank has read once all have issued
-        # exchange index - 2 (each reads up to j - MAX_IN_FLIGHT before issuing j).
-        earlier = self._barriers.pop(index - 2, None)
-        if earlier is not None:
-            earlier.wait()
+        # exchange index - 2 (each reads up to j - MAX_IN_FLIGHT before issuing j): the older of the last two barriers.
+        if len(self._last_barriers) == 2:
+            self._last_barriers[0].wait()
         slots = self._buffers[index % BUFFERS]
         write(slots)
         barrier = dist.all_reduce(self._flags[index % BUFFERS], group=self.group, async_op=True)
         assert barrier is not None
-        self._barriers[index] = barrier
+        self._last_barriers.append(barrier)
         self._issued += 1
-        exchange = _Exchange(index, barrier, read)
+        exchange = Exchange(self, index, barrier, read)
         self._in_flight.append(exchange)
         return exchange
 
-    def _complete(self, exchange: _Exchange) -> None:
+    def _complete(self, exchange: Exchange) -> None:
         if exchange not in self._in_flight:
             return  # read already, to make room for a later exchange
         exchange.barrier.wait()
@@ -195,10 +189,8 @@ class SharedMemoryExchange:
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.reshape(-1)
-    if not flat.is_contiguous():
-        raise ValueError("the shared-memory exchange moves contiguous tensors only")
-    return flat.view(torch.uint8)
+    # A view, never a copy: the output is written through it (``view`` raises where a tensor is not contiguous).
+    return tensor.view(-1).view(torch.uint8)
 
 
 def _create_arena(name: str, size: int, token: bytes) -> bool:

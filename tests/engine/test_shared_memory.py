@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fsdp.engine import shared_memory
-from lightning_fsdp.engine.comm import Communicator
+from lightning_fsdp.engine.comm import Communicator, wait_works
 from lightning_fsdp.engine.shared_memory import slot_bytes
 from tests.toolbox.distributed import run_distributed
 
@@ -38,7 +38,7 @@ def _against_torch(rank: int, world_size: int) -> dict:
     for numel, dtype in ((3 * slot // 4 + 7, torch.float32), (slot // 2, torch.bfloat16), (5, torch.int64)):
         shard = (torch.randn(numel, generator=g) * 100).to(dtype)
         got = torch.full((world_size * numel,), -1).to(dtype)
-        exchange.all_gather(got, shard).wait()
+        wait_works(exchange.all_gather(got, shard))
         expected = torch.empty_like(got)
         dist.all_gather_into_tensor(expected, shard)
         assert torch.equal(got, expected), (numel, dtype)
