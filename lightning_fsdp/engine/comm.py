@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from datetime import timedelta
 from typing import Protocol, TypeVar
 
 import torch
@@ -159,7 +160,8 @@ class Communicator:
         share ``/dev/shm`` (CPU groups on gloo or MPI; [Note: the shared-memory exchange]). Collective: every rank
         of the group calls it at the same point. True where the exchange is in use."""
         if self.world_size > 1 and self.forms is not FLAT and self.device.type == "cpu" and shared_memory_wanted():
-            self.exchange = SharedMemoryExchange.for_group(self.group, self.world_size, self.rank)
+            timeout = timedelta(milliseconds=self._timeout_ms) if self._timeout_ms is not None else None
+            self.exchange = SharedMemoryExchange.for_group(self.group, self.world_size, self.rank, timeout)
         return self.exchange is not None
 
     def _exchange_here(self) -> SharedMemoryExchange | None:
@@ -205,7 +207,7 @@ class Communicator:
             return None
         exchange = self._exchange_here()
         if exchange is not None:
-            return _settle(Pending(exchange.all_gather(output, shard), timeout_ms=self._timeout_ms), async_op)
+            return _settle(Pending(exchange.all_gather(output, shard)), async_op)  # it names the timeout itself
         form = self.forms.gather_form(self.world_size)
         output, shard = as_carried(output, self.forms), as_carried(shard, self.forms)
         if form is Gather.FLAT:
@@ -234,7 +236,7 @@ class Communicator:
             if exchange is not None:
                 self.stats.reduce_scatter_bytes += full.numel() * full.element_size()
                 self.stats.reduce_scatter_calls += 1
-                return _settle(Pending(exchange.reduce_scatter(output, full), timeout_ms=self._timeout_ms), async_op)
+                return _settle(Pending(exchange.reduce_scatter(output, full)), async_op)
             if full.numel() * full.element_size() >= IN_PLACE_REDUCE_BYTES and self.forms.carries(full.dtype):
                 return self._reduce_in_place(output, full, async_op)
             return self.reduce_scatter_wide(output, full, full.dtype, async_op=async_op)

@@ -3,22 +3,33 @@
 [Note: the shared-memory exchange]
 gloo moves a CPU rank's bytes through the loopback TCP stack: every byte is copied into the kernel and out again, on
 the same cores that compute, by gloo's worker threads. Ranks of one host can read each other's memory instead. The
-ranks of a group map one file of ``/dev/shm`` (the arena): ``BUFFERS`` buffers, each with one slot per rank
-(``slot_bytes``: ``ARENA_BYTES`` shared out, at most 8 MiB). Issuing an exchange writes this rank's part into its
-slot of the next buffer and starts a one-element gloo all-reduce, the barrier (it keeps the group's timeout and its
-error when a rank is gone, and its sends and receives are system calls, which order the memory); waiting for it
-waits for the barrier, then reads: an all-gather copies every slot into the output, a reduce-scatter sums every
-slot's copy of this rank's rows in rank order. Tensors larger than a slot go in chunks, one exchange each.
-Between issue and wait the rank computes on; a prefetched gather or a reduction in flight thus absorbs the ranks'
-drift instead of stopping the faster one at every unit.
+ranks of a group map one file of ``/dev/shm`` (the arena): one counter per rank, each on a cache line of its own,
+then ``BUFFERS`` buffers, each with one slot per rank (``slot_bytes``: ``ARENA_BYTES`` shared out, at most 8 MiB).
+Issuing exchange ``j`` writes this rank's part into its slot of buffer ``j % BUFFERS`` and then sets its counter to
+``j + 1``; waiting for it waits until every counter is past ``j``, then reads: an all-gather copies every slot into
+the output, a reduce-scatter sums every slot's copy of this rank's rows in rank order. Tensors larger than a slot go
+in chunks, one exchange each. Between issue and wait the rank computes on; a prefetched gather or a reduction in
+flight thus absorbs the ranks' drift instead of stopping the faster one at every unit.
+
+The counters are the barrier. A first version used a one-element gloo all-reduce per exchange instead: it cost
+as much as the bytes it replaced (gloo's worker threads have to be scheduled on cores busy computing, twice per
+exchange; about 80 ms per step of the 19M-parameter benchmark). A counter costs a store, and a wait whose peers are
+already there a load. It relies on the processor's memory order: a rank's slot bytes must become visible to the
+others before its counter does, and a reader's loads of the slot must not run ahead of its load of the counter.
+x86-64 (total store order) promises both for plain loads and stores; Python has no portable fence for the weaker
+orders of Arm or POWER, so there the group keeps gloo (``ORDERED_MACHINES``).
 
 Why ``MAX_IN_FLIGHT + 2`` buffers: before issuing exchange ``j`` a rank reads every exchange up to
-``j - MAX_IN_FLIGHT`` (the oldest first, whatever order the handles were waited in), and waits for the barrier of
-``j - 2``, i.e. until every rank has issued ``j - 2`` and so has read up to ``j - 2 - MAX_IN_FLIGHT``: the exchange
-that last used ``j``'s buffer. So no write reaches a slot another rank has still to read, provided every rank issues
-the same exchanges in the same order, which the engine already requires of its collectives ([Note: which
-collectives] in comm.py). Exchanges are issued and read only from the thread that made the arena; other threads
-(the asynchronous checkpoint writer) keep gloo.
+``j - MAX_IN_FLIGHT`` (the oldest first, whatever order the handles were waited in), and waits until every rank has
+issued ``j - 2``, and so has read up to ``j - 2 - MAX_IN_FLIGHT``: the exchange that last used ``j``'s buffer. So no
+write reaches a slot another rank has still to read, provided every rank issues the same exchanges in the same order,
+which the engine already requires of its collectives ([Note: which collectives] in comm.py). Exchanges are issued and
+read only from the thread that made the arena; other threads (the asynchronous checkpoint writer) keep gloo.
+
+A wait spins (yielding the core) for a moment, then naps, and gives up like the group's gloo collectives would: past
+the process group's timeout, naming it, or as soon as a rank it waits for has exited. Each rank holds a lock on one
+byte of the arena's file (released by the kernel however the process ends, SIGKILL included) and a long wait tests
+the late ranks' bytes.
 
 Setting up is collective and proves the arena is shared: group rank 0 creates the file, reserves its pages (so a
 full ``/dev/shm`` is an error now, not a SIGBUS later) and writes a random token; every other rank opens the file
@@ -28,20 +39,29 @@ mapped it, so nothing is left behind when the processes end."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import platform
 import threading
+import time
 import uuid
-from collections import deque
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-# The arena: at most 64 MiB per group, once per host, resident in every rank (each reads every slot); a slot of at
-# most 8 MiB per rank and buffer (2 ranks: 8 MiB; 8 ranks: 2 MiB). MAX_IN_FLIGHT exchanges issued and not yet read
-# per rank, BUFFERS = MAX_IN_FLIGHT + 2 (see the Note).
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: no /dev/shm either
+    fcntl = None  # type: ignore[assignment]
+
+# The arena: at most 64 MiB of slots per group, once per host, resident in every rank (each reads every slot); a slot
+# of at most 8 MiB per rank and buffer (2 ranks: 8 MiB; 8 ranks: 2 MiB). MAX_IN_FLIGHT exchanges issued and not yet
+# read per rank, BUFFERS = MAX_IN_FLIGHT + 2 (see the Note).
 ARENA_BYTES = 64 * 2**20
 MAX_SLOT_BYTES = 8 * 2**20
 MAX_IN_FLIGHT = 2
@@ -49,7 +69,17 @@ BUFFERS = MAX_IN_FLIGHT + 2
 SHARED_MEMORY_DIR = "/dev/shm"
 # "0" keeps gloo for every collective (a comparison, or a host whose /dev/shm is too small to share).
 SWITCH_VARIABLE = "LIGHTNING_FSDP_SHARED_MEMORY"
+# Processors whose memory order makes a counter stored after the slot bytes a barrier (see the Note).
+ORDERED_MACHINES = frozenset({"x86_64", "amd64"})
+_LINE = 64  # one cache line: the token, then one per rank's counter (no two ranks store to one line)
+_PER_LINE = _LINE // 8  # int64s
 _TOKEN_BYTES = 16
+# A wait yields the core this many times (microseconds each where the peer is running), then naps, doubling from
+# the first nap up to the longest; while napping it checks the peers are alive every LIVENESS_S.
+_YIELDS = 200
+_FIRST_NAP_S, _LONGEST_NAP_S = 50e-6, 1e-3
+LIVENESS_S = 0.1
+_DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo groups
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +89,27 @@ def slot_bytes(world_size: int) -> int:
     return min(MAX_SLOT_BYTES, ARENA_BYTES // (BUFFERS * world_size) // 64 * 64)
 
 
+def arena_bytes(world_size: int) -> int:
+    """The arena's file: the token's line, one counter line per rank, the buffers."""
+    return _LINE * (1 + world_size) + BUFFERS * world_size * slot_bytes(world_size)
+
+
 def shared_memory_wanted() -> bool:
     return os.environ.get(SWITCH_VARIABLE, "1") != "0"
 
 
+def memory_order_suffices(machine: str | None = None) -> bool:
+    """Whether this processor orders plain stores and loads as the counters need (see the Note)."""
+    return (machine if machine is not None else platform.machine()).lower() in ORDERED_MACHINES
+
+
 @dataclass(eq=False)
 class Exchange:
-    """One exchange issued: its barrier in flight, and the copy out of the arena to run once it is passed. A
-    ``Waitable``: ``comm.Pending`` waits for a collective's exchanges as for gloo's work handles."""
+    """One exchange issued, and the copy out of the arena to run once every rank has issued it. A ``Waitable``:
+    ``comm.Pending`` waits for a collective's exchanges as for gloo's work handles."""
 
     owner: SharedMemoryExchange
     number: int
-    barrier: dist.Work
     read: Callable[[torch.Tensor], object]
 
     def wait(self) -> None:
@@ -80,41 +119,62 @@ class Exchange:
 class SharedMemoryExchange:
     """The arena of one process group ([Note: the shared-memory exchange]); ``for_group`` makes it on every rank."""
 
-    def __init__(self, arena: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, rank: int) -> None:
+    def __init__(
+        self, arena: torch.Tensor, lock_fd: int, world_size: int, rank: int, global_ranks: list[int], timeout_s: float
+    ) -> None:
         self.slot_bytes = slot_bytes(world_size)
-        self._buffers = arena.view(BUFFERS, world_size, self.slot_bytes)
-        self.group, self.world_size, self.rank = group, world_size, rank
+        self.world_size, self.rank = world_size, rank
+        head = _LINE * (1 + world_size)
+        self._buffers = arena[head:].view(BUFFERS, world_size, self.slot_bytes)  # keeps the mapping alive
+        # Each rank's count of the exchanges it has written, at the start of its own line: plain 8-byte loads and
+        # stores of the mapping through ctypes (a torch op per poll would cost microseconds).
+        self._lines = (ctypes.c_int64 * (world_size * _PER_LINE)).from_address(arena.data_ptr() + _LINE)
+        self._mine = rank * _PER_LINE
+        self._lock_fd = lock_fd  # holds this rank's byte locked while open (see the Note)
+        self._release = weakref.finalize(self, os.close, lock_fd)
+        self._global_ranks, self._timeout_s = global_ranks, timeout_s
         self._issued = 0
         self._in_flight: list[Exchange] = []  # issued, not yet read, in issue order
-        self._last_barriers: deque[dist.Work] = deque(maxlen=2)  # of the last two exchanges issued (see the Note)
-        self._flags = [torch.zeros(1, dtype=torch.int32) for _ in range(BUFFERS)]
         self._thread = threading.get_ident()
 
     @classmethod
-    def for_group(cls, group: dist.ProcessGroup | None, world_size: int, rank: int) -> SharedMemoryExchange | None:
+    def for_group(
+        cls, group: dist.ProcessGroup | None, world_size: int, rank: int, timeout: timedelta | None = None
+    ) -> SharedMemoryExchange | None:
         """The group's exchange, or None on every rank where any rank cannot share the arena. Collective."""
-        size = BUFFERS * world_size * slot_bytes(world_size)
+        size = arena_bytes(world_size)
         # Each rank looks for the name in its own /dev/shm: the same file only where the ranks share one.
         name, token = f"lightning_fsdp_{uuid.uuid4().hex}", os.urandom(_TOKEN_BYTES)
-        created = rank == 0 and _create_arena(name, size, token)
+        possible = fcntl is not None and memory_order_suffices()
+        created = possible and rank == 0 and _create_arena(name, size, token)
         offers: list[tuple[str, bytes] | None] = [None] * world_size
         dist.all_gather_object(offers, (name, token) if created else None, group=group)
         offer = offers[0]
-        arena = _open_arena(*offer, size) if offer is not None else None
+        opened = _open_arena(*offer, size, rank) if offer is not None else None
         mapped: list[bool] = [False] * world_size
-        dist.all_gather_object(mapped, arena is not None, group=group)
+        dist.all_gather_object(mapped, opened is not None, group=group)
         if created:
             os.unlink(os.path.join(SHARED_MEMORY_DIR, name))  # all have mapped it or given up; mappings outlive it
         if not all(mapped):
+            if opened is not None:
+                os.close(opened[1])
             if rank == 0:
-                log.info(
-                    "The ranks of a %d-rank group do not share %s: its collectives stay on gloo's TCP.",
-                    world_size,
-                    SHARED_MEMORY_DIR,
+                reason = (
+                    f"the processor ({platform.machine()}) does not order memory as its counters need"
+                    if not possible
+                    else f"the ranks do not share {SHARED_MEMORY_DIR}"
                 )
+                log.info("A %d-rank group keeps gloo's TCP for its collectives: %s.", world_size, reason)
             return None
-        assert arena is not None
-        return cls(arena, group, world_size, rank)
+        assert opened is not None
+        global_ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(world_size)]
+        seconds = (timeout or _DEFAULT_TIMEOUT).total_seconds()
+        return cls(opened[0], opened[1], world_size, rank, global_ranks, seconds)
+
+    def close(self) -> None:
+        """Release this rank's lock now (the object going, or the process ending, does it otherwise): the other
+        ranks' waits for this one then fail at once. For a rank that stops taking part."""
+        self._release()
 
     def usable_here(self) -> bool:
         """Only the thread that made the exchange issues its collectives (others would interleave slots)."""
@@ -167,25 +227,71 @@ class SharedMemoryExchange:
         while self._in_flight and self._in_flight[0].number <= index - MAX_IN_FLIGHT:
             self._complete(self._in_flight[0])
         # This buffer last served exchange index - BUFFERS, which every rank has read once all have issued
-        # exchange index - 2 (each reads up to j - MAX_IN_FLIGHT before issuing j): the older of the last two barriers.
-        if len(self._last_barriers) == 2:
-            self._last_barriers[0].wait()
-        slots = self._buffers[index % BUFFERS]
-        write(slots)
-        barrier = dist.all_reduce(self._flags[index % BUFFERS], group=self.group, async_op=True)
-        assert barrier is not None
-        self._last_barriers.append(barrier)
+        # exchange index - 2 (each reads up to j - MAX_IN_FLIGHT before issuing j).
+        self._wait_until_issued(index - 1)
+        write(self._buffers[index % BUFFERS])
+        self._lines[self._mine] = index + 1  # after the bytes: the others read them once they see this
         self._issued += 1
-        exchange = Exchange(self, index, barrier, read)
+        exchange = Exchange(self, index, read)
         self._in_flight.append(exchange)
         return exchange
 
     def _complete(self, exchange: Exchange) -> None:
         if exchange not in self._in_flight:
             return  # read already, to make room for a later exchange
-        exchange.barrier.wait()
+        self._wait_until_issued(exchange.number + 1)
         exchange.read(self._buffers[exchange.number % BUFFERS])
         self._in_flight.remove(exchange)
+
+    def _wait_until_issued(self, count: int) -> None:
+        """Until every rank has issued ``count`` exchanges: spins, then naps; raises where a rank it waits for has
+        exited or the group's timeout has passed (see the Note)."""
+        if self._least() >= count:
+            return
+        for _ in range(_YIELDS):
+            os.sched_yield()
+            if self._least() >= count:
+                return
+        started = last_check = time.monotonic()
+        nap = _FIRST_NAP_S
+        while self._least() < count:
+            time.sleep(nap)
+            nap = min(2 * nap, _LONGEST_NAP_S)
+            now = time.monotonic()
+            if now - last_check >= LIVENESS_S:
+                last_check = now
+                late = [r for r in range(self.world_size) if self._lines[r * _PER_LINE] < count]
+                self._raise_if_exited(late, count)
+                if now - started > self._timeout_s:
+                    raise RuntimeError(
+                        f"A shared-memory exchange of the sharding engine waited past its process group's timeout "
+                        f"({round(self._timeout_s * 1000)} ms) for rank(s) {self._named(late)} to issue collective "
+                        f"#{count - 1}; another rank stopped, hung, or did not issue the same collective"
+                    )
+
+    def _least(self) -> int:
+        lines = self._lines
+        return min(lines[r * _PER_LINE] for r in range(self.world_size))
+
+    def _raise_if_exited(self, late: list[int], count: int) -> None:
+        assert fcntl is not None
+        exited = []
+        for r in late:
+            try:
+                # Succeeds only where no process holds rank r's byte any more: rank r has exited.
+                fcntl.lockf(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, r)
+            except OSError:
+                continue
+            fcntl.lockf(self._lock_fd, fcntl.LOCK_UN, 1, r)
+            exited.append(r)
+        if exited:
+            raise RuntimeError(
+                f"Rank(s) {self._named(exited)} exited while this rank waited for them in a shared-memory exchange "
+                f"of the sharding engine (collective #{count - 1})"
+            )
+
+    def _named(self, group_ranks: list[int]) -> list[int]:
+        return [self._global_ranks[r] for r in group_ranks]
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -194,7 +300,8 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _create_arena(name: str, size: int, token: bytes) -> bool:
-    """Rank 0: the arena's file with its pages reserved and ``token`` at its start; False where that fails."""
+    """Rank 0: the arena's file with its pages reserved (zeros: every counter at 0) and ``token`` at its start; False
+    where that fails."""
     path = os.path.join(SHARED_MEMORY_DIR, name)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -211,18 +318,24 @@ def _create_arena(name: str, size: int, token: bytes) -> bool:
     return True
 
 
-def _open_arena(name: str, token: bytes, size: int) -> torch.Tensor | None:
-    """The arena mapped into this process, where ``name`` is the very file rank 0 made (its token); else None."""
+def _open_arena(name: str, token: bytes, size: int, rank: int) -> tuple[torch.Tensor, int] | None:
+    """The arena mapped into this process, where ``name`` is the very file rank 0 made (its token), and a descriptor
+    of it holding this rank's byte locked; else None."""
+    assert fcntl is not None
     path = os.path.join(SHARED_MEMORY_DIR, name)
     try:
-        fd = os.open(path, os.O_RDONLY)  # not O_CREAT: another /dev/shm would otherwise get a file of its own
+        fd = os.open(path, os.O_RDWR)  # not O_CREAT: another /dev/shm would otherwise get a file of its own
     except OSError:
         return None
     try:
         if os.pread(fd, _TOKEN_BYTES, 0) != token or os.fstat(fd).st_size != size:
+            os.close(fd)
             return None
-        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        arena = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        # After the mapping: a POSIX lock goes when the process closes any descriptor of the file, as from_file
+        # does with its own. This one stays open as long as the exchange.
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank)
     except (OSError, RuntimeError):
-        return None
-    finally:
         os.close(fd)
+        return None
+    return arena, fd

@@ -1,12 +1,15 @@
 """The same-host exchange ([Note: the shared-memory exchange] in lightning_fsdp/engine/shared_memory.py) against
 torch's own collectives on the same gloo group: tensors larger than a slot (several chunks), sizes that do not divide
-a slot, bytes of any dtype, float64 sums; and every way it must decline: a ``/dev/shm`` that is not shared, none at
-all, the switch, another thread."""
+a slot, bytes of any dtype, float64 sums; a wait that ends like a gloo collective's (at the group's timeout, or as
+soon as the rank it waits for has gone); and every way it must decline: a ``/dev/shm`` that is not shared, none at
+all, a processor whose memory order the counters cannot rely on, the switch, another thread."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -110,8 +113,43 @@ def test_a_reduction_waited_after_later_gathers_keeps_its_sum():
     assert run_distributed(_waited_out_of_order, 2) == [2 * shared_memory.BUFFERS + 1] * 2
 
 
+def _rank_1_never_issues(rank: int, world_size: int, how: str) -> dict:
+    """Rank 0 gathers; rank 1 set up the exchange but never issues: it stays (a hang) or closes its exchange, which
+    releases its lock as its process ending would. Rank 0's wait must end by itself, naming why."""
+    timeout_s = 1.0 if how == "stays" else 60.0
+    exchange = shared_memory.SharedMemoryExchange.for_group(None, world_size, rank, timedelta(seconds=timeout_s))
+    assert exchange is not None
+    seen: dict = {}
+    if rank == 1:
+        if how == "exits":
+            exchange.close()
+    else:
+        started = time.monotonic()
+        try:
+            wait_works(exchange.all_gather(torch.empty(2 * world_size), torch.ones(2)))
+        except RuntimeError as error:
+            seen["error"] = str(error)
+        seen["waited"] = time.monotonic() - started
+    dist.barrier()  # through gloo: rank 1 stays until rank 0 has given up
+    return seen
+
+
+@pytest.mark.parametrize("how", ["stays", "exits"])
+def test_a_wait_ends_at_the_timeout_or_when_the_rank_is_gone(how):
+    seen = run_distributed(_rank_1_never_issues, 2, how)[0]
+    assert "error" in seen, seen
+    if how == "stays":
+        assert "process group's timeout (1000 ms) for rank(s) [1]" in seen["error"], seen
+        assert 1.0 <= seen["waited"] <= 1.0 + 2 * shared_memory.LIVENESS_S + 0.5, seen
+    else:
+        assert seen["error"].startswith("Rank(s) [1] exited while this rank waited"), seen
+        assert seen["waited"] <= 5 * shared_memory.LIVENESS_S + 0.5, seen  # not the 60 s timeout
+
+
 def _declines(rank: int, world_size: int, case: str, folder: str) -> bool:
-    if case == "not shared":
+    if case == "weak memory order":
+        shared_memory.platform.machine = lambda: "aarch64"
+    elif case == "not shared":
         # Rank 1 looks in a /dev/shm of its own (another container of the host): it cannot open rank 0's file.
         if rank == 1:
             shared_memory.SHARED_MEMORY_DIR = folder
@@ -129,7 +167,7 @@ def _declines(rank: int, world_size: int, case: str, folder: str) -> bool:
     return used
 
 
-@pytest.mark.parametrize("case", ["not shared", "no /dev/shm", "switched off"])
+@pytest.mark.parametrize("case", ["not shared", "no /dev/shm", "weak memory order", "switched off"])
 def test_exchange_declines_on_every_rank(case, tmp_path):
     before = _arena_files()
     assert run_distributed(_declines, 2, case, str(tmp_path)) == [False, False]

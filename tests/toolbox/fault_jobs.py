@@ -23,6 +23,9 @@ MARGIN_S = 20
 # Before the fault, a guard against a start-up that never finishes, not a measurement: the job fails only if no rank
 # printed progress (a FAULT-RUN line) for this long. Imports alone take a minute on 2 shared cores under load.
 STARTUP_S = 300
+# How a survivor names a rank that exited or was killed under it: gloo's closed connection, or the shared-memory
+# exchange that same-host ranks of a sharded group use (lightning_fsdp/engine/shared_memory.py).
+PEER_GONE = r"Connection closed by peer|Connection reset by peer|exited while this rank waited"
 
 
 class Job:
