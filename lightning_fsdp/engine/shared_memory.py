@@ -53,6 +53,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 try:
     import fcntl
@@ -74,12 +75,11 @@ ORDERED_MACHINES = frozenset({"x86_64", "amd64"})
 _LINE = 64  # one cache line: the token, then one per rank's counter (no two ranks store to one line)
 _PER_LINE = _LINE // 8  # int64s
 _TOKEN_BYTES = 16
-# A wait yields the core this many times (microseconds each where the peer is running), then naps, doubling from
-# the first nap up to the longest; while napping it checks the peers are alive every LIVENESS_S.
+# A wait first yields the core up to _YIELDS times (about a microsecond each where no other process wants it), then
+# naps, each nap twice the last up to the longest; while napping it checks every LIVENESS_S that the late ranks live.
 _YIELDS = 200
 _FIRST_NAP_S, _LONGEST_NAP_S = 50e-6, 1e-3
 LIVENESS_S = 0.1
-_DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo groups
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +98,9 @@ def shared_memory_wanted() -> bool:
     return os.environ.get(SWITCH_VARIABLE, "1") != "0"
 
 
-def memory_order_suffices(machine: str | None = None) -> bool:
+def memory_order_suffices() -> bool:
     """Whether this processor orders plain stores and loads as the counters need (see the Note)."""
-    return (machine if machine is not None else platform.machine()).lower() in ORDERED_MACHINES
+    return platform.machine().lower() in ORDERED_MACHINES
 
 
 @dataclass(eq=False)
@@ -168,7 +168,7 @@ class SharedMemoryExchange:
             return None
         assert opened is not None
         global_ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(world_size)]
-        seconds = (timeout or _DEFAULT_TIMEOUT).total_seconds()
+        seconds = (timeout or default_pg_timeout).total_seconds()
         return cls(opened[0], opened[1], world_size, rank, global_ranks, seconds)
 
     def close(self) -> None:

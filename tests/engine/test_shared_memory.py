@@ -140,10 +140,10 @@ def test_a_wait_ends_at_the_timeout_or_when_the_rank_is_gone(how):
     assert "error" in seen, seen
     if how == "stays":
         assert "process group's timeout (1000 ms) for rank(s) [1]" in seen["error"], seen
-        assert 1.0 <= seen["waited"] <= 1.0 + 2 * shared_memory.LIVENESS_S + 0.5, seen
+        assert 1.0 <= seen["waited"] <= 4.0, seen  # the configured second, not torch's 30 minutes (slack for load)
     else:
         assert seen["error"].startswith("Rank(s) [1] exited while this rank waited"), seen
-        assert seen["waited"] <= 5 * shared_memory.LIVENESS_S + 0.5, seen  # not the 60 s timeout
+        assert seen["waited"] <= 5.0, seen  # at a liveness check (every 0.1 s), not at the 60 s timeout
 
 
 def _declines(rank: int, world_size: int, case: str, folder: str) -> bool:
