@@ -98,9 +98,14 @@ def shared_memory_wanted() -> bool:
     return os.environ.get(SWITCH_VARIABLE, "1") != "0"
 
 
-def memory_order_suffices() -> bool:
-    """Whether this processor orders plain stores and loads as the counters need (see the Note)."""
-    return platform.machine().lower() in ORDERED_MACHINES
+def why_not_here() -> str | None:
+    """Why this process cannot take part in an exchange, or None where it can: the counters need a processor that
+    orders plain stores and loads (see the Note), the liveness check POSIX file locks."""
+    if platform.machine().lower() not in ORDERED_MACHINES:
+        return f"the processor ({platform.machine()}) does not order memory as the exchange's counters need"
+    if fcntl is None:
+        return "the system has no POSIX file locks (fcntl)"
+    return None
 
 
 @dataclass(eq=False)
@@ -145,8 +150,8 @@ class SharedMemoryExchange:
         size = arena_bytes(world_size)
         # Each rank looks for the name in its own /dev/shm: the same file only where the ranks share one.
         name, token = f"lightning_fsdp_{uuid.uuid4().hex}", os.urandom(_TOKEN_BYTES)
-        possible = fcntl is not None and memory_order_suffices()
-        created = possible and rank == 0 and _create_arena(name, size, token)
+        unsupported = why_not_here()
+        created = unsupported is None and rank == 0 and _create_arena(name, size, token)
         offers: list[tuple[str, bytes] | None] = [None] * world_size
         dist.all_gather_object(offers, (name, token) if created else None, group=group)
         offer = offers[0]
@@ -159,11 +164,7 @@ class SharedMemoryExchange:
             if opened is not None:
                 os.close(opened[1])
             if rank == 0:
-                reason = (
-                    f"the processor ({platform.machine()}) does not order memory as its counters need"
-                    if not possible
-                    else f"the ranks do not share {SHARED_MEMORY_DIR}"
-                )
+                reason = unsupported or f"its ranks do not share {SHARED_MEMORY_DIR}"
                 log.info("A %d-rank group keeps gloo's TCP for its collectives: %s.", world_size, reason)
             return None
         assert opened is not None
