@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from datetime import timedelta
 from typing import Protocol, TypeVar
 
 import torch
@@ -160,8 +159,7 @@ class Communicator:
         share ``/dev/shm`` (CPU groups on gloo or MPI; [Note: the shared-memory exchange]). Collective: every rank
         of the group calls it at the same point. True where the exchange is in use."""
         if self.world_size > 1 and self.forms is not FLAT and self.device.type == "cpu" and shared_memory_wanted():
-            timeout = timedelta(milliseconds=self._timeout_ms) if self._timeout_ms is not None else None
-            self.exchange = SharedMemoryExchange.for_group(self.group, self.world_size, self.rank, timeout)
+            self.exchange = SharedMemoryExchange.for_group(self.group, self.rank, self._global_ranks, self._timeout_ms)
         return self.exchange is not None
 
     def _exchange_here(self) -> SharedMemoryExchange | None:
@@ -231,17 +229,17 @@ class Communicator:
         """SUM-reduce ``full`` (N * output.numel(),) across ranks into this rank's slice, ``output``; with
         ``async_op``, keep ``full`` alive and wait on the returned handle (if any) before reading ``output``.
         ``full`` may be overwritten (see [Note: a large reduction in place])."""
+        exchange = None
         if self.world_size > 1 and self.forms.reduce_scatter_form(full.dtype) is ReduceScatter.ALL_TO_ALL:
             exchange = self._exchange_here()
-            if exchange is not None:
-                self.stats.reduce_scatter_bytes += full.numel() * full.element_size()
-                self.stats.reduce_scatter_calls += 1
-                return _settle(Pending(exchange.reduce_scatter(output, full)), async_op)
-            if full.numel() * full.element_size() >= IN_PLACE_REDUCE_BYTES and self.forms.carries(full.dtype):
-                return self._reduce_in_place(output, full, async_op)
-            return self.reduce_scatter_wide(output, full, full.dtype, async_op=async_op)
+            if exchange is None:  # gloo's or MPI's all-to-all forms, which count what they send
+                if full.numel() * full.element_size() >= IN_PLACE_REDUCE_BYTES and self.forms.carries(full.dtype):
+                    return self._reduce_in_place(output, full, async_op)
+                return self.reduce_scatter_wide(output, full, full.dtype, async_op=async_op)
         self.stats.reduce_scatter_bytes += full.numel() * full.element_size()
         self.stats.reduce_scatter_calls += 1
+        if exchange is not None:
+            return _settle(Pending(exchange.reduce_scatter(output, full)), async_op)
         if self.world_size == 1:
             output.copy_(full)
             return None

@@ -49,7 +49,6 @@ import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -125,8 +124,9 @@ class SharedMemoryExchange:
     """The arena of one process group ([Note: the shared-memory exchange]); ``for_group`` makes it on every rank."""
 
     def __init__(
-        self, arena: torch.Tensor, lock_fd: int, world_size: int, rank: int, global_ranks: list[int], timeout_s: float
+        self, arena: torch.Tensor, lock_fd: int, rank: int, global_ranks: list[int], timeout_ms: int | None
     ) -> None:
+        world_size = len(global_ranks)
         self.slot_bytes = slot_bytes(world_size)
         self.world_size, self.rank = world_size, rank
         head = _LINE * (1 + world_size)
@@ -137,16 +137,20 @@ class SharedMemoryExchange:
         self._mine = rank * _PER_LINE
         self._lock_fd = lock_fd  # holds this rank's byte locked while open (see the Note)
         self._release = weakref.finalize(self, os.close, lock_fd)
-        self._global_ranks, self._timeout_s = global_ranks, timeout_s
+        self._global_ranks = global_ranks
+        self._timeout_ms = timeout_ms if timeout_ms is not None else int(default_pg_timeout.total_seconds() * 1000)
         self._issued = 0
         self._in_flight: list[Exchange] = []  # issued, not yet read, in issue order
         self._thread = threading.get_ident()
 
     @classmethod
     def for_group(
-        cls, group: dist.ProcessGroup | None, world_size: int, rank: int, timeout: timedelta | None = None
+        cls, group: dist.ProcessGroup | None, rank: int, global_ranks: list[int], timeout_ms: int | None
     ) -> SharedMemoryExchange | None:
-        """The group's exchange, or None on every rank where any rank cannot share the arena. Collective."""
+        """The group's exchange, or None on every rank where any rank cannot share the arena. Collective.
+        ``global_ranks`` name the group's ranks in errors; past ``timeout_ms`` (torch's default where None) a wait
+        gives up."""
+        world_size = len(global_ranks)
         size = arena_bytes(world_size)
         # Each rank looks for the name in its own /dev/shm: the same file only where the ranks share one.
         name, token = f"lightning_fsdp_{uuid.uuid4().hex}", os.urandom(_TOKEN_BYTES)
@@ -168,9 +172,7 @@ class SharedMemoryExchange:
                 log.info("A %d-rank group keeps gloo's TCP for its collectives: %s.", world_size, reason)
             return None
         assert opened is not None
-        global_ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(world_size)]
-        seconds = (timeout or default_pg_timeout).total_seconds()
-        return cls(opened[0], opened[1], world_size, rank, global_ranks, seconds)
+        return cls(opened[0], opened[1], rank, global_ranks, timeout_ms)
 
     def close(self) -> None:
         """Release this rank's lock now (the object going, or the process ending, does it otherwise): the other
@@ -247,12 +249,10 @@ class SharedMemoryExchange:
     def _wait_until_issued(self, count: int) -> None:
         """Until every rank has issued ``count`` exchanges: spins, then naps; raises where a rank it waits for has
         exited or the group's timeout has passed (see the Note)."""
-        if self._least() >= count:
-            return
         for _ in range(_YIELDS):
-            os.sched_yield()
             if self._least() >= count:
                 return
+            os.sched_yield()
         started = last_check = time.monotonic()
         nap = _FIRST_NAP_S
         while self._least() < count:
@@ -263,10 +263,10 @@ class SharedMemoryExchange:
                 last_check = now
                 late = [r for r in range(self.world_size) if self._lines[r * _PER_LINE] < count]
                 self._raise_if_exited(late, count)
-                if now - started > self._timeout_s:
+                if (now - started) * 1000 > self._timeout_ms:
                     raise RuntimeError(
                         f"A shared-memory exchange of the sharding engine waited past its process group's timeout "
-                        f"({round(self._timeout_s * 1000)} ms) for rank(s) {self._named(late)} to issue collective "
+                        f"({self._timeout_ms} ms) for rank(s) {self._named(late)} to issue collective "
                         f"#{count - 1}; another rank stopped, hung, or did not issue the same collective"
                     )
 

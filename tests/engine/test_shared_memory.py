@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from datetime import timedelta
 
 import pytest
 import torch
@@ -116,8 +115,8 @@ def test_a_reduction_waited_after_later_gathers_keeps_its_sum():
 def _rank_1_never_issues(rank: int, world_size: int, how: str) -> dict:
     """Rank 0 gathers; rank 1 set up the exchange but never issues: it stays (a hang) or closes its exchange, which
     releases its lock as its process ending would. Rank 0's wait must end by itself, naming why."""
-    timeout_s = 1.0 if how == "stays" else 60.0
-    exchange = shared_memory.SharedMemoryExchange.for_group(None, world_size, rank, timedelta(seconds=timeout_s))
+    timeout_ms = 1000 if how == "stays" else 60_000
+    exchange = shared_memory.SharedMemoryExchange.for_group(None, rank, list(range(world_size)), timeout_ms)
     assert exchange is not None
     seen: dict = {}
     if rank == 1:
